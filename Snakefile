@@ -1,0 +1,21 @@
+# stagereplay: does continuing from the live KV cache differ from continuing
+# after a one-shot prefill of the very same tokens?  See README.md.
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/model.smk"
+include: "workflow/rules/items.smk"
+include: "workflow/rules/matched.smk"
+include: "workflow/rules/ledger.smk"
+
+
+rule all:
+    input:
+        ledger("summary.json"),

@@ -1,0 +1,113 @@
+"""Boundary K/V caches: the one module that touches the transformers cache API.
+
+transformers changes its cache classes and keyword names between releases
+(5.x renamed the forward keyword ``past_key_values`` to ``cache``), so every
+call that builds, reads or feeds a cache goes through here. Everything else
+sees a ``KVState``: plain per-layer key and value tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from transformers import DynamicCache
+
+from .fingerprint import fingerprint_tensor, fingerprint_tensors
+
+
+@dataclass(frozen=True)
+class KVState:
+    """Per-layer keys and values, each shaped [batch, kv_heads, positions, head_dim]."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.keys[0].shape[-2]) if self.keys else 0
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Names sort into layer order (zero-padded), K before V."""
+        named: dict[str, torch.Tensor] = {}
+        for index, (key, value) in enumerate(zip(self.keys, self.values)):
+            named[f"layer.{index:03d}.k"] = key
+            named[f"layer.{index:03d}.v"] = value
+        return named
+
+    @classmethod
+    def from_named_tensors(cls, named: dict[str, torch.Tensor]) -> "KVState":
+        layers = sorted({name.split(".")[1] for name in named})
+        return cls(
+            keys=tuple(named[f"layer.{layer}.k"] for layer in layers),
+            values=tuple(named[f"layer.{layer}.v"] for layer in layers),
+        )
+
+
+@dataclass(frozen=True)
+class CacheFingerprint:
+    keys: tuple[str, ...]  # one xxh3-128 per layer
+    values: tuple[str, ...]
+    digest: str  # over all layer fingerprints: the cache's object id
+
+
+def fingerprint_cache(state: KVState) -> CacheFingerprint:
+    return CacheFingerprint(
+        keys=tuple(fingerprint_tensor(key) for key in state.keys),
+        values=tuple(fingerprint_tensor(value) for value in state.values),
+        digest=fingerprint_tensors(state.named_tensors()),
+    )
+
+
+@lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def empty_cache() -> DynamicCache:
+    return DynamicCache()
+
+
+def forward(model, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """Feed ``input_ids`` [1, n] through the model, appending to ``cache``.
+
+    Returns the float32 logits of the last position. ``logits_to_keep=1`` is
+    used on every call, so the lm_head always sees the same shape.
+    """
+    keyword = _cache_keyword(type(model))
+    output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
+    return output.logits[0, -1].float()
+
+
+def snapshot(cache: DynamicCache) -> KVState:
+    """A detached copy of the cache as it stands now (later decoding never changes it)."""
+    layers = cache.layers
+    return KVState(
+        keys=tuple(layer.keys.detach().clone() for layer in layers),
+        values=tuple(layer.values.detach().clone() for layer in layers),
+    )
+
+
+def to_cache(state: KVState, device: torch.device | str | None = None) -> DynamicCache:
+    """A fresh DynamicCache holding copies of ``state`` (decoding from it leaves ``state`` intact)."""
+    pairs = [
+        (key.to(device).clone() if device is not None else key.clone(),
+         value.to(device).clone() if device is not None else value.clone())
+        for key, value in zip(state.keys, state.values)
+    ]
+    return DynamicCache(pairs)
+
+
+def to_host(state: KVState) -> KVState:
+    """Copy to CPU for saving; a no-op for CPU tensors."""
+    return KVState(
+        keys=tuple(key.cpu() for key in state.keys),
+        values=tuple(value.cpu() for value in state.values),
+    )

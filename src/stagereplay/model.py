@@ -1,0 +1,142 @@
+"""Load a checkpoint at a precision, on a device, with a fixed runtime.
+
+Bit-exact replicas depend on everything that changes the order of floating
+point operations: dtype, device, intra-op thread count, attention kernel and,
+on CUDA, TF32 and cuBLAS determinism. All of it is set here from explicit
+arguments and returned as a record that goes into every ledger row.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+PRECISIONS: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+class ModelError(RuntimeError):
+    """One-line message naming the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    precision: str
+    device: str  # "cpu", "cuda" or "auto"
+    threads: int
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the numbers depend on besides the inputs; recorded per ledger row."""
+
+    device: str
+    device_name: str
+    precision: str
+    threads: int
+    attn_implementation: str
+    tf32: bool
+    deterministic: bool
+    torch_version: str
+    transformers_version: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    environment: Environment
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("device 'cuda' requested but torch sees no CUDA device — set device: cpu (or auto) in the config")
+    if device not in ("cpu", "cuda"):
+        raise ModelError(f"unknown device {device!r} — use cpu, cuda or auto")
+    return device
+
+
+def configure_runtime(runtime: Runtime) -> Environment:
+    """Fix threads and kernels before the model is built; return the record of it."""
+    if runtime.precision not in PRECISIONS:
+        raise ModelError(f"unknown precision {runtime.precision!r} — use one of {', '.join(PRECISIONS)}")
+    if runtime.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ModelError(
+            f"unknown attention implementation {runtime.attn_implementation!r} — use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+        )
+    if runtime.threads < 1:
+        raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")
+    device = resolve_device(runtime.device)
+    torch.set_num_threads(runtime.threads)
+    tf32 = False
+    deterministic = False
+    if device == "cuda":
+        # cuBLAS needs a fixed workspace to give run-to-run identical GEMMs.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if runtime.precision == "fp16" and torch.cuda.get_device_capability()[0] < 6:
+            raise ModelError("fp16 needs a CUDA device of compute capability 6.0 or newer — drop fp16 from precisions")
+        # TF32 silently rounds fp32 matmuls to 10-bit mantissas: the fp32 arm would not be fp32.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        deterministic = True
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = platform.processor() or platform.machine()
+    return Environment(
+        device=device,
+        device_name=device_name,
+        precision=runtime.precision,
+        threads=runtime.threads,
+        attn_implementation=runtime.attn_implementation,
+        tf32=tf32,
+        deterministic=deterministic,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+    )
+
+
+def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
+    """Load a Hugging Face model folder (weights, config, tokenizer) at ``runtime``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model folder {folder} has no config.json — point the checkpoint at a Hugging Face model folder")
+    environment = configure_runtime(runtime)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        dtype=PRECISIONS[runtime.precision],
+        attn_implementation=runtime.attn_implementation,
+        trust_remote_code=runtime.trust_remote_code,
+    )
+    model.to(environment.device).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, environment=environment)
+
+
+def context_length(model: torch.nn.Module) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "max_position_embeddings", 0) or 0)

@@ -1,0 +1,49 @@
+"""Tokenize every item's prompt for one checkpoint, once, and check it fits the context.
+
+The prompt tokens are saved in the ledger: every later stage (and the audit)
+starts from these integers, never from re-tokenized text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+from transformers import AutoConfig, AutoTokenizer
+
+from . import items as items_mod
+from .fingerprint import fingerprint_tokens
+from .ledger import write_table
+from .model import ModelError
+
+PROMPT_SCHEMA = pa.schema([
+    ("item_id", pa.string()),
+    ("prompt_tokens", pa.list_(pa.int64())),
+    ("prompt_fingerprint", pa.string()),
+])
+
+
+def encode_prompt(tokenizer, item: items_mod.Item, use_chat_template: bool) -> list[int]:
+    if not use_chat_template:
+        return list(tokenizer(items_mod.prompt_text(item))["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError("the tokenizer has no chat template — set use_chat_template: false in the config for a base model")
+    encoded = tokenizer.apply_chat_template(items_mod.build_messages(item), add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def tokenize_prompts(model_folder: str | Path, items_path: str | Path, max_new_tokens: int, suffix_tokens: int,
+                     out_path: str | Path, use_chat_template: bool = True, trust_remote_code: bool = False) -> Path:
+    tokenizer = AutoTokenizer.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
+    context = int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0)
+    rows = []
+    for item in items_mod.load_items(items_path):
+        tokens = encode_prompt(tokenizer, item, use_chat_template)
+        needed = len(tokens) + max_new_tokens + suffix_tokens
+        if context and needed > context:
+            raise ModelError(
+                f"item {item.item_id}: prompt of {len(tokens)} tokens + {max_new_tokens} stage + {suffix_tokens} suffix tokens exceeds the model's context of {context} — shorten the item or lower the token budgets"
+            )
+        rows.append({"item_id": item.item_id, "prompt_tokens": tokens, "prompt_fingerprint": fingerprint_tokens(tokens)})
+    return write_table(rows, PROMPT_SCHEMA, out_path)

@@ -1,0 +1,186 @@
+"""One job = one shard of items: load the model once, build boundary states, continue, record.
+
+A shard writes its artifacts into the object store and one Parquet table of
+trajectory rows; the ledger rule gathers the shard tables afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import items as items_mod
+from .cache import KVState, fingerprint_cache
+from .checkpoints import read_model_record
+from .constructions import StageBoundary, build_boundary_state, build_live, parse_construction
+from .decode import Decoded, continue_from
+from .ledger import TRAJECTORY_SCHEMA, LedgerError, ObjectStore, read_table, write_table
+from .model import LoadedModel, Runtime, load_model
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    checkpoint: str
+    precision: str
+    replica: int
+    shard: int
+    shard_size: int
+
+
+@dataclass(frozen=True)
+class Budgets:
+    boundary: StageBoundary
+    suffix_tokens: int
+
+
+def shard_slice(rows: list, shard: int, shard_size: int) -> list:
+    chosen = rows[shard * shard_size:(shard + 1) * shard_size]
+    if not chosen:
+        raise LedgerError(f"shard {shard} of size {shard_size} is empty — the item list and the shard count disagree; rerun snakemake")
+    return chosen
+
+
+def eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids = {loaded.tokenizer.eos_token_id}
+    configured = getattr(loaded.model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return frozenset(i for i in ids if i is not None)
+
+
+class ShardRecorder:
+    """Stores a trajectory's artifacts and builds its ledger row."""
+
+    def __init__(self, loaded: LoadedModel, record: dict, spec: ShardSpec, store: ObjectStore, construction: str):
+        self.loaded = loaded
+        self.record = record
+        self.spec = spec
+        self.store = store
+        self.construction = construction
+        self.rows: list[dict] = []
+
+    def text(self, tokens) -> str:
+        return self.loaded.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def add(self, item: items_mod.Item, prompt_length: int, prefix: tuple[int, ...], boundary_reason: str,
+            state: KVState, suffix: Decoded, seconds: float) -> None:
+        meta = {"model_fingerprint": self.record["fingerprint"], "precision": self.spec.precision}
+        fingerprint = fingerprint_cache(state)
+        cache_object = self.store.put(
+            state.named_tensors(),
+            {"kind": "kv_cache", "positions": f"0:{state.num_positions}", **meta},
+            object_id=fingerprint.digest,
+        )
+        reasoning_text = self.text(prefix[prompt_length:])
+        suffix_text = self.text(suffix.tokens)
+        answer, correct = items_mod.score(item, reasoning_text + suffix_text)
+        environment = self.loaded.environment
+        self.rows.append({
+            "experiment": "E1",
+            "checkpoint": self.spec.checkpoint,
+            "precision": self.spec.precision,
+            "construction": self.construction,
+            "replica": self.spec.replica,
+            "item_id": item.item_id,
+            "model_fingerprint": self.record["fingerprint"],
+            "prompt_length": prompt_length,
+            "prefix_length": len(prefix),
+            "boundary_reason": boundary_reason,
+            "reasoning_text": reasoning_text,
+            "prefix_object": self.store.put_tokens(prefix, {"role": "prefix", **meta}),
+            "cache_object": cache_object,
+            "cache_positions": state.num_positions,
+            "layer_k": list(fingerprint.keys),
+            "layer_v": list(fingerprint.values),
+            "suffix_object": self.store.put_tokens(suffix.tokens, {"role": "suffix", **meta}),
+            "suffix_tokens": list(suffix.tokens),
+            "suffix_margins": list(suffix.margins),
+            "suffix_stop": suffix.stop,
+            "suffix_text": suffix_text,
+            "answer": answer,
+            "parsed": answer is not None,
+            "correct": correct,
+            "device": environment.device,
+            "device_name": environment.device_name,
+            "threads": environment.threads,
+            "attn_implementation": environment.attn_implementation,
+            "tf32": environment.tf32,
+            "deterministic": environment.deterministic,
+            "torch_version": environment.torch_version,
+            "transformers_version": environment.transformers_version,
+            "model_seconds": seconds,
+        })
+
+
+def _continue(loaded: LoadedModel, state: KVState, prefix, boundary_reason: str, budget: int, eos, on_token) -> Decoded:
+    if boundary_reason == "eos":  # the stage ended the answer itself: nothing to continue
+        return Decoded((), (), "eos")
+    return continue_from(loaded.model, state, prefix[-1], budget, eos, on_token=on_token)
+
+
+def _progress(total: int, label: str) -> tuple[tqdm, callable]:
+    bar = tqdm(total=total, desc=label, unit="item", mininterval=2.0)
+    counter = {"tokens": 0}
+    started = time.perf_counter()
+
+    def on_token() -> None:
+        counter["tokens"] += 1
+        bar.set_postfix(tok_s=f"{counter['tokens'] / max(time.perf_counter() - started, 1e-9):.1f}", refresh=False)
+
+    return bar, on_token
+
+
+def run_live_shard(model_record: str | Path, items_path: str | Path, prompts_path: str | Path, spec: ShardSpec,
+                   runtime: Runtime, budgets: Budgets, store_root: str | Path, out_path: str | Path) -> Path:
+    record = read_model_record(model_record)
+    item_list = shard_slice(items_mod.load_items(items_path), spec.shard, spec.shard_size)
+    prompts = prompt_tokens_by_item(prompts_path)
+    loaded = load_model(record["folder"], runtime)
+    recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live")
+    eos = eos_ids(loaded)
+    bar, on_token = _progress(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
+    for item in item_list:
+        prompt = prompts[item.item_id]
+        started = time.perf_counter()
+        live = build_live(loaded.model, prompt, budgets.boundary, eos, recorder.text, on_token=on_token)
+        suffix = _continue(loaded, live.state, live.prefix, live.reasoning.stop, budgets.suffix_tokens, eos, on_token)
+        recorder.add(item, len(prompt), live.prefix, live.reasoning.stop, live.state, suffix, time.perf_counter() - started)
+        bar.update()
+    bar.close()
+    return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
+
+
+def run_construction_shard(model_record: str | Path, items_path: str | Path, source_shard: str | Path,
+                           construction: str, spec: ShardSpec, runtime: Runtime, suffix_tokens: int,
+                           store_root: str | Path, out_path: str | Path) -> Path:
+    """Rebuild each boundary state of a live shard from its saved integer prefix, then continue."""
+    parse_construction(construction)
+    record = read_model_record(model_record)
+    items = {item.item_id: item for item in items_mod.load_items(items_path)}
+    source = read_table(source_shard, TRAJECTORY_SCHEMA).to_pylist()
+    store = ObjectStore(store_root)
+    loaded = load_model(record["folder"], runtime)
+    recorder = ShardRecorder(loaded, record, spec, store, construction)
+    eos = eos_ids(loaded)
+    bar, on_token = _progress(len(source), f"{construction} {spec.precision} rep{spec.replica} shard {spec.shard}")
+    for row in source:
+        if row["model_fingerprint"] != record["fingerprint"]:
+            raise LedgerError(
+                f"item {row['item_id']}: saved prefix came from model {row['model_fingerprint']}, not {record['fingerprint']} — rerun the live stage for this checkpoint"
+            )
+        prefix = tuple(store.get_tokens(row["prefix_object"]))
+        started = time.perf_counter()
+        state = build_boundary_state(loaded.model, list(prefix), construction, row["prompt_length"])
+        suffix = _continue(loaded, state, prefix, row["boundary_reason"], suffix_tokens, eos, on_token)
+        recorder.add(items[row["item_id"]], row["prompt_length"], prefix, row["boundary_reason"], state, suffix,
+                     time.perf_counter() - started)
+        bar.update()
+    bar.close()
+    return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
+
+
+def prompt_tokens_by_item(prompts_path: str | Path) -> dict[str, list[int]]:
+    table = read_table(prompts_path)
+    return dict(zip(table.column("item_id").to_pylist(), table.column("prompt_tokens").to_pylist()))
