@@ -280,6 +280,8 @@ def test_prompt_and_messages():
         ("**Answer**: A", "A"),
         ("Final answer: [D].", "D"),
         ("The answer is 42.", None),
+        ("The answer is D) 35.", "D"),
+        ("Answer: A. Hmm, no: the answer is (C)", "C"),
         ("Answer: E", None),
         ("Answer: Because 42 is right", None),
         ("answer: b", None),

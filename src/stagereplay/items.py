@@ -11,10 +11,11 @@ import json
 import os
 import random
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from .atomic import atomic_write
 
 LETTERS = ("A", "B", "C", "D")
 BUILTIN_SOURCE = "builtin:arith-v1"
@@ -187,19 +188,8 @@ def _item_to_json(item: Item) -> dict:
 
 def write_items_jsonl(items: list[Item], path: str | os.PathLike) -> None:
     """Write one JSON object per line, atomically (readers never see a half-written file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            for item in items:
-                f.write(json.dumps(_item_to_json(item), ensure_ascii=False) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the file is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    lines = "".join(json.dumps(_item_to_json(item), ensure_ascii=False) + "\n" for item in items)
+    atomic_write(path, lambda temporary: temporary.write_text(lines, encoding="utf-8", newline="\n"))
 
 
 def _nonempty_str(value: object) -> bool:
@@ -357,11 +347,13 @@ def build_messages(item: Item) -> list[dict]:
 
 # Keyword is case-insensitive, letter is not: "answer: a" is more often prose than a choice.
 # Optional markdown bold around the keyword/colon and brackets around the letter.
-_ANSWER_RE = re.compile(r"\b(?i:answer)\s*\**\s*:\s*\**\s*[(\[]?\s*([A-D])\b")
+# "The answer is X" is accepted too: small chat models write it far more often
+# than the requested "Answer: X", and counting it unparsable would hide real labels.
+_ANSWER_RE = re.compile(r"\b(?i:answer)(?:\s*\**\s*:|\s+is)\s*\**\s*[(\[]?\s*([A-D])\b")
 
 
 def extract_answer(text: str) -> str | None:
-    """The letter of the last "Answer: X" in text, or None."""
+    """The letter of the last "Answer: X" (or "answer is X") in text, or None."""
     matches = _ANSWER_RE.findall(text)
     return matches[-1] if matches else None
 

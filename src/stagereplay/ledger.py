@@ -9,8 +9,6 @@ interrupted job never leaves anything that looks complete.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,23 +16,12 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file, save_file
 
+from .atomic import atomic_write
 from .fingerprint import fingerprint_tensors
 
 
 class LedgerError(RuntimeError):
     """One-line message naming the problem and the fix."""
-
-
-def atomic_target(path: Path):
-    """A temporary file beside ``path``; the caller writes it, then ``os.replace``s it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False)
-    handle.close()
-    # mkstemp creates 0600 files; ledgers are shared between users of a cluster, so honour the umask instead.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(handle.name, 0o666 & ~umask)
-    return Path(handle.name)
 
 
 class ObjectStore:
@@ -56,12 +43,8 @@ class ObjectStore:
         path = self.path_for(object_id)
         if path.exists():
             return object_id
-        temporary = atomic_target(path)
-        try:
-            save_file(tensors, str(temporary), metadata={k: str(v) for k, v in metadata.items()})
-            os.replace(temporary, path)
-        finally:
-            temporary.unlink(missing_ok=True)
+        metadata = {key: str(value) for key, value in metadata.items()}
+        atomic_write(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
         return object_id
 
     def get(self, object_id: str) -> dict[str, torch.Tensor]:
@@ -140,15 +123,8 @@ SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "matched": MATCHED_SCHEMA}
 
 def write_table(rows: list[dict], schema: pa.Schema, path: str | Path) -> Path:
     """Write rows as Parquet with ``schema``, atomically."""
-    path = Path(path)
     table = pa.Table.from_pylist(rows, schema=schema)
-    temporary = atomic_target(path)
-    try:
-        pq.write_table(table, temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return path
+    return atomic_write(path, lambda temporary: pq.write_table(table, temporary))
 
 
 def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:

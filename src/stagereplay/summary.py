@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
 
-from .ledger import MATCHED_SCHEMA, atomic_target
+from .atomic import atomic_write_text
+from .ledger import MATCHED_SCHEMA
 from .stats import paired_difference_ci, wilson_interval
 
 BOOTSTRAP = {"confidence": 0.95, "n_resamples": 10000, "seed": 0}
@@ -132,8 +132,4 @@ def matched_table(trajectories: pa.Table) -> pa.Table:
 
 
 def write_json(data: dict, path: str | Path) -> Path:
-    path = Path(path)
-    temporary = atomic_target(path)
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(temporary, path)
-    return path
+    return atomic_write_text(path, json.dumps(data, indent=2) + "\n")

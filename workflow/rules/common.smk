@@ -5,13 +5,19 @@ from snakemake.exceptions import WorkflowError
 
 REPO = Path(workflow.basedir)
 
-try:
-    validate(config, str(REPO / "workflow/schemas/config.schema.yaml"))
-except WorkflowError as error:
-    raise WorkflowError(
-        "config does not match workflow/schemas/config.schema.yaml — fix the key named here: "
-        + str(error).strip().splitlines()[-1]
-    ) from None
+SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
+
+
+def _check_config():
+    from stagereplay.configcheck import config_problem
+
+    problem = config_problem(config, SCHEMA)
+    if problem:
+        raise WorkflowError(problem)
+    validate(config, str(SCHEMA))  # fills in the schema's defaults
+
+
+_check_config()
 
 # Rules call the CLI through this interpreter, so it works without an activated venv.
 STAGEREPLAY = f"{sys.executable} -m stagereplay"
@@ -114,3 +120,6 @@ def model_folder(name):
     if source == "random_qwen2":
         return ledger("models", name, "random")
     return ledger("models", name, "converted")
+
+# Every shell command below ends with `|| { tail -n 1 LOG >&2; exit 1; }`: the CLI's
+# one-line error (the last line of the job's log) is repeated on the console.

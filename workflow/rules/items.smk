@@ -22,7 +22,7 @@ rule items:
         runtime=5,
     shell:
         "{STAGEREPLAY} items --source {input:q} --format {params.format} --shuffle-seed {params.shuffle_seed}"
-        " {params.limit} --out {output:q} > {log:q} 2>&1"
+        " {params.limit} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 rule prompts:
@@ -51,4 +51,4 @@ rule prompts:
     shell:
         "{STAGEREPLAY} prompts --model-record {input.model:q} --items {input.item_file:q}"
         " --max-new-tokens {params.max_new_tokens} --suffix-tokens {params.suffix_tokens} {params.flags}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"

@@ -21,7 +21,7 @@ rule gather:
         mem_mb=2000,
         runtime=10,
     shell:
-        "{STAGEREPLAY} gather --out-dir {params.out_dir:q} {input:q} > {log:q} 2>&1"
+        "{STAGEREPLAY} gather --out-dir {params.out_dir:q} {input:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 rule summary:
@@ -38,4 +38,4 @@ rule summary:
         mem_mb=1000,
         runtime=10,
     shell:
-        "{STAGEREPLAY} summarize --tables {params.tables:q} --out {output:q} > {log:q} 2>&1"
+        "{STAGEREPLAY} summarize --tables {params.tables:q} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"

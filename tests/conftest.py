@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny randomly initialised Qwen2 (real transformers code path, seconds to run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stagereplay.checkpoints import build_random_qwen2
+from stagereplay.model import Runtime, load_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_folder(tmp_path_factory) -> Path:
+    return build_random_qwen2(tmp_path_factory.mktemp("tiny") / "model", seed=0, layers=2, hidden=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32(tiny_qwen2_folder):
+    return load_model(tiny_qwen2_folder, Runtime(precision="fp32", device="cpu", threads=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tiny_qwen2_folder):
+    return load_model(tiny_qwen2_folder, Runtime(precision="bf16", device="cpu", threads=1))
+
+
+@pytest.fixture(autouse=True)
+def _fixed_threads():
+    # Library code sets threads per job; tests must not inherit a changed count from each other.
+    torch.set_num_threads(1)

@@ -1,0 +1,146 @@
+"""The whole E1 workflow through real snakemake on config/test.yaml (tiny random Qwen2, 4 items)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+
+from stagereplay.ledger import MATCHED_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore
+from workflow_helpers import ledger_snapshot, snakemake, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    ledger = workdir / "ledger"
+    config = write_config(workdir / "config.yaml", ledger_dir=str(ledger))
+    result = snakemake(workdir, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return workdir, ledger, config
+
+
+def test_summary_holds_e1_figures(completed):
+    _, ledger, _ = completed
+    e1 = json.loads((ledger / "summary.json").read_text())["E1"]
+    assert e1["items"] == 4
+    assert e1["replicas_exact"] == {"live": {"exact": 4, "n": 4}, "prefill": {"exact": 4, "n": 4}}
+    for key in ("suffixes_differ", "labels_differ", "caches_differ"):
+        assert e1[key]["n"] == 4 and 0 <= e1[key]["count"] <= 4
+    low, high = e1["paired_difference"]["ci95"]
+    assert low <= e1["paired_difference"]["live_minus_prefill"] <= high
+    assert e1["boundary_reasons"] and sum(e1["boundary_reasons"].values()) == 4
+
+
+def test_ledger_tables_name_only_objects_that_exist(completed):
+    _, ledger, _ = completed
+    trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet")
+    matched = pq.read_table(ledger / "tables" / "matched.parquet")
+    assert trajectories.schema.equals(TRAJECTORY_SCHEMA) and matched.schema.equals(MATCHED_SCHEMA)
+    # 4 items x (live, prefill) x 2 replicas, each in its own job.
+    assert trajectories.num_rows == 16 and matched.num_rows == 4
+    store = ObjectStore(ledger / "objects")
+    for row in trajectories.to_pylist():
+        for key in ("prefix_object", "cache_object", "suffix_object"):
+            assert store.path_for(row[key]).is_file(), (row["item_id"], key)
+        assert row["cache_positions"] == row["prefix_length"] - 1
+        assert len(row["layer_k"]) == len(row["layer_v"]) == 2
+        assert row["threads"] == 1 and row["attn_implementation"] == "sdpa"
+    # Replicas are bit-exact, so each live cache is stored once for its two replicas.
+    caches = {row["cache_object"] for row in trajectories.to_pylist()}
+    assert len(list((ledger / "objects").rglob("*.safetensors"))) >= len(caches)
+    assert len(caches) <= 8
+
+
+def test_a_second_run_schedules_nothing(completed):
+    workdir, _, config = completed
+    result = snakemake(workdir, config, "--dry-run")
+    assert result.returncode == 0
+    assert "Nothing to be done" in result.stdout + result.stderr
+
+
+def one_line_error(result, needle: str) -> str:
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if needle in line]
+    assert lines, output[-3000:]
+    assert "—" in lines[0], lines[0]  # the line names the fix too
+    return lines[0]
+
+
+BAD_PARSE_TIME = {
+    "schema": ({"shard_size": 0}, "shard_size"),
+    "unknown key": ({"matched": {"precison": "bf16"}}, "precison"),
+    "missing model folder": ({"checkpoints": {"mine": {"folder": "/nonexistent/model"}}}, "does not exist"),
+    "two sources": ({"checkpoints": {"mine": {"folder": "/tmp", "embedded": True}}}, "exactly one source"),
+}
+
+BAD_ITEMS = {
+    "duplicate ids": ('{"id": "a", "question": "q", "choices": ["1","2","3","4"], "answer": "A"}\n' * 2, "duplicate id"),
+    "unsafe id": ('{"id": "../x", "question": "q", "choices": ["1","2","3","4"], "answer": "A"}\n', "../x"),
+    "malformed row": ('{"id": "a", "question": "q", "choices": ["1","2","3","4"], "answer": "A"}\n{"id": "b"\n', "line 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PARSE_TIME) + sorted(BAD_ITEMS))
+def test_bad_input_stops_with_one_line_and_leaves_the_ledger(case, completed, tmp_path):
+    workdir, ledger, _ = completed
+    if case in BAD_PARSE_TIME:
+        overrides, needle = BAD_PARSE_TIME[case]
+    else:
+        content, needle = BAD_ITEMS[case]
+        (tmp_path / "bad.jsonl").write_text(content)
+        overrides = {"items": {"source": str(tmp_path / "bad.jsonl"), "limit": None}}
+    config = write_config(tmp_path / "bad.yaml", ledger_dir=str(ledger), **overrides)
+    before = ledger_snapshot(ledger)
+    result = snakemake(workdir, config)
+    assert result.returncode != 0
+    one_line_error(result, needle)
+    assert ledger_snapshot(ledger) == before
+
+
+def assert_existing_files_untouched(before: dict, after: dict) -> None:
+    assert {path: digest for path, digest in after.items() if path in before} == before
+    for path in set(after) - set(before):
+        assert path.split("/")[0] in ("logs", "models", "downloads"), path
+
+
+def test_gguf_checksum_mismatch_fails_the_job_and_names_the_fix(completed, tmp_path):
+    workdir, ledger, _ = completed
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF not really")
+    config = write_config(
+        tmp_path / "bad.yaml", ledger_dir=str(ledger),
+        checkpoints={"fake": {"gguf": str(fake), "sha256": "0" * 64}},
+    )
+    before = ledger_snapshot(ledger)
+    result = snakemake(workdir, config)
+    assert result.returncode != 0
+    one_line_error(result, "checksum mismatch")
+    assert_existing_files_untouched(before, ledger_snapshot(ledger))
+
+
+def test_prompt_longer_than_the_context_fails_before_any_generation(completed, tmp_path):
+    workdir, ledger, _ = completed
+    config = write_config(
+        tmp_path / "bad.yaml", ledger_dir=str(ledger),
+        checkpoints={"tiny-long": {"random_qwen2": {"seed": 0}}}, stage={"suffix_tokens": 5000},
+    )
+    before = ledger_snapshot(ledger)
+    result = snakemake(workdir, config)
+    assert result.returncode != 0
+    one_line_error(result, "exceeds the model's context")
+    after = ledger_snapshot(ledger)
+    assert_existing_files_untouched(before, after)
+    assert not any(path.startswith("runs/") for path in set(after) - set(before))
+
+
+def test_ledger_dir_override_writes_elsewhere(completed, tmp_path):
+    workdir, ledger, config = completed
+    other = tmp_path / "other-ledger"
+    result = snakemake(workdir, config, "--dry-run", "--config", f"ledger_dir={other}")
+    assert result.returncode == 0
+    assert str(other / "summary.json") in result.stdout
