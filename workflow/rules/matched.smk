@@ -16,7 +16,7 @@ rule live:
     params:
         runtime=runtime_args,
         max_new_tokens=STAGE["max_new_tokens"],
-        marker=f"--marker {STAGE['marker']!r}" if STAGE["marker"] else "",
+        marker=f"--marker {shlex.quote(STAGE['marker'])}" if STAGE["marker"] else "",
         store=ledger("objects"),
     log:
         ledger("logs", "matched", "{checkpoint}", "{precision}", "live", "rep{replica}", "shard-{shard}.log"),
