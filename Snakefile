@@ -12,7 +12,10 @@ configfile: "config/config.yaml"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/items.smk"
+include: "workflow/rules/constructions.smk"
 include: "workflow/rules/matched.smk"
+include: "workflow/rules/fixed_prefix.smk"
+include: "workflow/rules/bridge.smk"
 include: "workflow/rules/ledger.smk"
 
 

@@ -82,7 +82,7 @@ def test_missing_and_malformed_object_ids_fail_clearly(tmp_path):
 
 def trajectory_row(item_id="arith-000"):
     return {
-        "experiment": "E1", "checkpoint": "c", "precision": "bf16", "construction": "live", "replica": 0,
+        "checkpoint": "c", "precision": "bf16", "construction": "live", "replica": 0, "prefix_precision": "bf16",
         "item_id": item_id, "model_fingerprint": "m", "prompt_length": 3, "prefix_length": 5,
         "boundary_reason": "budget", "reasoning_text": "ab", "prefix_object": "p", "cache_object": "c",
         "cache_positions": 4, "layer_k": ["k0"], "layer_v": ["v0"], "suffix_object": "s",

@@ -8,7 +8,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
-from stagereplay.ledger import MATCHED_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore
+from stagereplay.ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore
 from workflow_helpers import ledger_snapshot, snakemake, write_config
 
 pytestmark = pytest.mark.slow
@@ -39,10 +39,14 @@ def test_summary_holds_e1_figures(completed):
 def test_ledger_tables_name_only_objects_that_exist(completed):
     _, ledger, _ = completed
     trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet")
-    matched = pq.read_table(ledger / "tables" / "matched.parquet")
-    assert trajectories.schema.equals(TRAJECTORY_SCHEMA) and matched.schema.equals(MATCHED_SCHEMA)
-    # 4 items x (live, prefill) x 2 replicas, each in its own job.
-    assert trajectories.num_rows == 16 and matched.num_rows == 4
+    comparisons = pq.read_table(ledger / "tables" / "comparisons.parquet")
+    assert trajectories.schema.equals(TRAJECTORY_SCHEMA) and comparisons.schema.equals(COMPARISON_SCHEMA)
+    # 4 items x 9 trajectories: E1 live and prefill x 2 replicas; E2 incremental (bf16, fp32) and
+    # prefill (fp32; bf16 is E1's); E3 live fp32 and incremental over its prefix.
+    assert trajectories.num_rows == 36
+    # E1: live/prefill + 2 replica pairs; E2: one pair per precision; E3: one pair per precision.
+    experiments = [row["experiment"] for row in comparisons.to_pylist()]
+    assert (experiments.count("E1"), experiments.count("E2"), experiments.count("E3")) == (12, 8, 8)
     store = ObjectStore(ledger / "objects")
     for row in trajectories.to_pylist():
         for key in ("prefix_object", "cache_object", "suffix_object"):
@@ -53,7 +57,63 @@ def test_ledger_tables_name_only_objects_that_exist(completed):
     # Replicas are bit-exact, so each live cache is stored once for its two replicas.
     caches = {row["cache_object"] for row in trajectories.to_pylist()}
     assert len(list((ledger / "objects").rglob("*.safetensors"))) >= len(caches)
-    assert len(caches) <= 8
+    assert len(caches) <= 28
+
+
+def test_e2_and_e3_figures(completed):
+    _, ledger, _ = completed
+    summary = json.loads((ledger / "summary.json").read_text())
+    for precision in ("bf16", "fp32"):
+        arm = summary["E2"]["precisions"][precision]["incremental_vs_prefill"]
+        assert arm["decoded_disagreements"]["n"] == 4
+        low, high = arm["decoded_disagreements"]["wilson95"]
+        assert 0 <= low <= arm["decoded_disagreements"]["rate"] <= high <= 1
+        # The bridge: token-by-token incremental reproduces the retained live cache bit for bit.
+        assert summary["E3"]["precisions"][precision]["bit_exact"] == {"exact": 4, "n": 4}
+        assert summary["E3"]["precisions"][precision]["not_exact"] == []
+    rows = pq.read_table(ledger / "tables" / "comparisons.parquet").to_pylist()
+    e1 = [row for row in rows if row["experiment"] == "E1" and row["relation"] == "construction"]
+    assert all(len(row["k_max_abs"]) == len(row["v_fraction_differ"]) == 2 for row in e1)
+    for row in e1:
+        assert row["cache_exact"] == (max(row["k_max_abs"] + row["v_max_abs"]) == 0)
+        if row["suffix_differs"]:
+            assert row["a_token_at_divergence"] != row["b_token_at_divergence"]
+
+
+def job_counts(result) -> dict[str, int]:
+    """Jobs per rule from the 'Job stats' table of a dry run."""
+    lines = result.stdout.splitlines()
+    start = lines.index("Job stats:") + 3
+    counts = {}
+    for line in lines[start:]:
+        parts = line.split()
+        if len(parts) != 2 or parts[0] == "total":
+            break
+        counts[parts[0]] = int(parts[1])
+    return counts
+
+
+def test_adding_a_precision_schedules_only_its_jobs(completed, tmp_path):
+    workdir, ledger, _ = completed
+    config = write_config(tmp_path / "fp16.yaml", ledger_dir=str(ledger),
+                          fixed_prefix={"precisions": ["bf16", "fp32", "fp16"]})
+    result = snakemake(workdir, config, "--dry-run")
+    assert result.returncode == 0, result.stderr[-2000:]
+    # fp16: E3 live (2 shards); E2 incremental and prefill + E3 incremental (3 x 2 shards).
+    assert job_counts(result) == {"live": 2, "rebuild": 6, "gather": 1, "compare": 1, "summary": 1, "all": 1}
+    outputs = [line.split(":", 1)[1].strip() for line in result.stdout.splitlines() if line.strip().startswith("output:")]
+    run_tables = [path for path in outputs if "/runs/" in path]
+    assert len(run_tables) == 8 and all("/fp16/" in path for path in run_tables)
+
+
+def test_removing_a_precision_recomputes_only_the_gathering(completed, tmp_path):
+    workdir, ledger, _ = completed
+    before = set(ledger_snapshot(ledger))
+    config = write_config(tmp_path / "bf16.yaml", ledger_dir=str(ledger), fixed_prefix={"precisions": ["bf16"]})
+    result = snakemake(workdir, config, "--dry-run")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert job_counts(result) == {"gather": 1, "compare": 1, "summary": 1, "all": 1}
+    assert set(ledger_snapshot(ledger)) == before  # nothing deleted
 
 
 def test_a_second_run_schedules_nothing(completed):
@@ -76,6 +136,11 @@ BAD_PARSE_TIME = {
     "unknown key": ({"matched": {"precison": "bf16"}}, "precison"),
     "missing model folder": ({"checkpoints": {"mine": {"folder": "/nonexistent/model"}}}, "does not exist"),
     "two sources": ({"checkpoints": {"mine": {"folder": "/tmp", "embedded": True}}}, "exactly one source"),
+    "unknown precision": ({"fixed_prefix": {"precisions": ["bf16", "fp8"]}}, "fp8"),
+    "unknown construction": ({"fixed_prefix": {"constructions": ["incremental", "replay"]}}, "replay"),
+    "chunk size 0": ({"fixed_prefix": {"constructions": ["incremental", "chunked:0"]}}, "chunked:0"),
+    "chunk size not a number": ({"fixed_prefix": {"constructions": ["incremental", "chunked:x"]}}, "chunked:x"),
+    "no incremental": ({"fixed_prefix": {"constructions": ["prefill", "chunked:4"]}}, "must include incremental"),
 }
 
 BAD_ITEMS = {

@@ -94,23 +94,29 @@ def cmd_rebuild(args) -> None:
 
 def cmd_gather(args) -> None:
     from .ledger import TRAJECTORY_SCHEMA, concat_tables, write_table
-    from .summary import matched_rows
-    from .ledger import MATCHED_SCHEMA
 
-    trajectories = concat_tables(args.shards, TRAJECTORY_SCHEMA)
-    out = Path(args.out_dir)
-    write_table(trajectories.to_pylist(), TRAJECTORY_SCHEMA, out / "trajectories.parquet")
-    write_table(matched_rows(trajectories), MATCHED_SCHEMA, out / "matched.parquet")
+    write_table(concat_tables(args.shards, TRAJECTORY_SCHEMA).to_pylist(), TRAJECTORY_SCHEMA, args.out)
+
+
+def cmd_compare(args) -> None:
+    from .compare import comparison_table, pair_specs
+    from .constructions import parse_construction
+    from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
+
+    for construction in args.constructions:
+        parse_construction(construction)
+    specs = pair_specs(args.matched_precision, args.replicas, args.precisions, args.constructions)
+    table = comparison_table(read_table(args.trajectories, TRAJECTORY_SCHEMA), ObjectStore(args.store), specs)
+    write_table(table.to_pylist(), COMPARISON_SCHEMA, args.out)
 
 
 def cmd_summarize(args) -> None:
-    from .ledger import MATCHED_SCHEMA, TRAJECTORY_SCHEMA, read_table
-    from .summary import e1_figures, write_json
+    from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, read_table
+    from .summary import summary, write_json
 
-    tables = Path(args.tables)
-    matched = read_table(tables / "matched.parquet", MATCHED_SCHEMA)
-    trajectories = read_table(tables / "trajectories.parquet", TRAJECTORY_SCHEMA)
-    write_json({"stagereplay_version": __version__, "E1": e1_figures(matched, trajectories)}, args.out)
+    comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
+    trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
+    write_json(summary(comparisons, trajectories, __version__), args.out)
 
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
@@ -199,13 +205,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-shard", required=True, help="the live shard whose saved prefixes are rebuilt")
     p.set_defaults(func=cmd_rebuild)
 
-    p = sub.add_parser("gather", help="gather shard tables into the ledger's Parquet tables")
-    p.add_argument("--out-dir", required=True)
+    p = sub.add_parser("gather", help="gather shard tables into the ledger's trajectories table")
+    p.add_argument("--out", required=True, help="trajectories table to write (Parquet)")
     p.add_argument("shards", nargs="+")
     p.set_defaults(func=cmd_gather)
 
+    p = sub.add_parser("compare", help="compare trajectory pairs of E1, E2 and E3: caches per layer, suffixes per token")
+    p.add_argument("--trajectories", required=True)
+    p.add_argument("--store", required=True, help="object store directory")
+    p.add_argument("--matched-precision", required=True, help="precision of E1 (its live prefix feeds E2)")
+    p.add_argument("--replicas", type=int, required=True, help="replicas per E1 side")
+    p.add_argument("--precisions", nargs="+", required=True, help="E2/E3 precisions")
+    p.add_argument("--constructions", nargs="+", required=True, help="E2 constructions (incremental, prefill, chunked:N)")
+    p.add_argument("--out", required=True, help="comparisons table to write (Parquet)")
+    p.set_defaults(func=cmd_compare)
+
     p = sub.add_parser("summarize", help="write summary.json from the ledger tables")
-    p.add_argument("--tables", required=True)
+    p.add_argument("--trajectories", required=True)
+    p.add_argument("--comparisons", required=True)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_summarize)
     return parser

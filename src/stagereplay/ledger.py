@@ -60,13 +60,15 @@ class ObjectStore:
         return self.get(object_id)["tokens"].tolist()
 
 
-# One row per (item, checkpoint, precision, construction, replica): a boundary state and its continuation.
+# One row per (item, checkpoint, precision, construction, replica, prefix precision):
+# a boundary state and its continuation. ``prefix_precision`` names the live run
+# whose saved integer prefix was rebuilt (for ``live`` rows: its own precision).
 TRAJECTORY_SCHEMA = pa.schema([
-    ("experiment", pa.string()),
     ("checkpoint", pa.string()),
     ("precision", pa.string()),
     ("construction", pa.string()),
     ("replica", pa.int32()),
+    ("prefix_precision", pa.string()),
     ("item_id", pa.string()),
     ("model_fingerprint", pa.string()),
     ("prompt_length", pa.int32()),
@@ -97,28 +99,46 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("model_seconds", pa.float64()),
 ])
 
-# One row per item of E1: live against prefill, and each side against its replica.
-MATCHED_SCHEMA = pa.schema([
+_PER_LAYER = pa.list_(pa.float64())
+
+# One row per compared pair of trajectories of one item (E1 live vs prefill and
+# replicas, E2 incremental vs other constructions, E3 incremental vs live).
+COMPARISON_SCHEMA = pa.schema([
+    ("experiment", pa.string()),
+    ("relation", pa.string()),  # "construction" or "replica"
     ("checkpoint", pa.string()),
     ("precision", pa.string()),
     ("item_id", pa.string()),
+    ("a", pa.string()),  # side labels, e.g. "live/bf16/rep0", "prefill/fp32/rep0<-bf16"
+    ("b", pa.string()),
     ("boundary_reason", pa.string()),
     ("prefix_length", pa.int32()),
-    ("cache_differs", pa.bool_()),
+    ("prefix_equal", pa.bool_()),
+    ("cache_exact", pa.bool_()),
     ("layers_differ", pa.int32()),
     ("first_differing_layer", pa.int32()),
+    ("first_differing_kv", pa.string()),
+    ("k_max_abs", _PER_LAYER),
+    ("k_mean_abs", _PER_LAYER),
+    ("k_fraction_differ", _PER_LAYER),
+    ("v_max_abs", _PER_LAYER),
+    ("v_mean_abs", _PER_LAYER),
+    ("v_fraction_differ", _PER_LAYER),
     ("suffix_differs", pa.bool_()),
     ("first_divergence", pa.int32()),
-    ("live_correct", pa.bool_()),
-    ("prefill_correct", pa.bool_()),
-    ("live_parsed", pa.bool_()),
-    ("prefill_parsed", pa.bool_()),
+    ("a_margin_at_divergence", pa.float32()),
+    ("b_margin_at_divergence", pa.float32()),
+    ("a_token_at_divergence", pa.int64()),
+    ("b_token_at_divergence", pa.int64()),
+    ("a_correct", pa.bool_()),
+    ("b_correct", pa.bool_()),
+    ("a_parsed", pa.bool_()),
+    ("b_parsed", pa.bool_()),
     ("label_differs", pa.bool_()),
-    ("live_replica_exact", pa.bool_()),
-    ("prefill_replica_exact", pa.bool_()),
+    ("trajectory_exact", pa.bool_()),  # prefix, every cache layer and suffix fingerprints agree
 ])
 
-SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "matched": MATCHED_SCHEMA}
+SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "comparisons": COMPARISON_SCHEMA}
 
 
 def write_table(rows: list[dict], schema: pa.Schema, path: str | Path) -> Path:

@@ -104,6 +104,7 @@ def configure_runtime(runtime: Runtime) -> Environment:
         device_name = torch.cuda.get_device_name()
     else:
         device_name = platform.processor() or platform.machine()
+    _check_precision_runs(device, runtime.precision)
     return Environment(
         device=device,
         device_name=device_name,
@@ -115,6 +116,20 @@ def configure_runtime(runtime: Runtime) -> Environment:
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
     )
+
+
+def _check_precision_runs(device: str, precision: str) -> None:
+    """A tiny matmul in the requested dtype: fails fast, before the model is loaded."""
+    dtype = PRECISIONS[precision]
+    try:
+        probe = torch.ones(4, 4, dtype=dtype, device=device)
+        (probe @ probe).sum().item()
+        if device == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise RuntimeError("bf16 unsupported")
+    except (RuntimeError, TypeError) as error:
+        raise ModelError(
+            f"precision {precision} cannot run on device {device} ({error}) — drop {precision} from the precisions in the config"
+        ) from None
 
 
 def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:

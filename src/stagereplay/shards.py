@@ -53,7 +53,9 @@ def eos_ids(loaded: LoadedModel) -> frozenset[int]:
 class ShardRecorder:
     """Stores a trajectory's artifacts and builds its ledger row."""
 
-    def __init__(self, loaded: LoadedModel, record: dict, spec: ShardSpec, store: ObjectStore, construction: str):
+    def __init__(self, loaded: LoadedModel, record: dict, spec: ShardSpec, store: ObjectStore, construction: str,
+                 prefix_precision: str):
+        self.prefix_precision = prefix_precision
         self.loaded = loaded
         self.record = record
         self.spec = spec
@@ -78,11 +80,11 @@ class ShardRecorder:
         answer, correct = items_mod.score(item, reasoning_text + suffix_text)
         environment = self.loaded.environment
         self.rows.append({
-            "experiment": "E1",
             "checkpoint": self.spec.checkpoint,
             "precision": self.spec.precision,
             "construction": self.construction,
             "replica": self.spec.replica,
+            "prefix_precision": self.prefix_precision,
             "item_id": item.item_id,
             "model_fingerprint": self.record["fingerprint"],
             "prompt_length": prompt_length,
@@ -138,7 +140,7 @@ def run_live_shard(model_record: str | Path, items_path: str | Path, prompts_pat
     item_list = shard_slice(items_mod.load_items(items_path), spec.shard, spec.shard_size)
     prompts = prompt_tokens_by_item(prompts_path)
     loaded = load_model(record["folder"], runtime)
-    recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live")
+    recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live", spec.precision)
     eos = eos_ids(loaded)
     bar, on_token = _progress(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
     for item in item_list:
@@ -160,9 +162,12 @@ def run_construction_shard(model_record: str | Path, items_path: str | Path, sou
     record = read_model_record(model_record)
     items = {item.item_id: item for item in items_mod.load_items(items_path)}
     source = read_table(source_shard, TRAJECTORY_SCHEMA).to_pylist()
+    if any(row["construction"] != "live" for row in source):
+        raise LedgerError(f"{source_shard} is not a live shard — rebuild constructions only from saved live prefixes")
     store = ObjectStore(store_root)
     loaded = load_model(record["folder"], runtime)
-    recorder = ShardRecorder(loaded, record, spec, store, construction)
+    prefix_precision = source[0]["precision"] if source else spec.precision
+    recorder = ShardRecorder(loaded, record, spec, store, construction, prefix_precision)
     eos = eos_ids(loaded)
     bar, on_token = _progress(len(source), f"{construction} {spec.precision} rep{spec.replica} shard {spec.shard}")
     for row in source:

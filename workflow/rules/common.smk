@@ -28,6 +28,7 @@ PRIMARY = next(iter(CHECKPOINTS))
 RUNTIME = config["runtime"]
 STAGE = config["stage"]
 MATCHED = config["matched"]
+FIXED = config["fixed_prefix"]
 
 
 def ledger(*parts):
@@ -55,9 +56,35 @@ ITEMS = parse_time_items()
 SHARDS = [f"{index:03d}" for index in range((len(ITEMS) + config["shard_size"] - 1) // config["shard_size"])]
 
 
+def parse_time_constructions():
+    """Construction names are checked here, so a typo fails before any job."""
+    from stagereplay.constructions import ConstructionError, parse_construction
+
+    names = FIXED["constructions"]
+    try:
+        kinds = [parse_construction(name)[0] for name in names]
+    except ConstructionError as error:
+        raise WorkflowError(f"fixed_prefix.constructions: {error}") from None
+    if "live" in kinds:
+        raise WorkflowError("fixed_prefix.constructions: live is generated, not rebuilt — list only incremental, prefill or chunked:N")
+    if "incremental" not in names:
+        raise WorkflowError("fixed_prefix.constructions must include incremental (every E2 comparison is against it) — add it")
+    return names
+
+
+CONSTRUCTIONS = parse_time_constructions()
+
+
+def construction_token(name):
+    """'chunked:16' -> 'chunked-16': a path component without a colon."""
+    return name.replace(":", "-")
+
+
 wildcard_constraints:
     checkpoint="[A-Za-z0-9][A-Za-z0-9._-]*",
     precision="bf16|fp16|fp32",
+    prefix_precision="bf16|fp16|fp32",
+    construction=r"incremental|prefill|chunked-[1-9][0-9]*",
     replica=r"\d+",
     shard=r"\d{3}",
 

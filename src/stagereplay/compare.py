@@ -1,0 +1,147 @@
+"""Which trajectories are compared, and how: caches layer by layer, suffixes token by token.
+
+Pairs are fixed by the experiment design, never by the data:
+- E1: live vs prefill at the matched precision, and each side against its replicas;
+- E2: at each precision, incremental vs every other construction, all rebuilt
+  from the E1 live prefix (the token states are held fixed);
+- E3: at each precision, the retained live cache vs incremental over its own prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from .cache import KVState, cache_difference
+from .ledger import COMPARISON_SCHEMA, LedgerError, ObjectStore
+
+
+@dataclass(frozen=True)
+class Side:
+    construction: str
+    precision: str
+    prefix_precision: str
+    replica: int = 0
+
+    def label(self) -> str:
+        source = "" if self.construction == "live" else f"<-{self.prefix_precision}"
+        return f"{self.construction}/{self.precision}/rep{self.replica}{source}"
+
+    def key(self, checkpoint: str, item_id: str) -> tuple:
+        return (checkpoint, self.construction, self.precision, self.prefix_precision, self.replica, item_id)
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    experiment: str
+    relation: str
+    a: Side
+    b: Side
+
+
+def live(precision: str, replica: int = 0) -> Side:
+    return Side("live", precision, precision, replica)
+
+
+def pair_specs(matched_precision: str, replicas: int, precisions: list[str], constructions: list[str]) -> list[PairSpec]:
+    rebuilt = lambda construction, precision, replica=0: Side(construction, precision, matched_precision, replica)  # noqa: E731
+    specs = [PairSpec("E1", "construction", live(matched_precision), rebuilt("prefill", matched_precision))]
+    for replica in range(1, replicas):
+        specs.append(PairSpec("E1", "replica", live(matched_precision), live(matched_precision, replica)))
+        specs.append(PairSpec("E1", "replica", rebuilt("prefill", matched_precision),
+                              rebuilt("prefill", matched_precision, replica)))
+    for precision in precisions:
+        for construction in constructions:
+            if construction != "incremental":
+                specs.append(PairSpec("E2", "construction", rebuilt("incremental", precision),
+                                      rebuilt(construction, precision)))
+    for precision in precisions:
+        specs.append(PairSpec("E3", "construction", live(precision), Side("incremental", precision, precision)))
+    return specs
+
+
+def index_trajectories(trajectories: pa.Table) -> dict[tuple, dict]:
+    return {
+        (row["checkpoint"], row["construction"], row["precision"], row["prefix_precision"], row["replica"], row["item_id"]): row
+        for row in trajectories.to_pylist()
+    }
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token; the shorter length if one is a prefix of the other."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _at(values: list, index: int | None):
+    return values[index] if index is not None and index < len(values) else None
+
+
+def compare_pair(store: ObjectStore, spec: PairSpec, a: dict, b: dict) -> dict:
+    keys, values = cache_difference(
+        KVState.from_named_tensors(store.get(a["cache_object"])),
+        KVState.from_named_tensors(store.get(b["cache_object"])),
+    )
+    differing = [
+        (layer, "k" if k.fraction_differ else "v")
+        for layer, (k, v) in enumerate(zip(keys, values)) if k.fraction_differ or v.fraction_differ
+    ]
+    divergence = first_divergence(a["suffix_tokens"], b["suffix_tokens"])
+    return {
+        "experiment": spec.experiment,
+        "relation": spec.relation,
+        "checkpoint": a["checkpoint"],
+        "precision": spec.b.precision,
+        "item_id": a["item_id"],
+        "a": spec.a.label(),
+        "b": spec.b.label(),
+        "boundary_reason": a["boundary_reason"],
+        "prefix_length": a["prefix_length"],
+        "prefix_equal": a["prefix_object"] == b["prefix_object"],
+        "cache_exact": not differing,
+        "layers_differ": len(differing),
+        "first_differing_layer": differing[0][0] if differing else None,
+        "first_differing_kv": differing[0][1] if differing else None,
+        "k_max_abs": [d.max_abs for d in keys],
+        "k_mean_abs": [d.mean_abs for d in keys],
+        "k_fraction_differ": [d.fraction_differ for d in keys],
+        "v_max_abs": [d.max_abs for d in values],
+        "v_mean_abs": [d.mean_abs for d in values],
+        "v_fraction_differ": [d.fraction_differ for d in values],
+        "suffix_differs": a["suffix_object"] != b["suffix_object"],
+        "first_divergence": divergence,
+        "a_margin_at_divergence": _at(a["suffix_margins"], divergence),
+        "b_margin_at_divergence": _at(b["suffix_margins"], divergence),
+        "a_token_at_divergence": _at(a["suffix_tokens"], divergence),
+        "b_token_at_divergence": _at(b["suffix_tokens"], divergence),
+        "a_correct": a["correct"],
+        "b_correct": b["correct"],
+        "a_parsed": a["parsed"],
+        "b_parsed": b["parsed"],
+        "label_differs": a["correct"] != b["correct"],
+        "trajectory_exact": all(
+            a[key] == b[key] for key in ("prefix_object", "cache_object", "layer_k", "layer_v", "suffix_object")
+        ),
+    }
+
+
+def comparison_table(trajectories: pa.Table, store: ObjectStore, specs: list[PairSpec]) -> pa.Table:
+    index = index_trajectories(trajectories)
+    items = sorted({(row["checkpoint"], row["item_id"]) for row in trajectories.select(["checkpoint", "item_id"]).to_pylist()})
+    rows = []
+    for spec in specs:
+        for checkpoint, item_id in items:
+            a = index.get(spec.a.key(checkpoint, item_id))
+            b = index.get(spec.b.key(checkpoint, item_id))
+            if a is None and b is None:
+                continue
+            if a is None or b is None:
+                missing = spec.a if a is None else spec.b
+                raise LedgerError(
+                    f"item {item_id}: trajectory {missing.label()} of checkpoint {checkpoint} is missing for {spec.experiment} — rerun snakemake to complete the ledger"
+                )
+            rows.append(compare_pair(store, spec, a, b))
+    return pa.Table.from_pylist(rows, schema=COMPARISON_SCHEMA)

@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from stagereplay.cache import KVState, cache_difference, tensor_difference
+from stagereplay.compare import first_divergence, pair_specs
+
+
+def test_tensor_difference_measures_max_mean_and_fraction():
+    a = torch.zeros(1, 2, 4, 2, dtype=torch.bfloat16)
+    b = a.clone()
+    b[0, 0, 0, 0] = 0.5
+    b[0, 1, 3, 1] = -0.25
+    diff = tensor_difference(a, b)
+    assert diff.max_abs == 0.5
+    assert diff.mean_abs == pytest.approx(0.75 / 16)
+    assert diff.fraction_differ == 2 / 16
+    assert tensor_difference(a, a.clone()).fraction_differ == 0.0
+
+
+def test_signed_zero_counts_as_a_bit_difference():
+    a = torch.zeros(4)
+    b = -torch.zeros(4)
+    diff = tensor_difference(a, b)
+    assert diff.max_abs == 0.0 and diff.fraction_differ == 1.0
+
+
+def test_cache_difference_is_per_layer_and_refuses_mismatched_shapes():
+    keys = (torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    values = (torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    other_values = (values[0], values[1] + 1)
+    k_diff, v_diff = cache_difference(KVState(keys, values), KVState(keys, other_values))
+    assert [d.max_abs for d in k_diff] == [0.0, 0.0]
+    assert [d.max_abs for d in v_diff] == [0.0, 1.0]
+    with pytest.raises(ValueError, match="cannot compare"):
+        tensor_difference(torch.ones(2, 3), torch.ones(3, 2))
+    with pytest.raises(ValueError, match="cannot compare"):
+        tensor_difference(torch.ones(2), torch.ones(2, dtype=torch.bfloat16))
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_pair_specs_follow_the_design():
+    specs = pair_specs("bf16", 2, ["bf16", "fp32"], ["incremental", "prefill", "chunked:8"])
+    labels = {(s.experiment, s.relation, s.a.label(), s.b.label()) for s in specs}
+    assert ("E1", "construction", "live/bf16/rep0", "prefill/bf16/rep0<-bf16") in labels
+    assert ("E1", "replica", "live/bf16/rep0", "live/bf16/rep1") in labels
+    assert ("E1", "replica", "prefill/bf16/rep0<-bf16", "prefill/bf16/rep1<-bf16") in labels
+    # E2 holds the bf16 live prefix fixed at every precision.
+    assert ("E2", "construction", "incremental/fp32/rep0<-bf16", "prefill/fp32/rep0<-bf16") in labels
+    assert ("E2", "construction", "incremental/fp32/rep0<-bf16", "chunked:8/fp32/rep0<-bf16") in labels
+    # E3 compares each precision's own live run with incremental over that run's prefix.
+    assert ("E3", "construction", "live/fp32/rep0", "incremental/fp32/rep0<-fp32") in labels
+    assert len(specs) == 1 + 2 + 4 + 2
