@@ -16,6 +16,7 @@ include: "workflow/rules/constructions.smk"
 include: "workflow/rules/matched.smk"
 include: "workflow/rules/fixed_prefix.smk"
 include: "workflow/rules/bridge.smk"
+include: "workflow/rules/transplant.smk"
 include: "workflow/rules/ledger.smk"
 
 

@@ -60,6 +60,25 @@ def test_ledger_tables_name_only_objects_that_exist(completed):
     assert len(caches) <= 28
 
 
+def test_e5_transplants_are_recorded(completed):
+    _, ledger, _ = completed
+    selection = json.loads((ledger / "transplants" / "selection.json").read_text())
+    assert len(selection["outcome_blind"]["item_ids"]) == 2
+    rows = pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
+    blind = [row for row in rows if row["selection"] == "outcome_blind"]
+    # 2 sampled items x both directions, all layers only.
+    assert len(blind) == 4 and {row["subset"] for row in blind} == {"layers=0-1 kv=kv positions=all"}
+    for row in blind:
+        assert row["outcome"] in ("follows_donor", "follows_recipient", "neither")
+        assert len(row["layer_k"]) == 2 and len(row["cache_digest"]) == 32
+        if not row["divergent"]:  # donor and recipient agree, so the all-layer transplant follows both
+            assert row["outcome"] == "follows_donor"
+    selected = [row for row in rows if row["selection"] == "selected"]
+    assert {row["item_id"] for row in selected} == set(selection["selected"]["item_ids"])
+    e5 = json.loads((ledger / "summary.json").read_text())["E5"]
+    assert "primary checkpoint" in e5["outcome_blind_checkpoint"]
+
+
 def test_e2_and_e3_figures(completed):
     _, ledger, _ = completed
     summary = json.loads((ledger / "summary.json").read_text())
@@ -141,6 +160,10 @@ BAD_PARSE_TIME = {
     "chunk size 0": ({"fixed_prefix": {"constructions": ["incremental", "chunked:0"]}}, "chunked:0"),
     "chunk size not a number": ({"fixed_prefix": {"constructions": ["incremental", "chunked:x"]}}, "chunked:x"),
     "no incremental": ({"fixed_prefix": {"constructions": ["prefill", "chunked:4"]}}, "must include incremental"),
+    "outcome-blind sample too large": ({"transplant": {"outcome_blind": {"sample": 99}}}, "larger than"),
+    "layer out of range": ({"transplant": {"sweep": {"single_layers": [0, 7]}}}, "layer 7 out of range"),
+    "block larger than the model": ({"transplant": {"sweep": {"block_sizes": [3]}}}, "exceeds the model"),
+    "unknown outcome-blind checkpoint": ({"transplant": {"outcome_blind": {"checkpoint": "nope"}}}, "not in checkpoints"),
 }
 
 BAD_ITEMS = {

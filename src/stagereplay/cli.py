@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -92,10 +93,43 @@ def cmd_rebuild(args) -> None:
                            _runtime(args), args.suffix_tokens, args.store, args.out)
 
 
-def cmd_gather(args) -> None:
-    from .ledger import TRAJECTORY_SCHEMA, concat_tables, write_table
+def cmd_select_transplants(args) -> None:
+    from .atomic import atomic_write_text
+    from .ledger import TRAJECTORY_SCHEMA, concat_tables
+    from .transplants import select_divergent
 
-    write_table(concat_tables(args.shards, TRAJECTORY_SCHEMA).to_pylist(), TRAJECTORY_SCHEMA, args.out)
+    live = concat_tables(args.live, TRAJECTORY_SCHEMA).to_pylist()
+    prefill = concat_tables(args.prefill, TRAJECTORY_SCHEMA).to_pylist()
+    selected = select_divergent(live, prefill, args.first_k)
+    selection = {
+        "selected": {"rule": f"E1 suffixes differ; first {args.first_k or 'all'} by item id", "item_ids": selected},
+        "outcome_blind": {"rule": f"seeded sample (seed {args.seed}) fixed in the config before any outcome",
+                          "checkpoint": args.outcome_blind_checkpoint, "item_ids": sorted(args.outcome_blind_ids)},
+    }
+    atomic_write_text(args.out, json.dumps(selection, indent=2) + "\n")
+
+
+def cmd_transplant(args) -> None:
+    from .shards import TransplantJob, run_transplant_shard
+    from .transplants import SweepPlan, parse_layers
+
+    selection = json.loads(Path(args.selection_file).read_text())
+    item_ids = selection["selected" if args.selection == "cross_precision" else args.selection]["item_ids"]
+    plan = None
+    if args.sweep:
+        plan = SweepPlan(
+            single_layers=parse_layers(args.single_layers), block_sizes=tuple(args.block_sizes),
+            kv_only=args.kv_only, windows=tuple(args.windows),
+        )
+    job = TransplantJob(args.selection, frozenset(item_ids), tuple(tuple(pair) for pair in args.pair), plan)
+    run_transplant_shard(args.model_record, job, _spec(args), _runtime(args), args.suffix_tokens, args.store, args.out)
+
+
+def cmd_gather(args) -> None:
+    from .ledger import SCHEMAS, concat_tables, write_table
+
+    schema = SCHEMAS[args.table]
+    write_table(concat_tables(args.shards, schema).to_pylist(), schema, args.out)
 
 
 def cmd_compare(args) -> None:
@@ -111,12 +145,14 @@ def cmd_compare(args) -> None:
 
 
 def cmd_summarize(args) -> None:
-    from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, read_table
+    from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
     from .summary import summary, write_json
 
     comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
-    write_json(summary(comparisons, trajectories, __version__), args.out)
+    transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
+    notes = {"outcome_blind_checkpoint": args.outcome_blind_note} if args.outcome_blind_note else {}
+    write_json(summary(comparisons, trajectories, __version__, transplants, notes), args.out)
 
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
@@ -205,10 +241,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-shard", required=True, help="the live shard whose saved prefixes are rebuilt")
     p.set_defaults(func=cmd_rebuild)
 
-    p = sub.add_parser("gather", help="gather shard tables into the ledger's trajectories table")
-    p.add_argument("--out", required=True, help="trajectories table to write (Parquet)")
+    p = sub.add_parser("gather", help="gather shard tables into one ledger table")
+    p.add_argument("--table", default="trajectories", choices=["trajectories", "transplants"])
+    p.add_argument("--out", required=True, help="table to write (Parquet)")
     p.add_argument("shards", nargs="+")
     p.set_defaults(func=cmd_gather)
+
+    p = sub.add_parser("select-transplants", help="E5: record which items are transplanted (selected and outcome-blind)")
+    p.add_argument("--live", nargs="+", required=True, help="E1 live rep0 shard tables")
+    p.add_argument("--prefill", nargs="+", required=True, help="E1 prefill rep0 shard tables")
+    p.add_argument("--first-k", type=int, default=None, help="keep the first K divergent items by id (default: all)")
+    p.add_argument("--outcome-blind-checkpoint", required=True)
+    p.add_argument("--outcome-blind-ids", nargs="*", default=[])
+    p.add_argument("--seed", type=int, default=0, help="seed the outcome-blind sample was drawn with (recorded)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_select_transplants)
+
+    p = sub.add_parser("transplant", help="E5: transplant donor caches into recipient states and continue")
+    _add_runtime(p)
+    p.add_argument("--selection", required=True, choices=["selected", "outcome_blind", "cross_precision"])
+    p.add_argument("--selection-file", required=True, help="selection.json written by select-transplants")
+    p.add_argument("--pair", nargs=2, action="append", required=True, metavar=("DONOR", "RECIPIENT"),
+                   help="shard tables of the donor and the recipient trajectories (repeat for each direction)")
+    p.add_argument("--sweep", action="store_true", help="try the layer/K/V/position subsets, not only all layers")
+    p.add_argument("--single-layers", default="all", help="all, none, or comma-separated layer indices")
+    p.add_argument("--block-sizes", type=int, nargs="*", default=[], help="leading and trailing blocks of these sizes")
+    p.add_argument("--kv-only", action="store_true", help="also K only and V only")
+    p.add_argument("--windows", type=int, nargs="*", default=[], help="also the last W positions only")
+    p.set_defaults(func=cmd_transplant)
 
     p = sub.add_parser("compare", help="compare trajectory pairs of E1, E2 and E3: caches per layer, suffixes per token")
     p.add_argument("--trajectories", required=True)
@@ -223,12 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("summarize", help="write summary.json from the ledger tables")
     p.add_argument("--trajectories", required=True)
     p.add_argument("--comparisons", required=True)
+    p.add_argument("--transplants", default=None)
+    p.add_argument("--outcome-blind-note", default=None, help="a plain statement about the outcome-blind checkpoint")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_summarize)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .cache import TransplantError
     from .checkpoints import CheckpointError
     from .constructions import ConstructionError
     from .items import ItemError
@@ -238,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (CheckpointError, ConstructionError, ItemError, LedgerError, ModelError) as error:
+    except (CheckpointError, ConstructionError, ItemError, LedgerError, ModelError, TransplantError) as error:
         print(f"stagereplay: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -35,8 +35,10 @@ def decode_greedy(
     eos_ids: Collection[int],
     stop_after: Callable[[list[int]], bool] | None = None,
     on_token: Callable[[], None] | None = None,
+    stop_reason: str = "marker",
 ) -> Decoded:
-    """Choose from ``logits``, feed the choice, repeat: until EOS, the budget or ``stop_after``.
+    """Choose from ``logits``, feed the choice, repeat: until EOS, the budget or ``stop_after``
+    (which ends decoding with ``stop_reason``).
 
     The last emitted token is never fed, so on return ``cache`` covers every
     input before it: exactly the boundary state when decoding ends a stage.
@@ -54,7 +56,7 @@ def decode_greedy(
             if token in eos_ids:
                 return Decoded(tuple(tokens), tuple(margins), "eos")
             if stop_after is not None and stop_after(tokens):
-                return Decoded(tuple(tokens), tuple(margins), "marker")
+                return Decoded(tuple(tokens), tuple(margins), stop_reason)
             if len(tokens) >= max_new_tokens:
                 return Decoded(tuple(tokens), tuple(margins), "budget")
             logits = kv.forward(model, torch.tensor([[token]], device=device), cache)
@@ -67,10 +69,13 @@ def continue_from(
     max_new_tokens: int,
     eos_ids: Collection[int],
     on_token: Callable[[], None] | None = None,
+    stop_after: Callable[[list[int]], bool] | None = None,
+    stop_reason: str = "stopped",
 ) -> Decoded:
     """The suffix: feed the pending token on a copy of the boundary cache, then decode greedily."""
     device = next(model.parameters()).device
     cache = kv.to_cache(state, device)
     with torch.inference_mode():
         logits = kv.forward(model, torch.tensor([[pending]], device=device), cache)
-    return decode_greedy(model, cache, logits, max_new_tokens, eos_ids, on_token=on_token)
+    return decode_greedy(model, cache, logits, max_new_tokens, eos_ids, stop_after=stop_after,
+                         on_token=on_token, stop_reason=stop_reason)

@@ -138,7 +138,36 @@ COMPARISON_SCHEMA = pa.schema([
     ("trajectory_exact", pa.bool_()),  # prefix, every cache layer and suffix fingerprints agree
 ])
 
-SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "comparisons": COMPARISON_SCHEMA}
+# One row per transplant: a donor's cache (part of it) in a recipient's state, continued.
+TRANSPLANT_SCHEMA = pa.schema([
+    ("selection", pa.string()),  # "selected", "outcome_blind" or "cross_precision"
+    ("checkpoint", pa.string()),
+    ("item_id", pa.string()),
+    ("divergent", pa.bool_()),  # did the donor's and the recipient's own suffixes differ?
+    ("donor", pa.string()),  # side labels as in the comparisons table
+    ("recipient", pa.string()),
+    ("precision", pa.string()),  # of the continuation (the recipient's)
+    ("subset", pa.string()),  # e.g. "layers=0-29 kv=kv positions=all"
+    ("layers", pa.list_(pa.int32())),
+    ("kv", pa.string()),
+    ("last_positions", pa.int32()),
+    ("outcome", pa.string()),  # follows_donor, follows_recipient or neither
+    ("first_divergence_vs_donor", pa.int32()),
+    ("first_divergence_vs_recipient", pa.int32()),
+    ("cache_digest", pa.string()),
+    ("layer_k", pa.list_(pa.string())),
+    ("layer_v", pa.list_(pa.string())),
+    ("suffix_object", pa.string()),
+    ("suffix_tokens", pa.list_(pa.int64())),
+    ("suffix_stop", pa.string()),
+    ("model_fingerprint", pa.string()),
+    ("device", pa.string()),
+    ("threads", pa.int32()),
+    ("torch_version", pa.string()),
+    ("transformers_version", pa.string()),
+])
+
+SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "comparisons": COMPARISON_SCHEMA, "transplants": TRANSPLANT_SCHEMA}
 
 
 def write_table(rows: list[dict], schema: pa.Schema, path: str | Path) -> Path:

@@ -115,14 +115,68 @@ def environment(trajectories: pa.Table) -> list[dict]:
     return [dict(entry) for entry in sorted(unique)]
 
 
-def summary(comparisons: pa.Table, trajectories: pa.Table, version: str) -> dict:
-    return {
+def _is_all_layers(row: dict, num_layers: int) -> bool:
+    return row["kv"] == "kv" and row["last_positions"] is None and len(row["layers"]) == num_layers
+
+
+def e5_figures(transplants: pa.Table, notes: dict) -> dict:
+    """Follows-donor counts over divergent items: all layers per selection, the sweep, cross-precision."""
+    rows = [row for row in transplants.to_pylist() if row["divergent"]]
+    num_layers = max((len(row["layer_k"]) for row in rows), default=0)
+    figures: dict = {"name": "transplant", "counted": "divergent items only (donor and recipient suffixes differ)"}
+    figures.update(notes)
+    all_layers: dict[str, dict] = {}
+    for selection in ("selected", "outcome_blind"):
+        for checkpoint in sorted({row["checkpoint"] for row in rows if row["selection"] == selection}):
+            chosen = [row for row in rows if row["selection"] == selection and row["checkpoint"] == checkpoint
+                      and _is_all_layers(row, num_layers)]
+            all_layers[f"{selection}/{checkpoint}"] = {
+                "follows_donor": proportion(sum(row["outcome"] == "follows_donor" for row in chosen), len(chosen)),
+                "follows_recipient": int(sum(row["outcome"] == "follows_recipient" for row in chosen)),
+                "neither": int(sum(row["outcome"] == "neither" for row in chosen)),
+                "by_direction": {
+                    direction: f"{sum(r['outcome'] == 'follows_donor' for r in group)}/{len(group)}"
+                    for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
+                },
+            }
+    figures["all_layers"] = all_layers
+    sweep_rows = [row for row in rows if row["selection"] == "selected"]
+    sweep = []
+    for subset, group in _group(sweep_rows, lambda r: r["subset"]).items():
+        followed = sum(row["outcome"] == "follows_donor" for row in group)
+        sweep.append({"subset": subset, "layers": len(group[0]["layers"]), "kv": group[0]["kv"],
+                      "positions": group[0]["last_positions"], "follows_donor": followed, "n": len(group),
+                      "fraction": followed / len(group)})
+    figures["sweep"] = sweep
+    sufficient = [entry for entry in sweep if entry["fraction"] == 1.0 and entry["kv"] == "kv" and entry["positions"] is None]
+    figures["smallest_sufficient_layer_set"] = min(sufficient, key=lambda e: e["layers"])["subset"] if sufficient else None
+    cross = [row for row in rows if row["selection"] == "cross_precision"]
+    figures["cross_precision"] = {
+        f"{direction}": proportion(sum(r["outcome"] == "follows_donor" for r in group), len(group))
+        for direction, group in _group(cross, lambda r: f"{r['donor']} -> {r['recipient']}").items()
+    }
+    return figures
+
+
+def _group(rows: list[dict], key) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        grouped[key(row)].append(row)
+    return dict(sorted(grouped.items()))
+
+
+def summary(comparisons: pa.Table, trajectories: pa.Table, version: str,
+            transplants: pa.Table | None = None, notes: dict | None = None) -> dict:
+    result = {
         "stagereplay_version": version,
         "E1": e1_figures(comparisons),
         "E2": e2_figures(comparisons),
         "E3": e3_figures(comparisons),
-        "environment": environment(trajectories),
     }
+    if transplants is not None:
+        result["E5"] = e5_figures(transplants, notes or {})
+    result["environment"] = environment(trajectories)
+    return result
 
 
 def write_json(data: dict, path: str | Path) -> Path:

@@ -1,3 +1,4 @@
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -89,7 +90,7 @@ wildcard_constraints:
     shard=r"\d{3}",
 
 
-def runtime_args(wildcards):
+def runtime_args(wildcards, replica=None):
     args = [
         f"--checkpoint {wildcards.checkpoint}",
         f"--precision {wildcards.precision}",
@@ -98,7 +99,7 @@ def runtime_args(wildcards):
         f"--attn-implementation {RUNTIME['attn_implementation']}",
         f"--shard {int(wildcards.shard)}",
         f"--shard-size {config['shard_size']}",
-        f"--replica {int(wildcards.replica)}",
+        f"--replica {int(wildcards.replica) if replica is None else replica}",
         f"--suffix-tokens {STAGE['suffix_tokens']}",
     ]
     if RUNTIME["trust_remote_code"]:

@@ -4,12 +4,24 @@
 
 localrules:
     gather,
+    gather_transplants,
     compare,
     summary,
 
 
 def all_shard_tables():
-    return sorted(set(matched_tables() + fixed_prefix_tables() + bridge_tables()))
+    """Every trajectory table; transplant jobs add the outcome-blind checkpoint's E1 tables."""
+    tables = matched_tables() + fixed_prefix_tables() + bridge_tables()
+    if TRANSPLANT["enabled"] and BLIND_CHECKPOINT != PRIMARY:
+        tables += [
+            table
+            for shard in SHARDS
+            for table in (
+                live_table(BLIND_CHECKPOINT, MATCHED["precision"], 0, shard),
+                rebuilt_table(BLIND_CHECKPOINT, MATCHED["precision"], MATCHED["precision"], "prefill", 0, shard),
+            )
+        ]
+    return sorted(set(tables))
 
 
 rule gather:
@@ -51,12 +63,32 @@ rule compare:
         " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
+rule gather_transplants:
+    input:
+        transplant_tables(),
+    output:
+        ledger("tables", "transplants.parquet"),
+    log:
+        ledger("logs", "gather_transplants.log"),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "{STAGEREPLAY} gather --table transplants --out {output:q} {input:q} > {log:q} 2>&1"
+        " || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+
+
 rule summary:
     input:
         trajectories=rules.gather.output,
         comparisons=rules.compare.output,
+        transplants=rules.gather_transplants.output if TRANSPLANT["enabled"] else [],
     output:
         ledger("summary.json"),
+    params:
+        transplants=lambda wildcards, input: f"--transplants {input.transplants}" if TRANSPLANT["enabled"] else "",
+        note=shlex.quote(outcome_blind_note()),
     log:
         ledger("logs", "summary.log"),
     threads: 1
@@ -65,4 +97,4 @@ rule summary:
         runtime=10,
     shell:
         "{STAGEREPLAY} summarize --trajectories {input.trajectories:q} --comparisons {input.comparisons:q}"
-        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " {params.transplants} --outcome-blind-note {params.note} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
