@@ -118,11 +118,11 @@ def test_adding_a_precision_schedules_only_its_jobs(completed, tmp_path):
                           fixed_prefix={"precisions": ["bf16", "fp32", "fp16"]})
     result = snakemake(workdir, config, "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
-    # fp16: E3 live (2 shards); E2 incremental and prefill + E3 incremental (3 x 2 shards).
-    assert job_counts(result) == {"live": 2, "rebuild": 6, "gather": 1, "compare": 1, "summary": 1, "all": 1}
+    # fp16 only: E3 live; E2 incremental and prefill; E3 incremental over the fp16 live prefix.
+    assert job_counts(result) == {"live": 1, "rebuild": 3, "gather": 1, "compare": 1, "summary": 1, "all": 1}
     outputs = [line.split(":", 1)[1].strip() for line in result.stdout.splitlines() if line.strip().startswith("output:")]
     run_tables = [path for path in outputs if "/runs/" in path]
-    assert len(run_tables) == 8 and all("/fp16/" in path for path in run_tables)
+    assert len(run_tables) == 4 and all("/fp16/" in path for path in run_tables)
 
 
 def test_removing_a_precision_recomputes_only_the_gathering(completed, tmp_path):
