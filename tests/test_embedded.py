@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors import safe_open
 
-from workflow_helpers import REPO, snakemake, write_config
+from workflow_helpers import snakemake, write_config
 
 pytestmark = pytest.mark.slow
 

@@ -205,7 +205,7 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
                          suffix_tokens: int, store_root: str | Path, out_path: str | Path) -> Path:
     """Transplant donor caches into recipient states and continue in the recipient's precision."""
     from .cache import TransplantSpec, transplant
-    from .compare import Side, first_divergence
+    from .compare import first_divergence
     from .ledger import TRANSPLANT_SCHEMA
     from .transplants import check_plan, left_both, outcome, sweep_specs
 
