@@ -18,6 +18,7 @@ def test_embedded_default_runs_end_to_end(tmp_path):
     config = write_config(
         tmp_path / "config.yaml", base="config/config.yaml", ledger_dir=str(ledger),
         items={"limit": 2}, stage={"max_new_tokens": 12, "suffix_tokens": 12}, shard_size=2,
+        transplant={"outcome_blind": {"checkpoint": None, "sample": 2, "seed": 0}},
     )
     result = snakemake(tmp_path, config)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -32,6 +33,12 @@ def test_embedded_default_runs_end_to_end(tmp_path):
     assert e1["items"] == 2
     assert e1["replicas_exact"]["live"] == {"exact": 2, "n": 2}
     assert e1["replicas_exact"]["prefill"] == {"exact": 2, "n": 2}
+
+    summary = json.loads((ledger / "summary.json").read_text())
+    assert summary["E3"]["precisions"]["bf16"]["bit_exact"] == {"exact": 2, "n": 2}
+    assert summary["E3"]["precisions"]["fp32"]["bit_exact"] == {"exact": 2, "n": 2}
+    transplants = pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
+    assert {row["selection"] for row in transplants} >= {"outcome_blind"}
 
     rows = pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
     assert {row["model_fingerprint"] for row in rows} == {record["fingerprint"]}
