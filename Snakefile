@@ -18,6 +18,7 @@ include: "workflow/rules/fixed_prefix.smk"
 include: "workflow/rules/bridge.smk"
 include: "workflow/rules/transplant.smk"
 include: "workflow/rules/ledger.smk"
+include: "workflow/rules/audit.smk"
 
 
 rule all:

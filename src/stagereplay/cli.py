@@ -90,7 +90,7 @@ def cmd_rebuild(args) -> None:
     from .shards import run_construction_shard
 
     run_construction_shard(args.model_record, args.items, args.source_shard, args.construction, _spec(args),
-                           _runtime(args), args.suffix_tokens, args.store, args.out)
+                           _runtime(args), args.suffix_tokens, args.store, args.out, args.source_store)
 
 
 def cmd_select_transplants(args) -> None:
@@ -122,7 +122,8 @@ def cmd_transplant(args) -> None:
             kv_only=args.kv_only, windows=tuple(args.windows),
         )
     job = TransplantJob(args.selection, frozenset(item_ids), tuple(tuple(pair) for pair in args.pair), plan)
-    run_transplant_shard(args.model_record, job, _spec(args), _runtime(args), args.suffix_tokens, args.store, args.out)
+    run_transplant_shard(args.model_record, job, _spec(args), _runtime(args), args.suffix_tokens, args.store, args.out,
+                         args.source_store)
 
 
 def cmd_gather(args) -> None:
@@ -155,6 +156,29 @@ def cmd_summarize(args) -> None:
     write_json(summary(comparisons, trajectories, __version__, transplants, notes), args.out)
 
 
+def cmd_verify(args) -> int:
+    from .verify import verify_ledger
+
+    report = verify_ledger(args.ledger_dir)
+    for fault in report.faults:
+        print(f"stagereplay: fault: {fault}", file=sys.stderr)
+    print(report.summary_line(), file=sys.stderr if report.faults else sys.stdout)
+    return 1 if report.faults else 0
+
+
+def cmd_audit(args) -> None:
+    from .audit import add_to_summary, audit_ledger, audit_rows, e4_figures, verdict
+    from .ledger import AUDIT_SCHEMA, write_table
+
+    rows = audit_rows(audit_ledger(args.ledger, args.audit_dir))
+    runtime = json.loads(args.audit_runtime) if args.audit_runtime else None
+    figures = e4_figures(rows, runtime)
+    # summary.json first: the audit table, written last, stays newer than its inputs.
+    add_to_summary(args.summary, figures)
+    write_table(rows, AUDIT_SCHEMA, args.out)
+    print(verdict(figures))
+
+
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-record", required=True, help="model.json written by register-model")
     parser.add_argument("--items", required=True, help="normalised items.jsonl")
@@ -169,6 +193,8 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=int, required=True)
     parser.add_argument("--suffix-tokens", type=int, required=True, help="budget of the continuation after the boundary")
     parser.add_argument("--store", required=True, help="object store directory")
+    parser.add_argument("--source-store", default=None,
+                        help="store the saved prefixes and caches are read from (default: --store; the audit reads the saved ledger)")
     parser.add_argument("--out", required=True, help="shard table to write (Parquet)")
 
 
@@ -287,6 +313,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outcome-blind-note", default=None, help="a plain statement about the outcome-blind checkpoint")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_summarize)
+
+    p = sub.add_parser("verify", help="check a saved ledger without a model: objects, tables, rows, counts (exit 1 on a fault)")
+    p.add_argument("ledger_dir", help="the ledger_dir of a run, e.g. ledger")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("audit", help="E4: compare the saved ledger with its recomputation in the audit tree")
+    p.add_argument("--ledger", required=True, help="the saved ledger directory")
+    p.add_argument("--audit-dir", required=True, help="the audit tree the workflow recomputed (ledger/audit)")
+    p.add_argument("--summary", required=True, help="summary.json to add E4 to")
+    p.add_argument("--audit-runtime", default=None, help="JSON of the audit's runtime overrides (recorded)")
+    p.add_argument("--out", required=True, help="audit table to write (Parquet)")
+    p.set_defaults(func=cmd_audit)
     return parser
 
 
@@ -300,11 +338,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except (CheckpointError, ConstructionError, ItemError, LedgerError, ModelError, TransplantError) as error:
         print(f"stagereplay: error: {error}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

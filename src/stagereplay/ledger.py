@@ -9,15 +9,22 @@ interrupted job never leaves anything that looks complete.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import xxhash
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .atomic import atomic_write
 from .fingerprint import fingerprint_tensors
+
+OBJECT_SUFFIX = ".safetensors"
+# Every table carries the digest of its rows in its Parquet metadata, so an edited cell is detectable.
+ROWS_DIGEST_KEY = b"stagereplay.rows_xxh3"
 
 
 class LedgerError(RuntimeError):
@@ -29,9 +36,9 @@ class ObjectStore:
         self.root = Path(root)
 
     def path_for(self, object_id: str) -> Path:
-        if len(object_id) != 32 or any(c not in "0123456789abcdef" for c in object_id):
+        if not is_object_id(object_id):
             raise LedgerError(f"malformed object id {object_id!r} — ledger rows must name 32-hex-digit xxh3-128 ids")
-        return self.root / object_id[:2] / f"{object_id}.safetensors"
+        return self.root / object_id[:2] / f"{object_id}{OBJECT_SUFFIX}"
 
     def put(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], object_id: str | None = None) -> str:
         """Store tensors (on host, contiguous) under their fingerprint; a no-op if already stored.
@@ -48,10 +55,31 @@ class ObjectStore:
         return object_id
 
     def get(self, object_id: str) -> dict[str, torch.Tensor]:
+        """The tensors of an object, checked against its name: a corrupt object is never used."""
+        tensors = self.load_unchecked(object_id)
+        actual = fingerprint_tensors(tensors)
+        if actual != object_id:
+            raise LedgerError(
+                f"object {object_id} in {self.root} is corrupt (its content hashes to {actual}) — run stagereplay verify, delete it and rerun the workflow"
+            )
+        return tensors
+
+    def load_unchecked(self, object_id: str) -> dict[str, torch.Tensor]:
         path = self.path_for(object_id)
         if not path.exists():
             raise LedgerError(f"object {object_id} missing from {self.root} — rerun the workflow to recreate it")
-        return load_file(str(path))
+        try:
+            # safetensors only: a header and raw buffers, never pickle.
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as error:
+            raise LedgerError(
+                f"object {object_id} in {self.root} is unreadable ({error}) — run stagereplay verify, delete it and rerun the workflow"
+            ) from None
+
+    def object_ids(self) -> list[str]:
+        """Every stored object, by id (temporary files of interrupted writes are not objects)."""
+        return sorted(path.name.removesuffix(OBJECT_SUFFIX) for path in self.root.glob(f"??/*{OBJECT_SUFFIX}")
+                      if not path.name.startswith("."))
 
     def put_tokens(self, tokens, metadata: dict[str, str]) -> str:
         return self.put({"tokens": torch.tensor(list(tokens), dtype=torch.int64)}, {"kind": "tokens", **metadata})
@@ -167,12 +195,55 @@ TRANSPLANT_SCHEMA = pa.schema([
     ("transformers_version", pa.string()),
 ])
 
-SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "comparisons": COMPARISON_SCHEMA, "transplants": TRANSPLANT_SCHEMA}
+# One row per checkpoint and item: the integers every stage (and the audit) starts from.
+PROMPT_SCHEMA = pa.schema([
+    ("item_id", pa.string()),
+    ("prompt_tokens", pa.list_(pa.int64())),
+    ("prompt_fingerprint", pa.string()),
+])
+
+# One row per audited artifact (E4): a saved fingerprint against its recomputation.
+AUDIT_SCHEMA = pa.schema([
+    ("kind", pa.string()),  # trajectory, comparison, transplant, selection or model
+    ("artifact", pa.string()),  # prefix, cache, layer_k, layer_v, suffix, label, comparison, ...
+    ("checkpoint", pa.string()),
+    ("item_id", pa.string()),
+    ("side", pa.string()),  # the row's label, e.g. "live/bf16/rep0" or "selected: live/bf16/rep0 -> prefill/bf16/rep0<-bf16"
+    ("reproduced", pa.bool_()),
+    ("saved", pa.string()),  # the saved fingerprint (or value) of the first difference
+    ("audited", pa.string()),
+    ("first_differing_layer", pa.int32()),
+    ("first_differing_position", pa.int32()),
+    ("detail", pa.string()),
+    ("environment_differs", pa.bool_()),  # device, threads, attention or versions differ from the saved row
+    ("environment", pa.string()),  # e.g. "threads 1 -> 2"
+])
+
+SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "comparisons": COMPARISON_SCHEMA, "transplants": TRANSPLANT_SCHEMA,
+           "prompts": PROMPT_SCHEMA, "audit": AUDIT_SCHEMA}
+
+
+def is_object_id(text: str) -> bool:
+    return isinstance(text, str) and len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
+def rows_digest(table: pa.Table) -> str:
+    """xxh3-128 over the rows as canonical JSON: the same for any chunking or file layout."""
+    canonical = json.dumps(table.to_pylist(), sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(canonical.encode())
+
+
+def stored_rows_digest(table: pa.Table) -> str | None:
+    metadata = table.schema.metadata or {}
+    digest = metadata.get(ROWS_DIGEST_KEY)
+    return digest.decode() if digest is not None else None
 
 
 def write_table(rows: list[dict], schema: pa.Schema, path: str | Path) -> Path:
-    """Write rows as Parquet with ``schema``, atomically."""
+    """Write rows as Parquet with ``schema`` and the digest of its rows, atomically."""
     table = pa.Table.from_pylist(rows, schema=schema)
+    # The digest is taken after conversion (float32 rounding included), so reading back reproduces it.
+    table = table.replace_schema_metadata({ROWS_DIGEST_KEY: rows_digest(table).encode()})
     return atomic_write(path, lambda temporary: pq.write_table(table, temporary))
 
 
@@ -180,7 +251,10 @@ def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
     path = Path(path)
     if not path.exists():
         raise LedgerError(f"ledger table {path} not found — run the workflow to create it")
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        raise LedgerError(f"ledger table {path} is unreadable ({error}) — delete it and rerun the workflow") from None
     if schema is not None and not table.schema.equals(schema):
         raise LedgerError(f"ledger table {path} does not have the expected schema — rerun the workflow to rebuild it")
     return table

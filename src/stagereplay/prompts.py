@@ -8,19 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pyarrow as pa
 from transformers import AutoConfig, AutoTokenizer
 
 from . import items as items_mod
 from .fingerprint import fingerprint_tokens
-from .ledger import write_table
+from .ledger import PROMPT_SCHEMA, write_table
 from .model import ModelError
-
-PROMPT_SCHEMA = pa.schema([
-    ("item_id", pa.string()),
-    ("prompt_tokens", pa.list_(pa.int64())),
-    ("prompt_fingerprint", pa.string()),
-])
 
 
 def encode_prompt(tokenizer, item: items_mod.Item, use_chat_template: bool) -> list[int]:

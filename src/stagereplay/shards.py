@@ -156,8 +156,12 @@ def run_live_shard(model_record: str | Path, items_path: str | Path, prompts_pat
 
 def run_construction_shard(model_record: str | Path, items_path: str | Path, source_shard: str | Path,
                            construction: str, spec: ShardSpec, runtime: Runtime, suffix_tokens: int,
-                           store_root: str | Path, out_path: str | Path) -> Path:
-    """Rebuild each boundary state of a live shard from its saved integer prefix, then continue."""
+                           store_root: str | Path, out_path: str | Path, source_store_root: str | Path | None = None) -> Path:
+    """Rebuild each boundary state of a live shard from its saved integer prefix, then continue.
+
+    Prefixes are read from ``source_store_root`` (default: the store written to), so the
+    audit can rebuild from the saved ledger into a separate store.
+    """
     parse_construction(construction)
     record = read_model_record(model_record)
     items = {item.item_id: item for item in items_mod.load_items(items_path)}
@@ -165,6 +169,7 @@ def run_construction_shard(model_record: str | Path, items_path: str | Path, sou
     if any(row["construction"] != "live" for row in source):
         raise LedgerError(f"{source_shard} is not a live shard — rebuild constructions only from saved live prefixes")
     store = ObjectStore(store_root)
+    source_store = ObjectStore(source_store_root or store_root)
     loaded = load_model(record["folder"], runtime)
     prefix_precision = source[0]["precision"] if source else spec.precision
     recorder = ShardRecorder(loaded, record, spec, store, construction, prefix_precision)
@@ -175,7 +180,7 @@ def run_construction_shard(model_record: str | Path, items_path: str | Path, sou
             raise LedgerError(
                 f"item {row['item_id']}: saved prefix came from model {row['model_fingerprint']}, not {record['fingerprint']} — rerun the live stage for this checkpoint"
             )
-        prefix = tuple(store.get_tokens(row["prefix_object"]))
+        prefix = tuple(source_store.get_tokens(row["prefix_object"]))
         started = time.perf_counter()
         state = build_boundary_state(loaded.model, list(prefix), construction, row["prompt_length"])
         suffix = _continue(loaded, state, prefix, row["boundary_reason"], suffix_tokens, eos, on_token)
@@ -202,8 +207,12 @@ class TransplantJob:
 
 
 def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: ShardSpec, runtime: Runtime,
-                         suffix_tokens: int, store_root: str | Path, out_path: str | Path) -> Path:
-    """Transplant donor caches into recipient states and continue in the recipient's precision."""
+                         suffix_tokens: int, store_root: str | Path, out_path: str | Path,
+                         source_store_root: str | Path | None = None) -> Path:
+    """Transplant donor caches into recipient states and continue in the recipient's precision.
+
+    Caches and prefixes are read from ``source_store_root`` (default: the store written to).
+    """
     from .cache import TransplantSpec, transplant
     from .compare import first_divergence
     from .ledger import TRANSPLANT_SCHEMA
@@ -211,6 +220,7 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
 
     record = read_model_record(model_record)
     store = ObjectStore(store_root)
+    source_store = ObjectStore(source_store_root or store_root)
     loaded = load_model(record["folder"], runtime)
     if job.plan:
         check_plan(job.plan, loaded.model.config.get_text_config().num_hidden_layers)
@@ -230,9 +240,9 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
                 raise LedgerError(
                     f"item {row['item_id']}: donor and recipient must come from checkpoint {record['fingerprint']} — transplant only within one checkpoint"
                 )
-        donor_state = KVState.from_named_tensors(store.get(donor["cache_object"]))
-        recipient_state = KVState.from_named_tensors(store.get(recipient["cache_object"]))
-        prefix = store.get_tokens(recipient["prefix_object"])
+        donor_state = KVState.from_named_tensors(source_store.get(donor["cache_object"]))
+        recipient_state = KVState.from_named_tensors(source_store.get(recipient["cache_object"]))
+        prefix = source_store.get_tokens(recipient["prefix_object"])
         if donor["prefix_object"] != recipient["prefix_object"]:
             raise LedgerError(f"item {donor['item_id']}: donor and recipient prefixes differ — transplant only over one prefix")
         subsets = sweep_specs(recipient_state.num_layers, job.plan) if job.plan else [

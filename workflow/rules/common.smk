@@ -90,19 +90,19 @@ wildcard_constraints:
     shard=r"\d{3}",
 
 
-def runtime_args(wildcards, replica=None):
+def runtime_args(wildcards, replica=None, runtime=RUNTIME):
     args = [
         f"--checkpoint {wildcards.checkpoint}",
         f"--precision {wildcards.precision}",
-        f"--device {RUNTIME['device']}",
-        f"--threads {RUNTIME['threads']}",
-        f"--attn-implementation {RUNTIME['attn_implementation']}",
+        f"--device {runtime['device']}",
+        f"--threads {runtime['threads']}",
+        f"--attn-implementation {runtime['attn_implementation']}",
         f"--shard {int(wildcards.shard)}",
         f"--shard-size {config['shard_size']}",
         f"--replica {int(wildcards.replica) if replica is None else replica}",
         f"--suffix-tokens {STAGE['suffix_tokens']}",
     ]
-    if RUNTIME["trust_remote_code"]:
+    if runtime["trust_remote_code"]:
         args.append("--trust-remote-code")
     return " ".join(args)
 

@@ -55,6 +55,7 @@ rule rebuild:
         runtime=runtime_args,
         construction=lambda wildcards: wildcards.construction.replace("-", ":"),
         store=ledger("objects"),
+        source_store=ledger("objects"),
     log:
         ledger(
             "logs", "rebuild", "{checkpoint}", "{prefix_precision}-prefix", "{precision}", "{construction}",
@@ -70,5 +71,6 @@ rule rebuild:
         **MODEL_RESOURCES,
     shell:
         "{STAGEREPLAY} rebuild --model-record {input.model:q} --items {input.item_file:q} --source-shard {input.source:q}"
-        " --construction {params.construction} {params.runtime} --store {params.store:q} --out {output:q}"
+        " --construction {params.construction} {params.runtime} --store {params.store:q}"
+        " --source-store {params.source_store:q} --out {output:q}"
         " 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"

@@ -109,6 +109,7 @@ rule transplant:
         pairs=lambda wildcards: " ".join(f"--pair {donor} {recipient}" for donor, recipient in transplant_pairs(wildcards)),
         sweep=lambda wildcards: sweep_args() if wildcards.selection == "selected" else "",
         store=ledger("objects"),
+        source_store=ledger("objects"),
     log:
         ledger("logs", "transplant", "{selection}", "{checkpoint}", "{precision}", "shard-{shard}.log"),
     benchmark:
@@ -119,7 +120,8 @@ rule transplant:
     shell:
         "{STAGEREPLAY} transplant --model-record {input.model:q} --items {input.item_file:q}"
         " --selection {wildcards.selection} --selection-file {input.selection:q} {params.pairs} {params.sweep}"
-        " {params.runtime} --store {params.store:q} --out {output:q} 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " {params.runtime} --store {params.store:q} --source-store {params.source_store:q}"
+        " --out {output:q} 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 def transplant_tables():

@@ -1,0 +1,293 @@
+"""E4: compare the saved ledger with its recomputation, fingerprint by fingerprint.
+
+The audit tree (``<ledger>/audit/``) is rebuilt by the workflow's own rules from
+the saved inputs only: prompt tokens, saved live prefixes, saved caches and the
+saved selection. Here every saved row is matched with its recomputed twin and
+every artifact compared: prefix tokens, each layer's K and V, the cache digest,
+suffix tokens, labels, comparison rows, transplant outcomes, the E5 selection and
+the model fingerprint. A difference of environment (device, threads, attention,
+versions) is recorded beside each row, apart from a difference of result.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from .compare import Side, first_divergence
+from .ledger import (
+    AUDIT_SCHEMA,
+    COMPARISON_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    TRANSPLANT_SCHEMA,
+    LedgerError,
+    ObjectStore,
+    read_table,
+)
+
+ENVIRONMENT = ("device", "device_name", "threads", "attn_implementation", "tf32", "deterministic", "torch_version",
+               "transformers_version")
+MISMATCHES_LISTED = 50
+
+
+@dataclass(frozen=True)
+class Check:
+    """One audited artifact of one saved row."""
+
+    kind: str
+    artifact: str
+    checkpoint: str | None
+    item_id: str | None
+    side: str
+    reproduced: bool
+    saved: str | None = None
+    audited: str | None = None
+    first_differing_layer: int | None = None
+    first_differing_position: int | None = None
+    detail: str | None = None
+    environment_differs: bool = False
+    environment: str | None = None
+
+
+def environment_difference(saved: dict, audited: dict) -> str | None:
+    changes = [f"{name} {saved[name]} -> {audited[name]}" for name in ENVIRONMENT
+               if name in saved and saved[name] != audited[name]]
+    return "; ".join(changes) or None
+
+
+def _same(kind: str, artifact: str, where: dict, saved, audited, **extra) -> Check:
+    return Check(kind, artifact, **where, reproduced=saved == audited, saved=None if saved == audited else str(saved),
+                 audited=None if saved == audited else str(audited), **extra)
+
+
+def _layers(kind: str, artifact: str, where: dict, saved: list[str], audited: list[str], **extra) -> Check:
+    layer = first_divergence(list(saved), list(audited))
+    return Check(kind, artifact, **where, reproduced=layer is None,
+                 saved=None if layer is None else (saved[layer] if layer < len(saved) else f"{len(saved)} layers"),
+                 audited=None if layer is None else (audited[layer] if layer < len(audited) else f"{len(audited)} layers"),
+                 first_differing_layer=layer, **extra)
+
+
+def _tokens(kind: str, artifact: str, where: dict, saved_id: str, audited_id: str, saved: list[int], audited: list[int],
+            **extra) -> Check:
+    position = None if saved_id == audited_id else first_divergence(list(saved), list(audited))
+    detail = None
+    if position is not None and position < min(len(saved), len(audited)):
+        detail = f"token {saved[position]} saved, {audited[position]} recomputed"
+    elif saved_id != audited_id:
+        detail = f"{len(saved)} tokens saved, {len(audited)} recomputed"
+    return Check(kind, artifact, **where, reproduced=saved_id == audited_id,
+                 saved=None if saved_id == audited_id else saved_id,
+                 audited=None if saved_id == audited_id else audited_id,
+                 first_differing_position=position, detail=detail, **extra)
+
+
+def _missing(kind: str, where: dict, saved: bool) -> Check:
+    detail = "missing from the audit tree" if saved else "recomputed, but not in the saved ledger"
+    return Check(kind, kind, **where, reproduced=False, detail=detail)
+
+
+def _match(saved_rows: list[dict], audited_rows: list[dict], key) -> tuple[list[tuple[dict, dict]], list[dict], list[dict]]:
+    audited = {key(row): row for row in audited_rows}
+    saved_keys = {key(row) for row in saved_rows}
+    pairs = [(row, audited[key(row)]) for row in saved_rows if key(row) in audited]
+    return pairs, [row for row in saved_rows if key(row) not in audited], [r for r in audited_rows if key(r) not in saved_keys]
+
+
+def _side_label(row: dict) -> str:
+    return Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
+
+
+def _trajectory_key(row: dict) -> tuple:
+    return (row["checkpoint"], row["construction"], row["precision"], row["prefix_precision"], row["replica"], row["item_id"])
+
+
+def audit_trajectories(saved: pa.Table, audited: pa.Table, saved_store: ObjectStore, audit_store: ObjectStore) -> list[Check]:
+    checks = []
+    pairs, missing, extra = _match(saved.to_pylist(), audited.to_pylist(), _trajectory_key)
+    for row in missing + extra:
+        checks.append(_missing("trajectory", {"checkpoint": row["checkpoint"], "item_id": row["item_id"],
+                                              "side": _side_label(row)}, saved=row in missing))
+    for old, new in pairs:
+        where = {"checkpoint": old["checkpoint"], "item_id": old["item_id"], "side": _side_label(old)}
+        environment = environment_difference(old, new)
+        extra_fields = {"environment_differs": environment is not None, "environment": environment}
+        prefix_old = saved_store.get_tokens(old["prefix_object"]) if old["prefix_object"] != new["prefix_object"] else []
+        prefix_new = audit_store.get_tokens(new["prefix_object"]) if old["prefix_object"] != new["prefix_object"] else []
+        checks += [
+            _same("trajectory", "model_fingerprint", where, old["model_fingerprint"], new["model_fingerprint"],
+                  **extra_fields),
+            _tokens("trajectory", "prefix", where, old["prefix_object"], new["prefix_object"], prefix_old, prefix_new,
+                    **extra_fields),
+            _same("trajectory", "cache", where, old["cache_object"], new["cache_object"], **extra_fields),
+            _layers("trajectory", "layer_k", where, old["layer_k"], new["layer_k"], **extra_fields),
+            _layers("trajectory", "layer_v", where, old["layer_v"], new["layer_v"], **extra_fields),
+            _tokens("trajectory", "suffix", where, old["suffix_object"], new["suffix_object"], old["suffix_tokens"],
+                    new["suffix_tokens"], **extra_fields),
+            _same("trajectory", "label", where, (old["answer"], old["correct"]), (new["answer"], new["correct"]),
+                  **extra_fields),
+        ]
+    return checks
+
+
+def _comparison_key(row: dict) -> tuple:
+    return (row["experiment"], row["relation"], row["checkpoint"], row["precision"], row["item_id"], row["a"], row["b"])
+
+
+def audit_comparisons(saved: pa.Table, audited: pa.Table) -> list[Check]:
+    checks = []
+    pairs, missing, extra = _match(saved.to_pylist(), audited.to_pylist(), _comparison_key)
+    for row in missing + extra:
+        checks.append(_missing("comparison", {"checkpoint": row["checkpoint"], "item_id": row["item_id"],
+                                              "side": f"{row['experiment']}: {row['a']} vs {row['b']}"}, saved=row in missing))
+    for old, new in pairs:
+        differing = [name for name in old if old[name] != new[name]]
+        checks.append(Check(
+            "comparison", "comparison", old["checkpoint"], old["item_id"], f"{old['experiment']}: {old['a']} vs {old['b']}",
+            reproduced=not differing, detail=f"fields differ: {', '.join(differing)}" if differing else None,
+            first_differing_layer=old["first_differing_layer"] if "cache_exact" in differing else None,
+        ))
+    return checks
+
+
+def _transplant_key(row: dict) -> tuple:
+    return (row["selection"], row["checkpoint"], row["item_id"], row["donor"], row["recipient"], row["precision"],
+            row["subset"])
+
+
+def audit_transplants(saved: pa.Table, audited: pa.Table) -> list[Check]:
+    checks = []
+    pairs, missing, extra = _match(saved.to_pylist(), audited.to_pylist(), _transplant_key)
+    label = lambda row: f"{row['selection']}: {row['donor']} -> {row['recipient']} {row['subset']}"  # noqa: E731
+    for row in missing + extra:
+        checks.append(_missing("transplant", {"checkpoint": row["checkpoint"], "item_id": row["item_id"],
+                                              "side": label(row)}, saved=row in missing))
+    for old, new in pairs:
+        where = {"checkpoint": old["checkpoint"], "item_id": old["item_id"], "side": label(old)}
+        environment = environment_difference(old, new)
+        extra_fields = {"environment_differs": environment is not None, "environment": environment}
+        checks += [
+            _layers("transplant", "transplant_cache", where, old["layer_k"] + old["layer_v"],
+                    new["layer_k"] + new["layer_v"], **extra_fields),
+            _tokens("transplant", "transplant_suffix", where, old["suffix_object"], new["suffix_object"],
+                    old["suffix_tokens"], new["suffix_tokens"], **extra_fields),
+            _same("transplant", "outcome", where, old["outcome"], new["outcome"], **extra_fields),
+        ]
+    return checks
+
+
+def audit_selection(saved: dict, audited: dict) -> list[Check]:
+    return [
+        _same("selection", "selection", {"checkpoint": saved[name].get("checkpoint"), "item_id": None, "side": name},
+              saved[name]["item_ids"], audited[name]["item_ids"])
+        for name in sorted(saved)
+    ]
+
+
+def audit_models(saved_records: dict[str, dict], audited_records: dict[str, dict]) -> list[Check]:
+    return [
+        _same("model", "model_folder", {"checkpoint": name, "item_id": None, "side": record["folder"]},
+              record["fingerprint"], audited_records[name]["fingerprint"])
+        for name, record in sorted(saved_records.items())
+    ]
+
+
+def _records(root: Path) -> dict[str, dict]:
+    return {path.parent.name: json.loads(path.read_text()) for path in sorted(root.glob("models/*/model.json"))}
+
+
+def audit_ledger(ledger: str | Path, audit_dir: str | Path) -> list[Check]:
+    """Every check of the saved ledger at ``ledger`` against its recomputation in ``audit_dir``."""
+    ledger, audit_dir = Path(ledger), Path(audit_dir)
+    saved_store, audit_store = ObjectStore(ledger / "objects"), ObjectStore(audit_dir / "objects")
+    checks = audit_models(_records(ledger), _records(audit_dir))
+    checks += audit_trajectories(read_table(ledger / "tables/trajectories.parquet", TRAJECTORY_SCHEMA),
+                                 read_table(audit_dir / "tables/trajectories.parquet", TRAJECTORY_SCHEMA),
+                                 saved_store, audit_store)
+    checks += audit_comparisons(read_table(ledger / "tables/comparisons.parquet", COMPARISON_SCHEMA),
+                                read_table(audit_dir / "tables/comparisons.parquet", COMPARISON_SCHEMA))
+    if (ledger / "tables/transplants.parquet").exists():
+        checks += audit_transplants(read_table(ledger / "tables/transplants.parquet", TRANSPLANT_SCHEMA),
+                                    read_table(audit_dir / "tables/transplants.parquet", TRANSPLANT_SCHEMA))
+        checks += audit_selection(json.loads((ledger / "transplants/selection.json").read_text()),
+                                  json.loads((audit_dir / "transplants/selection.json").read_text()))
+    return checks
+
+
+def audit_rows(checks: list[Check]) -> list[dict]:
+    return [asdict(check) for check in checks]
+
+
+def _describe(check: dict) -> str:
+    where = " ".join(part for part in (
+        f"item {check['item_id']}" if check["item_id"] else None, check["side"], check["artifact"],
+        f"first differing layer {check['first_differing_layer']}" if check["first_differing_layer"] is not None else None,
+        f"first differing position {check['first_differing_position']}" if check["first_differing_position"] is not None else None,
+        check["detail"],
+    ) if part)
+    return where
+
+
+def e4_figures(rows: list[dict], audit_runtime: dict | None = None) -> dict:
+    """Reproduced x/N per artifact kind, per trajectory and per item; mismatches and environment differences."""
+    by_artifact: dict[str, list[bool]] = defaultdict(list)
+    by_trajectory: dict[tuple, bool] = {}
+    by_item: dict[tuple, bool] = {}
+    for row in rows:
+        by_artifact[row["artifact"]].append(row["reproduced"])
+        if row["kind"] == "trajectory":
+            key = (row["checkpoint"], row["item_id"], row["side"])
+            by_trajectory[key] = by_trajectory.get(key, True) and row["reproduced"]
+        if row["item_id"] is not None:
+            key = (row["checkpoint"], row["item_id"])
+            by_item[key] = by_item.get(key, True) and row["reproduced"]
+    mismatches = [row for row in rows if not row["reproduced"]]
+    environment = Counter(row["environment"] for row in rows if row["environment_differs"])
+    figures = {
+        "name": "audit",
+        "status": "reproduced" if not mismatches else "differences found",
+        "method": "every saved row recomputed from its saved inputs into audit/, every fingerprint compared",
+        "items": {"reproduced": sum(by_item.values()), "n": len(by_item)},
+        "trajectories": {"reproduced": sum(by_trajectory.values()), "n": len(by_trajectory)},
+        "artifacts": {name: {"reproduced": sum(values), "n": len(values)} for name, values in sorted(by_artifact.items())},
+        "mismatches": [
+            {key: row[key] for key in ("kind", "artifact", "checkpoint", "item_id", "side", "first_differing_layer",
+                                       "first_differing_position", "detail", "saved", "audited")}
+            for row in mismatches[:MISMATCHES_LISTED]
+        ],
+        "mismatches_not_listed": max(len(mismatches) - MISMATCHES_LISTED, 0),
+        "environment_differences": [{"difference": text, "rows": count} for text, count in sorted(environment.items())],
+    }
+    if audit_runtime:
+        figures["audit_runtime"] = audit_runtime
+    return figures
+
+
+def verdict(figures: dict) -> str:
+    artifacts = sum(entry["n"] for entry in figures["artifacts"].values())
+    reproduced = sum(entry["reproduced"] for entry in figures["artifacts"].values())
+    line = (f"E4 audit: {reproduced}/{artifacts} artifacts reproduced; trajectories "
+            f"{figures['trajectories']['reproduced']}/{figures['trajectories']['n']}, items "
+            f"{figures['items']['reproduced']}/{figures['items']['n']}")
+    if figures["mismatches"]:
+        line += f"; first mismatch: {_describe(figures['mismatches'][0])}"
+    if figures["environment_differences"]:
+        line += f"; environment differs ({figures['environment_differences'][0]['difference']})"
+    return line
+
+
+def add_to_summary(summary_path: str | Path, figures: dict) -> None:
+    """Put E4 into summary.json (the summary rule drops it again whenever the ledger changes)."""
+    from .summary import write_json
+
+    path = Path(summary_path)
+    if not path.exists():
+        raise LedgerError(f"{path} not found — run snakemake on the same config before the audit")
+    summary = json.loads(path.read_text())
+    summary["E4"] = figures
+    write_json(summary, path)
+

@@ -1,0 +1,244 @@
+"""Check a saved ledger without a model: objects, tables, rows and counts.
+
+Every object must hash to its own name, every table must be readable, have its
+schema and carry the digest of its rows, and every row must agree with the
+objects it names (cache layers, token counts and suffix tokens). A fault names
+the file (and row) and the fix; nothing is repaired or deleted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from .fingerprint import fingerprint_tensor, fingerprint_tensors
+from .ledger import (
+    AUDIT_SCHEMA,
+    COMPARISON_SCHEMA,
+    OBJECT_SUFFIX,
+    PROMPT_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    TRANSPLANT_SCHEMA,
+    LedgerError,
+    ObjectStore,
+    is_object_id,
+    read_table,
+    rows_digest,
+    stored_rows_digest,
+)
+
+RERUN = "delete it and rerun snakemake (the workflow rebuilds what is missing)"
+
+
+@dataclass(frozen=True)
+class Fault:
+    where: str
+    problem: str
+    fix: str = RERUN
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.problem} — {self.fix}"
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """What verification learnt of one object: tensor digests and shapes, and tokens if it holds any."""
+
+    layer_digests: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    tokens: tuple[int, ...] | None
+
+
+@dataclass
+class Report:
+    faults: list[Fault] = field(default_factory=list)
+    objects: int = 0
+    tables: int = 0
+    rows: int = 0
+    leftover_temporaries: int = 0
+
+    def summary_line(self) -> str:
+        checked = f"{self.objects} objects, {self.tables} tables, {self.rows} rows checked"
+        leftovers = (f"; {self.leftover_temporaries} leftover temporary files of interrupted writes (harmless)"
+                     if self.leftover_temporaries else "")
+        if self.faults:
+            return f"verify: {len(self.faults)} fault(s) — {checked}{leftovers}"
+        return f"verify: ledger OK — {checked}{leftovers}"
+
+
+def table_schema(relative: Path) -> pa.Schema | None:
+    """The schema a table must have, by where it lies in the ledger."""
+    parts = relative.parts
+    if parts[0] == "runs":
+        return TRANSPLANT_SCHEMA if parts[1] == "transplant" else TRAJECTORY_SCHEMA
+    if parts[0] == "prompts":
+        return PROMPT_SCHEMA
+    return {"trajectories.parquet": TRAJECTORY_SCHEMA, "comparisons.parquet": COMPARISON_SCHEMA,
+            "transplants.parquet": TRANSPLANT_SCHEMA, "audit.parquet": AUDIT_SCHEMA}.get(relative.name)
+
+
+def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject]:
+    known: dict[str, StoredObject] = {}
+    if not store.root.is_dir():
+        return known
+    for path in sorted(store.root.rglob("*")):
+        if not path.is_file():
+            continue
+        where = f"objects/{path.relative_to(store.root)}"
+        if path.name.startswith(".") and path.name.endswith(".tmp"):
+            report.leftover_temporaries += 1
+            continue
+        object_id = path.name.removesuffix(OBJECT_SUFFIX)
+        if not path.name.endswith(OBJECT_SUFFIX) or not is_object_id(object_id) or path.parent.name != object_id[:2]:
+            report.faults.append(Fault(where, "not an object of this store (a name must be <2 hex>/<32 hex>.safetensors)",
+                                       "move it out of the object store"))
+            continue
+        report.objects += 1
+        try:
+            tensors = store.load_unchecked(object_id)
+        except LedgerError:
+            report.faults.append(Fault(where, "unreadable safetensors file (truncated or overwritten)"))
+            continue
+        actual = fingerprint_tensors(tensors)
+        if actual != object_id:
+            report.faults.append(Fault(where, f"content hashes to {actual}, not its name (bytes flipped or edited)"))
+            continue
+        tokens = tuple(tensors["tokens"].tolist()) if set(tensors) == {"tokens"} else None
+        known[object_id] = StoredObject(
+            layer_digests={name: fingerprint_tensor(tensor) for name, tensor in tensors.items()},
+            shapes={name: tuple(tensor.shape) for name, tensor in tensors.items()},
+            tokens=tokens,
+        )
+    return known
+
+
+def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
+    tables: dict[str, pa.Table] = {}
+    candidates = [path for folder in ("tables", "runs", "prompts") for path in sorted((root / folder).rglob("*.parquet"))]
+    for path in candidates:
+        relative = path.relative_to(root)
+        schema = table_schema(relative)
+        if schema is None:
+            report.faults.append(Fault(str(relative), "not a table of this ledger", "move it out of the ledger"))
+            continue
+        report.tables += 1
+        try:
+            table = read_table(path, schema)
+        except LedgerError:
+            report.faults.append(Fault(str(relative), "unreadable Parquet, or not the schema of its place in the ledger"))
+            continue
+        expected = stored_rows_digest(table)
+        if expected is None:
+            report.faults.append(Fault(str(relative), "carries no digest of its rows (not written by stagereplay)"))
+            continue
+        if rows_digest(table) != expected:
+            report.faults.append(Fault(str(relative), "rows differ from the digest written with them (a cell was edited)"))
+            continue
+        report.rows += table.num_rows
+        tables[str(relative)] = table
+    return tables
+
+
+def _row_where(relative: str, row: dict) -> str:
+    return f"{relative} item {row['item_id']}"
+
+
+def _check_tokens(where: str, role: str, object_id: str, known: dict[str, StoredObject], faults: list[Fault],
+                  expected: list[int] | None = None, length: int | None = None) -> None:
+    stored = known.get(object_id)
+    if stored is None:
+        faults.append(Fault(where, f"{role} object {object_id} is missing or corrupt"))
+    elif stored.tokens is None:
+        faults.append(Fault(where, f"{role} object {object_id} holds no tokens"))
+    elif expected is not None and list(stored.tokens) != list(expected):
+        faults.append(Fault(where, f"{role} tokens differ from object {object_id}"))
+    elif length is not None and len(stored.tokens) != length:
+        faults.append(Fault(where, f"{role} length {length} differs from object {object_id} ({len(stored.tokens)} tokens)"))
+
+
+def _check_cache(where: str, row: dict, object_key: str, known: dict[str, StoredObject], faults: list[Fault]) -> None:
+    stored = known.get(row[object_key])
+    if stored is None:
+        faults.append(Fault(where, f"cache object {row[object_key]} is missing or corrupt"))
+        return
+    layers = len(row["layer_k"])
+    for kv, digests in (("k", row["layer_k"]), ("v", row["layer_v"])):
+        for layer, digest in enumerate(digests):
+            if stored.layer_digests.get(f"layer.{layer:03d}.{kv}") != digest:
+                faults.append(Fault(where, f"layer {layer} {kv.upper()} fingerprint differs from cache object {row[object_key]}"))
+                return
+    if len(stored.layer_digests) != 2 * layers:
+        faults.append(Fault(where, f"cache object {row[object_key]} holds {len(stored.layer_digests) // 2} layers, the row {layers}"))
+
+
+def verify_rows(tables: dict[str, pa.Table], known: dict[str, StoredObject], report: Report) -> None:
+    faults = report.faults
+    for relative, table in tables.items():
+        schema = table.schema
+        rows = table.to_pylist()
+        if schema.equals(TRAJECTORY_SCHEMA):
+            keys = Counter((r["checkpoint"], r["construction"], r["precision"], r["prefix_precision"], r["replica"],
+                            r["item_id"]) for r in rows)
+            for row in rows:
+                where = _row_where(relative, row)
+                _check_tokens(where, "prefix", row["prefix_object"], known, faults, length=row["prefix_length"])
+                _check_tokens(where, "suffix", row["suffix_object"], known, faults, expected=row["suffix_tokens"])
+                _check_cache(where, row, "cache_object", known, faults)
+                stored = known.get(row["cache_object"])
+                if stored is not None and stored.shapes.get("layer.000.k", (0, 0, -1))[-2] != row["cache_positions"]:
+                    faults.append(Fault(where, f"cache_positions {row['cache_positions']} differs from the cache object"))
+        elif schema.equals(TRANSPLANT_SCHEMA):
+            keys = Counter((r["selection"], r["checkpoint"], r["item_id"], r["donor"], r["recipient"], r["precision"],
+                            r["subset"]) for r in rows)
+            for row in rows:
+                _check_tokens(_row_where(relative, row), "transplant suffix", row["suffix_object"], known, faults,
+                              expected=row["suffix_tokens"])
+        elif schema.equals(COMPARISON_SCHEMA):
+            keys = Counter((r["experiment"], r["relation"], r["checkpoint"], r["precision"], r["item_id"], r["a"], r["b"])
+                           for r in rows)
+        elif schema.equals(PROMPT_SCHEMA):
+            keys = Counter(r["item_id"] for r in rows)
+        else:
+            keys = Counter()
+        for key, count in keys.items():
+            if count > 1:
+                faults.append(Fault(relative, f"{count} rows share the key {key}", "rebuild the table: " + RERUN))
+
+
+def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
+    """The gathered tables hold exactly rows of the shard tables (row counts and contents)."""
+    for gathered, folders in (("tables/trajectories.parquet", ("runs/live", "runs/rebuild")),
+                              ("tables/transplants.parquet", ("runs/transplant",))):
+        if gathered not in tables:
+            continue
+        shard_rows = {
+            _canonical(row)
+            for relative, table in tables.items() if relative.startswith(folders)
+            for row in table.to_pylist()
+        }
+        rows = tables[gathered].to_pylist()
+        strays = [row for row in rows if _canonical(row) not in shard_rows]
+        if strays:
+            report.faults.append(Fault(
+                gathered, f"{len(strays)} of {len(rows)} rows match no shard table (first: item {strays[0]['item_id']})",
+                "rerun snakemake --forcerun gather gather_transplants to regather"))
+
+
+def _canonical(row: dict) -> str:
+    return json.dumps(row, sort_keys=True)
+
+
+def verify_ledger(root: str | Path) -> Report:
+    root = Path(root)
+    if not root.is_dir() or not any((root / part).exists() for part in ("objects", "tables", "runs")):
+        raise LedgerError(f"no ledger at {root} (no objects/, tables/ or runs/) — pass the ledger_dir of a run, e.g. ledger")
+    report = Report()
+    known = verify_objects(ObjectStore(root / "objects"), report)
+    tables = verify_tables(root, report)
+    verify_rows(tables, known, report)
+    verify_gathered(tables, report)
+    return report
