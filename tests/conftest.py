@@ -9,6 +9,7 @@ import torch
 
 from stagereplay.checkpoints import build_random_qwen2
 from stagereplay.model import Runtime, load_model
+from workflow_helpers import snakemake, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,3 +33,18 @@ def tiny_bf16(tiny_qwen2_folder):
 def _fixed_threads():
     # Library code sets threads per job; tests must not inherit a changed count from each other.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def test_run(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """One real snakemake run of config/test.yaml (tiny random Qwen2, 4 items): (workdir, ledger, config).
+
+    Shared by every module that reads a finished ledger; tests that damage or extend
+    a ledger work on a copy (workflow_helpers.copy_run).
+    """
+    workdir = tmp_path_factory.mktemp("run")
+    ledger = workdir / "ledger"
+    config = write_config(workdir / "config.yaml", ledger_dir=str(ledger))
+    result = snakemake(workdir, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return workdir, ledger, config

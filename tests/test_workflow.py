@@ -14,13 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def completed(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("run")
-    ledger = workdir / "ledger"
-    config = write_config(workdir / "config.yaml", ledger_dir=str(ledger))
-    result = snakemake(workdir, config)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return workdir, ledger, config
+def completed(test_run):
+    return test_run
 
 
 def test_summary_holds_e1_figures(completed):
@@ -139,90 +134,6 @@ def test_a_second_run_schedules_nothing(completed):
     result = snakemake(workdir, config, "--dry-run")
     assert result.returncode == 0
     assert "Nothing to be done" in result.stdout + result.stderr
-
-
-def one_line_error(result, needle: str) -> str:
-    output = result.stdout + result.stderr
-    lines = [line for line in output.splitlines() if needle in line]
-    assert lines, output[-3000:]
-    assert "—" in lines[0], lines[0]  # the line names the fix too
-    return lines[0]
-
-
-BAD_PARSE_TIME = {
-    "schema": ({"shard_size": 0}, "shard_size"),
-    "unknown key": ({"matched": {"precison": "bf16"}}, "precison"),
-    "missing model folder": ({"checkpoints": {"mine": {"folder": "/nonexistent/model"}}}, "does not exist"),
-    "two sources": ({"checkpoints": {"mine": {"folder": "/tmp", "embedded": True}}}, "exactly one source"),
-    "unknown precision": ({"fixed_prefix": {"precisions": ["bf16", "fp8"]}}, "fp8"),
-    "unknown construction": ({"fixed_prefix": {"constructions": ["incremental", "replay"]}}, "replay"),
-    "chunk size 0": ({"fixed_prefix": {"constructions": ["incremental", "chunked:0"]}}, "chunked:0"),
-    "chunk size not a number": ({"fixed_prefix": {"constructions": ["incremental", "chunked:x"]}}, "chunked:x"),
-    "no incremental": ({"fixed_prefix": {"constructions": ["prefill", "chunked:4"]}}, "must include incremental"),
-    "outcome-blind sample too large": ({"transplant": {"outcome_blind": {"sample": 99}}}, "larger than"),
-    "layer out of range": ({"transplant": {"sweep": {"single_layers": [0, 7]}}}, "layer 7 out of range"),
-    "block larger than the model": ({"transplant": {"sweep": {"block_sizes": [3]}}}, "exceeds the model"),
-    "unknown outcome-blind checkpoint": ({"transplant": {"outcome_blind": {"checkpoint": "nope"}}}, "not in checkpoints"),
-}
-
-BAD_ITEMS = {
-    "duplicate ids": ('{"id": "a", "question": "q", "choices": ["1","2","3","4"], "answer": "A"}\n' * 2, "duplicate id"),
-    "unsafe id": ('{"id": "../x", "question": "q", "choices": ["1","2","3","4"], "answer": "A"}\n', "../x"),
-    "malformed row": ('{"id": "a", "question": "q", "choices": ["1","2","3","4"], "answer": "A"}\n{"id": "b"\n', "line 2"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(BAD_PARSE_TIME) + sorted(BAD_ITEMS))
-def test_bad_input_stops_with_one_line_and_leaves_the_ledger(case, completed, tmp_path):
-    workdir, ledger, _ = completed
-    if case in BAD_PARSE_TIME:
-        overrides, needle = BAD_PARSE_TIME[case]
-    else:
-        content, needle = BAD_ITEMS[case]
-        (tmp_path / "bad.jsonl").write_text(content)
-        overrides = {"items": {"source": str(tmp_path / "bad.jsonl"), "limit": None}}
-    config = write_config(tmp_path / "bad.yaml", ledger_dir=str(ledger), **overrides)
-    before = ledger_snapshot(ledger)
-    result = snakemake(workdir, config)
-    assert result.returncode != 0
-    one_line_error(result, needle)
-    assert ledger_snapshot(ledger) == before
-
-
-def assert_existing_files_untouched(before: dict, after: dict) -> None:
-    assert {path: digest for path, digest in after.items() if path in before} == before
-    for path in set(after) - set(before):
-        assert path.split("/")[0] in ("logs", "models", "downloads"), path
-
-
-def test_gguf_checksum_mismatch_fails_the_job_and_names_the_fix(completed, tmp_path):
-    workdir, ledger, _ = completed
-    fake = tmp_path / "model.gguf"
-    fake.write_bytes(b"GGUF not really")
-    config = write_config(
-        tmp_path / "bad.yaml", ledger_dir=str(ledger),
-        checkpoints={"fake": {"gguf": str(fake), "sha256": "0" * 64}},
-    )
-    before = ledger_snapshot(ledger)
-    result = snakemake(workdir, config)
-    assert result.returncode != 0
-    one_line_error(result, "checksum mismatch")
-    assert_existing_files_untouched(before, ledger_snapshot(ledger))
-
-
-def test_prompt_longer_than_the_context_fails_before_any_generation(completed, tmp_path):
-    workdir, ledger, _ = completed
-    config = write_config(
-        tmp_path / "bad.yaml", ledger_dir=str(ledger),
-        checkpoints={"tiny-long": {"random_qwen2": {"seed": 0}}}, stage={"suffix_tokens": 5000},
-    )
-    before = ledger_snapshot(ledger)
-    result = snakemake(workdir, config)
-    assert result.returncode != 0
-    one_line_error(result, "exceeds the model's context")
-    after = ledger_snapshot(ledger)
-    assert_existing_files_untouched(before, after)
-    assert not any(path.startswith("runs/") for path in set(after) - set(before))
 
 
 def test_ledger_dir_override_writes_elsewhere(completed, tmp_path):

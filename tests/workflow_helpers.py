@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import xxhash
 import yaml
 
@@ -23,12 +25,53 @@ def write_config(path: Path, base: str = "config/test.yaml", **overrides) -> Pat
     return path
 
 
-def snakemake(workdir: Path, configfile: Path, *extra: str, cores: int = 2) -> subprocess.CompletedProcess:
-    command = [
+def snakemake_command(workdir: Path, configfile: Path, *extra: str, cores: int = 2) -> list[str]:
+    return [
         sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(configfile),
         "--cores", str(cores), "--directory", str(workdir), *extra,
     ]
-    return subprocess.run(command, capture_output=True, text=True, cwd=workdir)
+
+
+def snakemake(workdir: Path, configfile: Path, *extra: str, cores: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run(snakemake_command(workdir, configfile, *extra, cores=cores), capture_output=True, text=True,
+                          cwd=workdir)
+
+
+def stagereplay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stagereplay", *map(str, args)], capture_output=True, text=True)
+
+
+def copy_run(workdir: Path, destination: Path) -> tuple[Path, Path]:
+    """A copy of a finished run (ledger, config and snakemake's metadata; mtimes kept) to damage or extend.
+
+    The copied config is rewritten to point at the copied ledger.
+    """
+    shutil.copytree(workdir, destination, symlinks=True)
+    config = destination / "config.yaml"
+    data = yaml.safe_load(config.read_text())
+    data["ledger_dir"] = str(destination / "ledger")
+    config.write_text(yaml.safe_dump(data))
+    return destination / "ledger", config
+
+
+# The fingerprints a rerun must reproduce, per row of each gathered table.
+FINGERPRINTS = {
+    "trajectories": (("checkpoint", "construction", "precision", "prefix_precision", "replica", "item_id"),
+                     ("model_fingerprint", "prefix_object", "cache_object", "layer_k", "layer_v", "suffix_object")),
+    "transplants": (("selection", "checkpoint", "item_id", "donor", "recipient", "precision", "subset"),
+                    ("cache_digest", "layer_k", "layer_v", "suffix_object", "outcome")),
+}
+
+
+def fingerprints(ledger: Path) -> dict[tuple, tuple]:
+    """Every fingerprint of a finished ledger, keyed by table and row identity."""
+    result = {}
+    for table, (key, values) in FINGERPRINTS.items():
+        for row in pq.read_table(ledger / "tables" / f"{table}.parquet").to_pylist():
+            result[(table, *(row[name] for name in key))] = tuple(
+                tuple(row[name]) if isinstance(row[name], list) else row[name] for name in values
+            )
+    return result
 
 
 def ledger_snapshot(ledger: Path) -> dict[str, str]:

@@ -20,7 +20,6 @@ import pyarrow as pa
 
 from .compare import Side, first_divergence
 from .ledger import (
-    AUDIT_SCHEMA,
     COMPARISON_SCHEMA,
     TRAJECTORY_SCHEMA,
     TRANSPLANT_SCHEMA,
@@ -91,11 +90,25 @@ def _missing(kind: str, where: dict, saved: bool) -> Check:
     return Check(kind, kind, **where, reproduced=False, detail=detail)
 
 
-def _match(saved_rows: list[dict], audited_rows: list[dict], key) -> tuple[list[tuple[dict, dict]], list[dict], list[dict]]:
-    audited = {key(row): row for row in audited_rows}
+def _paired(kind: str, saved: pa.Table, audited: pa.Table, key, label) -> tuple[list[tuple], list[Check]]:
+    """Each saved row with its recomputed twin, where it is and how its environment differs;
+    and a failed check for every row of either side without a twin."""
+    recomputed = {key(row): row for row in audited.to_pylist()}
+    saved_rows = saved.to_pylist()
     saved_keys = {key(row) for row in saved_rows}
-    pairs = [(row, audited[key(row)]) for row in saved_rows if key(row) in audited]
-    return pairs, [row for row in saved_rows if key(row) not in audited], [r for r in audited_rows if key(r) not in saved_keys]
+
+    def where(row: dict) -> dict:
+        return {"checkpoint": row["checkpoint"], "item_id": row["item_id"], "side": label(row)}
+
+    unmatched = [_missing(kind, where(row), saved=True) for row in saved_rows if key(row) not in recomputed]
+    unmatched += [_missing(kind, where(row), saved=False) for k, row in recomputed.items() if k not in saved_keys]
+    pairs = []
+    for row in saved_rows:
+        twin = recomputed.get(key(row))
+        if twin is not None:
+            environment = environment_difference(row, twin)
+            pairs.append((row, twin, where(row), {"environment_differs": environment is not None, "environment": environment}))
+    return pairs, unmatched
 
 
 def _side_label(row: dict) -> str:
@@ -107,17 +120,12 @@ def _trajectory_key(row: dict) -> tuple:
 
 
 def audit_trajectories(saved: pa.Table, audited: pa.Table, saved_store: ObjectStore, audit_store: ObjectStore) -> list[Check]:
-    checks = []
-    pairs, missing, extra = _match(saved.to_pylist(), audited.to_pylist(), _trajectory_key)
-    for row in missing + extra:
-        checks.append(_missing("trajectory", {"checkpoint": row["checkpoint"], "item_id": row["item_id"],
-                                              "side": _side_label(row)}, saved=row in missing))
-    for old, new in pairs:
-        where = {"checkpoint": old["checkpoint"], "item_id": old["item_id"], "side": _side_label(old)}
-        environment = environment_difference(old, new)
-        extra_fields = {"environment_differs": environment is not None, "environment": environment}
-        prefix_old = saved_store.get_tokens(old["prefix_object"]) if old["prefix_object"] != new["prefix_object"] else []
-        prefix_new = audit_store.get_tokens(new["prefix_object"]) if old["prefix_object"] != new["prefix_object"] else []
+    pairs, checks = _paired("trajectory", saved, audited, _trajectory_key, _side_label)
+    for old, new, where, extra_fields in pairs:
+        # Tokens are loaded only to locate a difference.
+        differs = old["prefix_object"] != new["prefix_object"]
+        prefix_old = saved_store.get_tokens(old["prefix_object"]) if differs else []
+        prefix_new = audit_store.get_tokens(new["prefix_object"]) if differs else []
         checks += [
             _same("trajectory", "model_fingerprint", where, old["model_fingerprint"], new["model_fingerprint"],
                   **extra_fields),
@@ -139,16 +147,13 @@ def _comparison_key(row: dict) -> tuple:
 
 
 def audit_comparisons(saved: pa.Table, audited: pa.Table) -> list[Check]:
-    checks = []
-    pairs, missing, extra = _match(saved.to_pylist(), audited.to_pylist(), _comparison_key)
-    for row in missing + extra:
-        checks.append(_missing("comparison", {"checkpoint": row["checkpoint"], "item_id": row["item_id"],
-                                              "side": f"{row['experiment']}: {row['a']} vs {row['b']}"}, saved=row in missing))
-    for old, new in pairs:
+    pairs, checks = _paired("comparison", saved, audited, _comparison_key,
+                            lambda row: f"{row['experiment']}: {row['a']} vs {row['b']}")
+    for old, new, where, _ in pairs:
         differing = [name for name in old if old[name] != new[name]]
         checks.append(Check(
-            "comparison", "comparison", old["checkpoint"], old["item_id"], f"{old['experiment']}: {old['a']} vs {old['b']}",
-            reproduced=not differing, detail=f"fields differ: {', '.join(differing)}" if differing else None,
+            "comparison", "comparison", **where, reproduced=not differing,
+            detail=f"fields differ: {', '.join(differing)}" if differing else None,
             first_differing_layer=old["first_differing_layer"] if "cache_exact" in differing else None,
         ))
     return checks
@@ -160,16 +165,9 @@ def _transplant_key(row: dict) -> tuple:
 
 
 def audit_transplants(saved: pa.Table, audited: pa.Table) -> list[Check]:
-    checks = []
-    pairs, missing, extra = _match(saved.to_pylist(), audited.to_pylist(), _transplant_key)
-    label = lambda row: f"{row['selection']}: {row['donor']} -> {row['recipient']} {row['subset']}"  # noqa: E731
-    for row in missing + extra:
-        checks.append(_missing("transplant", {"checkpoint": row["checkpoint"], "item_id": row["item_id"],
-                                              "side": label(row)}, saved=row in missing))
-    for old, new in pairs:
-        where = {"checkpoint": old["checkpoint"], "item_id": old["item_id"], "side": label(old)}
-        environment = environment_difference(old, new)
-        extra_fields = {"environment_differs": environment is not None, "environment": environment}
+    pairs, checks = _paired("transplant", saved, audited, _transplant_key,
+                            lambda row: f"{row['selection']}: {row['donor']} -> {row['recipient']} {row['subset']}")
+    for old, new, where, extra_fields in pairs:
         checks += [
             _layers("transplant", "transplant_cache", where, old["layer_k"] + old["layer_v"],
                     new["layer_k"] + new["layer_v"], **extra_fields),

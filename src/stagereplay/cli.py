@@ -163,7 +163,13 @@ def cmd_verify(args) -> int:
     for fault in report.faults:
         print(f"stagereplay: fault: {fault}", file=sys.stderr)
     print(report.summary_line(), file=sys.stderr if report.faults else sys.stdout)
-    return 1 if report.faults else 0
+    if report.faults:
+        return 1
+    if args.out:
+        from .atomic import atomic_write_text
+
+        atomic_write_text(args.out, report.summary_line() + "\n")
+    return 0
 
 
 def cmd_audit(args) -> None:
@@ -316,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check a saved ledger without a model: objects, tables, rows, counts (exit 1 on a fault)")
     p.add_argument("ledger_dir", help="the ledger_dir of a run, e.g. ledger")
+    p.add_argument("--out", default=None, help="write the verdict here when the ledger is sound")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("audit", help="E4: compare the saved ledger with its recomputation in the audit tree")

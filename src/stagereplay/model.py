@@ -139,6 +139,8 @@ def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ModelError(f"model folder {folder} has no config.json — point the checkpoint at a Hugging Face model folder")
+    if not any(folder.glob("*.safetensors")):
+        raise ModelError(f"model folder {folder} holds no .safetensors weights — convert it to safetensors (pickle weights are never loaded)")
     environment = configure_runtime(runtime)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
@@ -146,6 +148,7 @@ def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
         dtype=PRECISIONS[runtime.precision],
         attn_implementation=runtime.attn_implementation,
         trust_remote_code=runtime.trust_remote_code,
+        use_safetensors=True,  # never unpickle weights: a .bin file can run arbitrary code
     )
     model.to(environment.device).eval()
     model.requires_grad_(False)

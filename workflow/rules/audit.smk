@@ -45,7 +45,7 @@ rule audit_verify:
         mem_mb=2000,
         runtime=30,
     shell:
-        "{STAGEREPLAY} verify {LEDGER:q} > {log:q} 2>&1 && cp {log:q} {output:q}"
+        "{STAGEREPLAY} verify {LEDGER:q} --out {output:q} > {log:q} 2>&1"
         " || {{ grep -m 3 'fault:' {log:q} >&2; tail -n 1 {log:q} >&2; exit 1; }}"
 
 

@@ -24,6 +24,8 @@ _check_config()
 # Rules call the CLI through this interpreter, so it works without an activated venv.
 STAGEREPLAY = f"{sys.executable} -m stagereplay"
 LEDGER = Path(config["ledger_dir"])
+if LEDGER.exists() and not LEDGER.is_dir():
+    raise WorkflowError(f"ledger_dir {LEDGER} is a file, not a directory — point ledger_dir at a directory (new or of an earlier run)")
 CHECKPOINTS = config["checkpoints"]
 PRIMARY = next(iter(CHECKPOINTS))
 RUNTIME = config["runtime"]

@@ -1,0 +1,116 @@
+"""E4: the audit recomputes a real ledger into its own tree and reproduces every fingerprint."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stagereplay.audit import audit_rows, audit_trajectories, audit_transplants, e4_figures
+from stagereplay.ledger import AUDIT_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, ObjectStore, read_table
+from workflow_helpers import copy_run, ledger_snapshot, snakemake, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def saved_files(ledger):
+    """The saved ledger, without what the audit adds (its tree, its table, logs) or updates (summary.json)."""
+    return {path: digest for path, digest in ledger_snapshot(ledger).items()
+            if path.split("/")[0] not in ("audit", "logs", "benchmarks") and path not in ("summary.json", "tables/audit.parquet")}
+
+
+@pytest.fixture(scope="module")
+def audited(test_run, tmp_path_factory):
+    workdir, _, _ = test_run
+    copy = tmp_path_factory.mktemp("audited")
+    ledger, config = copy_run(workdir, copy / "run")
+    before = saved_files(ledger)
+    result = snakemake(copy / "run", config, "audit")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return copy / "run", ledger, config, before, result
+
+
+def test_the_audit_reproduces_every_fingerprint(audited):
+    _, ledger, _, _, result = audited
+    e4 = json.loads((ledger / "summary.json").read_text())["E4"]
+    assert e4["status"] == "reproduced" and e4["mismatches"] == [] and e4["environment_differences"] == []
+    trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet").num_rows
+    assert e4["trajectories"] == {"reproduced": trajectories, "n": trajectories}
+    assert e4["items"] == {"reproduced": 4, "n": 4}
+    for kind in ("prefix", "cache", "layer_k", "layer_v", "suffix", "label", "comparison", "outcome", "selection",
+                 "model_folder"):
+        assert e4["artifacts"][kind]["n"] > 0 and e4["artifacts"][kind]["reproduced"] == e4["artifacts"][kind]["n"], kind
+    table = read_table(ledger / "tables" / "audit.parquet", AUDIT_SCHEMA)
+    assert table.num_rows == sum(entry["n"] for entry in e4["artifacts"].values())
+    assert "E4 audit:" in result.stdout + result.stderr
+
+
+def test_the_audit_never_writes_over_the_saved_ledger(audited):
+    _, ledger, _, before, _ = audited
+    assert saved_files(ledger) == before
+    # Its own tree: recomputed shards, a separate object store.
+    assert list((ledger / "audit" / "runs" / "live").rglob("shard-*.parquet"))
+    assert list((ledger / "audit" / "objects").rglob("*.safetensors"))
+
+
+def test_a_complete_audit_is_not_rerun(audited):
+    workdir, _, config, _, _ = audited
+    for target in ("audit", "all"):
+        result = snakemake(workdir, config, "--dry-run", target)
+        assert result.returncode == 0 and "Nothing to be done" in result.stdout + result.stderr, target
+
+
+def test_another_runtime_is_reported_as_environment(audited, tmp_path):
+    workdir, ledger, _, _, _ = audited
+    copy_ledger, _ = copy_run(workdir, tmp_path / "eager")
+    config = write_config(tmp_path / "eager.yaml", ledger_dir=str(copy_ledger),
+                          audit={"runtime": {"attn_implementation": "eager"}})
+    # A copy carries no snakemake metadata for its paths, so the changed params cannot trigger the rerun: force it.
+    result = snakemake(tmp_path / "eager", config, "audit", "--forcerun", "audit_register_model")
+    assert result.returncode == 0, result.stderr[-3000:]
+    e4 = json.loads((copy_ledger / "summary.json").read_text())["E4"]
+    assert e4["audit_runtime"]["attn_implementation"] == "eager"
+    assert [entry["difference"] for entry in e4["environment_differences"]] == ["attn_implementation sdpa -> eager"]
+    rows = read_table(copy_ledger / "tables" / "audit.parquet", AUDIT_SCHEMA).to_pylist()
+    assert all(row["environment_differs"] for row in rows if row["kind"] == "trajectory")
+    for mismatch in e4["mismatches"]:  # a result difference, if any, is named apart from the environment
+        assert mismatch["item_id"] and mismatch["artifact"]
+
+
+def test_a_mismatch_names_item_artifact_and_first_layer_or_position(test_run, tmp_path):
+    _, ledger, _ = test_run
+    saved = read_table(ledger / "tables" / "trajectories.parquet", TRAJECTORY_SCHEMA)
+    rows = saved.to_pylist()
+    rows[0]["layer_v"] = [rows[0]["layer_v"][0], "0" * 32]
+    rows[0]["cache_object"] = "1" * 32
+    rows[1]["suffix_tokens"] = rows[1]["suffix_tokens"][:2] + [rows[1]["suffix_tokens"][2] + 1] + rows[1]["suffix_tokens"][3:]
+    rows[1]["suffix_object"] = "2" * 32
+    rows[2]["threads"] = rows[2]["threads"] + 1
+    audited = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
+    store = ObjectStore(ledger / "objects")
+    checks = audit_rows(audit_trajectories(saved, audited, store, store))
+    failed = [(row["item_id"], row["artifact"], row["first_differing_layer"], row["first_differing_position"])
+              for row in checks if not row["reproduced"]]
+    assert sorted(failed, key=str) == sorted([
+        (rows[0]["item_id"], "cache", None, None),
+        (rows[0]["item_id"], "layer_v", 1, None),
+        (rows[1]["item_id"], "suffix", None, 2),
+    ], key=str)
+    environment = {row["environment"] for row in checks if row["environment_differs"]}
+    assert environment == {f"threads {rows[2]['threads'] - 1} -> {rows[2]['threads']}"}
+    figures = e4_figures(checks)
+    assert figures["status"] == "differences found"
+    assert figures["artifacts"]["layer_v"] == {"reproduced": len(rows) - 1, "n": len(rows)}
+    assert figures["environment_differences"] == [{"difference": environment.pop(), "rows": 7}]
+
+
+def test_a_missing_transplant_row_is_named(test_run):
+    _, ledger, _ = test_run
+    saved = read_table(ledger / "tables" / "transplants.parquet", TRANSPLANT_SCHEMA)
+    audited = saved.slice(1)
+    checks = audit_rows(audit_transplants(saved, audited))
+    missing = [row for row in checks if not row["reproduced"]]
+    assert len(missing) == 1 and missing[0]["detail"] == "missing from the audit tree"
+    assert missing[0]["item_id"] == saved.to_pylist()[0]["item_id"]
