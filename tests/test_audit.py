@@ -7,10 +7,21 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from stagereplay.audit import audit_rows, audit_trajectories, audit_transplants, e4_figures
-from stagereplay.ledger import AUDIT_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, ObjectStore, read_table
 from workflow_helpers import copy_run, ledger_snapshot, snakemake, write_config
+
+from stagereplay.audit import (
+    audit_rows,
+    audit_trajectories,
+    audit_transplants,
+    e4_figures,
+)
+from stagereplay.ledger import (
+    AUDIT_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    TRANSPLANT_SCHEMA,
+    ObjectStore,
+    read_table,
+)
 
 pytestmark = pytest.mark.slow
 

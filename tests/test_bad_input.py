@@ -14,9 +14,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from workflow_helpers import (
+    copy_run,
+    ledger_snapshot,
+    snakemake,
+    stagereplay,
+    write_config,
+)
 
 from stagereplay.checkpoints import build_random_qwen2
-from workflow_helpers import copy_run, ledger_snapshot, snakemake, stagereplay, write_config
 
 pytestmark = pytest.mark.slow
 

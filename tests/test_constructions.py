@@ -2,14 +2,9 @@ import pytest
 import torch
 
 from stagereplay import cache as kv
-from stagereplay.constructions import (
-    ConstructionError,
-    StageBoundary,
-    build_boundary_state,
-    build_live,
-    parse_construction,
-)
+from stagereplay.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.decode import continue_from
+from stagereplay.plan import ConstructionError, parse_construction
 from stagereplay.shards import eos_ids
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]

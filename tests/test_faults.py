@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from workflow_helpers import fingerprints, snakemake, snakemake_command, write_config
 
 from stagereplay.verify import verify_ledger
-from workflow_helpers import fingerprints, snakemake, snakemake_command, write_config
 
 pytestmark = pytest.mark.slow
 

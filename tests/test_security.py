@@ -7,10 +7,10 @@ import pickle
 import re
 
 import pytest
+from workflow_helpers import REPO
 
 from stagereplay.checkpoints import build_random_qwen2
 from stagereplay.model import ModelError, Runtime, load_model
-from workflow_helpers import REPO
 
 
 class _RunsOnUnpickle:

@@ -4,17 +4,11 @@ import pytest
 import torch
 
 from stagereplay import cache as kv
-from stagereplay.cache import KVState, TransplantError, TransplantSpec, cast_state, transplant
+from stagereplay.cache import KVState, TransplantSpec, cast_state, transplant
 from stagereplay.constructions import StageBoundary, build_live
 from stagereplay.decode import continue_from
-from stagereplay.transplants import (
-    SweepPlan,
-    left_both,
-    outcome,
-    outcome_blind_sample,
-    select_divergent,
-    sweep_specs,
-)
+from stagereplay.plan import SweepPlan, TransplantError, outcome_blind_sample
+from stagereplay.transplants import left_both, outcome, select_divergent, sweep_specs
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 

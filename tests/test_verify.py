@@ -5,9 +5,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from workflow_helpers import copy_run, snakemake, stagereplay
 
 from stagereplay.verify import verify_ledger
-from workflow_helpers import copy_run, snakemake, stagereplay
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +77,16 @@ def test_verify_and_the_audit_name_the_damage(damage, test_run, tmp_path):
     assert audit.returncode != 0
     assert any(where in line and problem in line for line in (audit.stdout + audit.stderr).splitlines()), audit.stderr[-3000:]
     assert not (ledger / "tables" / "audit.parquet").exists()
+
+
+def test_a_gathered_table_missing_a_row_is_caught(test_run, tmp_path):
+    """Rows dropped by a faulty gather, the table rewritten with a valid digest: the counts give it away."""
+    from stagereplay.ledger import TRAJECTORY_SCHEMA, write_table
+
+    workdir, _, _ = test_run
+    ledger, _ = copy_run(workdir, tmp_path / "copy")
+    path = ledger / "tables" / "trajectories.parquet"
+    rows = pq.read_table(path).to_pylist()
+    write_table(rows[:-1], TRAJECTORY_SCHEMA, path)
+    faults = [str(fault) for fault in verify_ledger(ledger).faults]
+    assert len(faults) == 1 and "rows for" in faults[0] and "items.jsonl holds 4 items" in faults[0], faults

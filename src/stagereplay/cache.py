@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from .fingerprint import fingerprint_tensor, fingerprint_tensors
+from .plan import TransplantError
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,6 @@ def cache_difference(a: KVState, b: KVState) -> tuple[tuple[LayerDifference, ...
         tuple(tensor_difference(x, y) for x, y in zip(a.keys, b.keys)),
         tuple(tensor_difference(x, y) for x, y in zip(a.values, b.values)),
     )
-
-
-class TransplantError(ValueError):
-    """One-line message naming the problem and the fix."""
 
 
 KV_PARTS = ("kv", "k", "v")

@@ -111,7 +111,7 @@ def cmd_select_transplants(args) -> None:
 
 def cmd_transplant(args) -> None:
     from .shards import TransplantJob, run_transplant_shard
-    from .transplants import SweepPlan, parse_layers
+    from .plan import SweepPlan, parse_layers
 
     selection = json.loads(Path(args.selection_file).read_text())
     item_ids = selection["selected" if args.selection == "cross_precision" else args.selection]["item_ids"]
@@ -135,7 +135,7 @@ def cmd_gather(args) -> None:
 
 def cmd_compare(args) -> None:
     from .compare import comparison_table, pair_specs
-    from .constructions import parse_construction
+    from .plan import parse_construction
     from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
 
     for construction in args.constructions:
@@ -336,12 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cache import TransplantError
     from .checkpoints import CheckpointError
-    from .constructions import ConstructionError
     from .items import ItemError
     from .ledger import LedgerError
     from .model import ModelError
+    from .plan import ConstructionError, TransplantError
 
     args = build_parser().parse_args(argv)
     try:

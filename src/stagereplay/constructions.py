@@ -16,7 +16,6 @@ transplanted from one to the other.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -24,27 +23,7 @@ import torch
 
 from . import cache as kv
 from .decode import Decoded, decode_greedy
-
-_CONSTRUCTION = re.compile(r"^(live|prefill|incremental|chunked:(\d+))$")
-
-
-class ConstructionError(ValueError):
-    """One-line message naming the problem and the fix."""
-
-
-def parse_construction(name: str) -> tuple[str, int | None]:
-    """('chunked', 16) for 'chunked:16'; ('prefill', None) for 'prefill'."""
-    match = _CONSTRUCTION.match(name)
-    if match is None:
-        raise ConstructionError(
-            f"unknown construction {name!r} — use live, prefill, incremental or chunked:N with N a positive integer"
-        )
-    if match.group(2) is not None:
-        size = int(match.group(2))
-        if size < 1:
-            raise ConstructionError(f"construction {name!r} has chunk size 0 — use chunked:N with N >= 1")
-        return "chunked", size
-    return name, None
+from .plan import ConstructionError, parse_construction
 
 
 @dataclass(frozen=True)

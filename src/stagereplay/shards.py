@@ -216,7 +216,8 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
     from .cache import TransplantSpec, transplant
     from .compare import first_divergence
     from .ledger import TRANSPLANT_SCHEMA
-    from .transplants import check_plan, left_both, outcome, sweep_specs
+    from .plan import check_plan
+    from .transplants import left_both, outcome, sweep_specs
 
     record = read_model_record(model_record)
     store = ObjectStore(store_root)

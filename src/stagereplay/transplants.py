@@ -9,21 +9,9 @@ token, the recipient when it reproduces the recipient's, and neither otherwise.
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
 from .cache import KV_PARTS, TransplantSpec
 from .compare import first_divergence
-
-
-@dataclass(frozen=True)
-class SweepPlan:
-    """Which subsets to try beyond all layers (the paper's test)."""
-
-    single_layers: str | list[int] = "all"  # "all", "none" or explicit layer indices
-    block_sizes: tuple[int, ...] = ()  # leading and trailing blocks of these sizes
-    kv_only: bool = True  # K only and V only, all layers
-    windows: tuple[int, ...] = ()  # last-W positions, all layers
+from .plan import SweepPlan
 
 
 def sweep_specs(num_layers: int, plan: SweepPlan) -> list[TransplantSpec]:
@@ -40,23 +28,6 @@ def sweep_specs(num_layers: int, plan: SweepPlan) -> list[TransplantSpec]:
     for spec in specs:
         unique.setdefault(spec.label(), spec)
     return list(unique.values())
-
-
-def check_plan(plan: SweepPlan, num_layers: int) -> None:
-    """Layer choices must fit the model: checked before any transplant runs."""
-    from .cache import TransplantError
-
-    singles = plan.single_layers if isinstance(plan.single_layers, list) else []
-    bad = [layer for layer in singles if not 0 <= layer < num_layers]
-    if bad:
-        raise TransplantError(
-            f"transplant.sweep.single_layers: layer {bad[0]} out of range for a {num_layers}-layer model — use layers 0..{num_layers - 1}"
-        )
-    too_big = [size for size in plan.block_sizes if size > num_layers]
-    if too_big:
-        raise TransplantError(
-            f"transplant.sweep.block_sizes: block of {too_big[0]} layers exceeds the model's {num_layers} — use sizes up to {num_layers}"
-        )
 
 
 def outcome(suffix: list[int], donor: list[int], recipient: list[int]) -> str:
@@ -76,22 +47,6 @@ def left_both(donor: list[int], recipient: list[int]):
         ) is not None
 
     return stop
-
-
-def outcome_blind_sample(item_ids: list[str], size: int, seed: int) -> list[str]:
-    """A seeded sample of item ids, fixed before any outcome exists (sorted for stable output)."""
-    if size > len(item_ids):
-        raise ValueError(
-            f"outcome-blind sample of {size} items is larger than the {len(item_ids)} items of the run — lower transplant.outcome_blind.sample"
-        )
-    return sorted(random.Random(f"outcome-blind:{seed}").sample(sorted(item_ids), size))
-
-
-def parse_layers(text: str) -> str | list[int]:
-    """'all', 'none' or a comma-separated list of layer indices."""
-    if text in ("all", "none"):
-        return text
-    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def select_divergent(live_rows: list[dict], prefill_rows: list[dict], first_k: int | None) -> list[str]:

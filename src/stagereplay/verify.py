@@ -228,6 +228,21 @@ def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
                 "rerun snakemake --forcerun gather gather_transplants to regather"))
 
 
+def verify_counts(root: Path, tables: dict[str, pa.Table], report: Report) -> None:
+    """Each gathered trajectory group (checkpoint, construction, precision, replica) covers every item."""
+    if "tables/trajectories.parquet" not in tables or not (root / "items.jsonl").is_file():
+        return
+    items = sum(1 for line in (root / "items.jsonl").read_text().splitlines() if line.strip())
+    groups = Counter((row["checkpoint"], row["construction"], row["precision"], row["prefix_precision"], row["replica"])
+                     for row in tables["tables/trajectories.parquet"].to_pylist())
+    for group, count in sorted(groups.items()):
+        if count != items:
+            report.faults.append(Fault(
+                "tables/trajectories.parquet",
+                f"{count} rows for {'/'.join(map(str, group))}, but items.jsonl holds {items} items",
+                "rerun snakemake --forcerun gather to regather"))
+
+
 def _canonical(row: dict) -> str:
     return json.dumps(row, sort_keys=True)
 
@@ -241,4 +256,5 @@ def verify_ledger(root: str | Path) -> Report:
     tables = verify_tables(root, report)
     verify_rows(tables, known, report)
     verify_gathered(tables, report)
+    verify_counts(root, tables, report)
     return report

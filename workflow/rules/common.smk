@@ -61,7 +61,7 @@ SHARDS = [f"{index:03d}" for index in range((len(ITEMS) + config["shard_size"] -
 
 def parse_time_constructions():
     """Construction names are checked here, so a typo fails before any job."""
-    from stagereplay.constructions import ConstructionError, parse_construction
+    from stagereplay.plan import ConstructionError, parse_construction
 
     names = FIXED["constructions"]
     try:

@@ -11,7 +11,7 @@ CROSS = TRANSPLANT["cross_precision"]
 
 
 def outcome_blind_ids():
-    from stagereplay.transplants import outcome_blind_sample
+    from stagereplay.plan import outcome_blind_sample
 
     try:
         return outcome_blind_sample([item.item_id for item in ITEMS], BLIND["sample"], BLIND["seed"])
@@ -31,8 +31,7 @@ if TRANSPLANT["enabled"]:
     if _layers_file.is_file():
         # The model is known already (a folder, or converted by an earlier run): check the sweep now,
         # so a bad layer choice fails before any job and the existing ledger stays as it was.
-        from stagereplay.cache import TransplantError
-        from stagereplay.transplants import SweepPlan, check_plan
+        from stagereplay.plan import SweepPlan, TransplantError, check_plan
 
         try:
             check_plan(
