@@ -252,7 +252,7 @@ def test_plots_and_card_degrade_when_an_experiment_is_missing(completed, tmp_pat
     _, ledger, _ = completed
     with_e5 = ledger / "report" / PLOT_FILES["transplant_follow_donor"]
     without = plot_transplant_follow_donor(None, tmp_path / "no-e5.png")
-    assert png_size(without) == png_size(with_e5) and without.read_bytes() != with_e5.read_bytes()
+    assert min(png_size(without)) >= 400 and without.read_bytes() != with_e5.read_bytes()
 
     summary = json.loads((ledger / "summary.json").read_text())
     del summary["E5"]

@@ -236,6 +236,11 @@ def e1_reading(e1: dict, comparisons: pa.Table) -> list[str]:
         accuracy += " Both intervals exclude 0: on these items replaying the prefix changes accuracy."
     else:
         accuracy += " The two intervals disagree about 0: too few items to say whether accuracy changes."
+    if 0 < live_only + prefill_only < 10:
+        # The percentile bootstrap resamples only the discordant pairs' signs: with a handful of
+        # them its interval sits on a few values (an end exactly at 0 is typical).
+        accuracy += (f" With only {live_only + prefill_only} discordant pair(s) the bootstrap interval rests on very"
+                     " few distinct resampled values; Newcombe's interval is the safer reading.")
     lines.append(accuracy)
     inexact = [side for side in ("live", "prefill") if e1["replicas_exact"][side]["exact"] < e1["replicas_exact"][side]["n"]]
     if inexact:
@@ -315,11 +320,31 @@ def e5_reading(e5: dict | None) -> list[str]:
         else:
             lines.append(f"E5 ({key}): {followed}/{n} continuations follow the donor cache, {figure['follows_recipient']}"
                          f" their own side, {figure['neither']} neither: the cache carries only part of the difference.")
-    if e5.get("smallest_sufficient_layer_set"):
-        lines.append(f"The smallest swept layer set after which every tested continuation follows its donor:"
-                     f" {e5['smallest_sufficient_layer_set']}.")
+    lines += sweep_reading(e5)
     if e5.get("outcome_blind_checkpoint"):
         lines.append(f"Note: {e5['outcome_blind_checkpoint']}.")
+    return lines
+
+
+def sweep_reading(e5: dict) -> list[str]:
+    counted = [entry for entry in e5.get("sweep", []) if entry["n"]]
+    if not counted:
+        return []
+    full = max(entry["layers"] for entry in counted)
+    partial = [entry for entry in counted if entry["layers"] < full or entry["kv"] != "kv" or entry["positions"]]
+    smallest = next((entry for entry in counted if entry["subset"] == e5.get("smallest_sufficient_layer_set")), None)
+    if smallest is None:
+        lines = ["No swept subset, not even all layers, makes every tested continuation follow its donor."]
+    elif smallest["layers"] == full:
+        lines = [f"Only the full cache ({smallest['subset']}) makes every tested continuation follow its donor: no"
+                 " smaller swept layer set does."]
+    else:
+        lines = [f"The smallest swept layer set that makes every tested continuation follow its donor:"
+                 f" {smallest['subset']} ({smallest['layers']} of {full} layers)."]
+    if partial:
+        best = max(partial, key=lambda entry: (entry["fraction"], -entry["layers"]))
+        lines.append(f"Of the partial transplants (fewer layers, K only, V only, last positions), {best['subset']} comes"
+                     f" closest: {best['follows_donor']}/{best['n']} follow the donor.")
     return lines
 
 

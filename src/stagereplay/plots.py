@@ -7,6 +7,7 @@ workflow's outputs are the same whatever the config runs.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -40,7 +41,8 @@ def _pyplot():
 
 def _save(figure, path: str | Path) -> Path:
     figure.tight_layout()
-    atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=110))
+    # "tight" grows the canvas to hold legends placed outside the axes, where they hide no data.
+    atomic_write(path, lambda temporary: figure.savefig(temporary, format="png", dpi=110, bbox_inches="tight"))
     _pyplot().close(figure)
     return Path(path)
 
@@ -57,6 +59,11 @@ def side(label: str) -> str:
     return label.split("/")[0]
 
 
+def short(label: str) -> str:
+    """'prefill/fp32/rep0<-bf16 -> live/bf16/rep0' -> 'prefill/fp32 -> live/bf16' (replica and prefix source dropped)."""
+    return re.sub(r"/rep\d+|<-\w+", "", label)
+
+
 def arms(comparisons: pa.Table, experiments: tuple[str, ...]) -> dict[str, list[dict]]:
     """Construction comparisons grouped by arm: 'E2 incremental vs prefill, fp32' -> rows."""
     grouped: dict[str, list[dict]] = defaultdict(list)
@@ -67,8 +74,9 @@ def arms(comparisons: pa.Table, experiments: tuple[str, ...]) -> dict[str, list[
 
 
 def plot_first_divergence(comparisons: pa.Table, out_path: str | Path) -> Path:
+    """One row per arm, one dot per divergent item at its first differing suffix token (stacked when tied)."""
     plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(8, 4.5))
+    figure, axes = plt.subplots(figsize=(9, 4.5))
     grouped = arms(comparisons, ("E1", "E2"))
     positions = {arm: [row["first_divergence"] for row in rows if row["suffix_differs"]] for arm, rows in grouped.items()}
     axes.set_title("First divergent suffix token, per arm and precision")
@@ -78,15 +86,19 @@ def plot_first_divergence(comparisons: pa.Table, out_path: str | Path) -> Path:
         counts = "\n".join(f"{arm}: 0/{len(rows)} diverged" for arm, rows in grouped.items())
         _message(axes, f"No suffix diverged in any arm, so there is no first divergence to place.\n{counts}")
     else:
-        top = max(max(values) for values in positions.values() if values)
-        bins = np.arange(-0.5, top + 1.5, max(1, (top + 1) // 30))
-        for arm, rows in grouped.items():
-            values = positions[arm]
-            axes.hist(values, bins=bins, histtype="step", linewidth=2,
-                      label=f"{arm}: {len(values)}/{len(rows)} diverged")
+        for index, (arm, values) in enumerate(positions.items()):
+            seen: dict[int, int] = defaultdict(int)
+            stacked = []
+            for value in sorted(values):
+                stacked.append(index + 0.1 * min(seen[value], 4))  # ties stack upwards, so every item shows
+                seen[value] += 1
+            axes.scatter(sorted(values), stacked, s=36, alpha=0.8)
+        axes.set_yticks(range(len(positions)),
+                        [f"{arm}\n{len(positions[arm])}/{len(rows)} diverged" for arm, rows in grouped.items()], fontsize=8)
+        axes.set_ylim(-0.5, len(positions) - 0.2)
+        axes.invert_yaxis()
+        axes.set_xlim(left=-1)
         axes.set_xlabel("position of the first differing suffix token (0 = first token after the boundary)")
-        axes.set_ylabel("items")
-        axes.legend(fontsize=8)
     return _save(figure, out_path)
 
 
@@ -112,14 +124,17 @@ def plot_margin_at_divergence(comparisons: pa.Table, trajectories: pa.Table, out
         offsets = np.linspace(-0.12, 0.12, len(rows)) if len(rows) > 1 else np.zeros(1)
         for column, marker, colour in (("a_margin_at_divergence", "o", "tab:blue"),
                                        ("b_margin_at_divergence", "s", "tab:orange")):
-            axes.scatter(index + offsets, [row[column] for row in rows], marker=marker, color=colour, zorder=3,
-                         label=None if index else f"at the divergence, {'first' if column[0] == 'a' else 'second'} side")
+            axes.scatter(index + offsets, [row[column] for row in rows], marker=marker, color=colour, zorder=3)
+    for column, marker, colour, which in (("a", "o", "tab:blue", "first"), ("b", "s", "tab:orange", "second")):
+        names = " / ".join(sorted({side(rows[0][column]) for rows in divergent.values()}))
+        axes.scatter([], [], marker=marker, color=colour, label=f"at the divergence, {which}-named side ({names})")
     axes.scatter([], [], marker="s", color="0.6", label="every suffix step at that precision (box)")
     axes.set_xticks(range(len(divergent)), [f"{arm}\n(n = {len(rows)} divergent)" for arm, rows in divergent.items()],
                     fontsize=8)
     axes.set_yscale("symlog", linthresh=0.01)
-    axes.set_ylabel("logit margin (symlog scale)")
-    axes.legend(fontsize=8)
+    axes.set_ylim(bottom=-0.002)  # margins are never negative; 0 is an exact tie
+    axes.set_ylabel("logit margin (symlog scale; 0 = tie)")
+    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     return _save(figure, out_path)
 
 
@@ -136,27 +151,30 @@ def plot_layer_cache_difference(comparisons: pa.Table, out_path: str | Path) -> 
         return _save(figure, out_path)
     smallest = min((value for rows in grouped.values() for row in rows for value in row["k_max_abs"] + row["v_max_abs"]
                     if value > 0), default=1e-3)
-    styles = {"E1": ("-", "o"), "E2": ("--", "s"), "E3": (":", "^")}  # overlapping arms stay distinguishable
+    styles = {"E1": ("-", "o"), "E2": ("--", "s"), "E3": (":", "^")}
     for axes, column, name in ((k_axes, "k_max_abs", "K"), (v_axes, "v_max_abs", "V")):
         for arm, rows in grouped.items():
             per_layer = np.max(np.array([row[column] for row in rows]), axis=0)
             exact = sum(row["cache_exact"] for row in rows)
             linestyle, marker = styles.get(rows[0]["experiment"], ("-", "o"))
+            hollow = rows[0]["experiment"] == "E1"  # E1 often lies exactly under E2 (live == incremental): keep it visible
             axes.plot(range(len(per_layer)), per_layer, linestyle=linestyle, marker=marker, alpha=0.8,
+                      markersize=10 if hollow else 5, markerfacecolor="none" if hollow else None,
                       label=f"{arm} (n = {len(rows)}, {exact} bit-exact)")
         axes.set_yscale("symlog", linthresh=smallest)
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_title(name)
         axes.set_xlabel("layer")
     k_axes.set_ylabel("max |Δ| (symlog; 0 = bit-exact)")
-    v_axes.legend(fontsize=7)
+    figure.legend(*k_axes.get_legend_handles_labels(), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.02),
+                  ncol=2)
     return _save(figure, out_path)
 
 
 def plot_transplant_follow_donor(transplants: pa.Table | None, out_path: str | Path) -> Path:
     plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(9, 5))
-    axes.set_title("E5: transplanted continuations that follow the donor (divergent items only)")
+    figure, axes = plt.subplots(figsize=(11, 5.5))
+    figure.suptitle("E5: transplanted continuations that follow the donor (divergent items only; x/N per bar)")
     if transplants is None or transplants.num_rows == 0:
         _message(axes, "E5 not run in this ledger")
         return _save(figure, out_path)
@@ -164,7 +182,8 @@ def plot_transplant_follow_donor(transplants: pa.Table | None, out_path: str | P
     bars = [(f"all layers, {key}", entry["follows_donor"]["count"], entry["follows_donor"]["n"])
             for key, entry in figures["all_layers"].items()]
     bars += [(f"sweep {entry['subset']}", entry["follows_donor"], entry["n"]) for entry in figures["sweep"]]
-    bars += [(f"cross precision {key}", entry["count"], entry["n"]) for key, entry in figures["cross_precision"].items()]
+    bars += [(f"cross precision {short(key)}", entry["count"], entry["n"])
+             for key, entry in figures["cross_precision"].items()]
     bars = [bar for bar in bars if bar[2]]
     if not bars:
         _message(axes, f"E5 ran ({transplants.num_rows} transplants), but no item diverged: follow-donor is counted on"
@@ -210,6 +229,7 @@ def plot_accuracy(comparisons: pa.Table, out_path: str | Path) -> Path:
         axes.annotate(text, (position, fraction), textcoords="offset points", xytext=(8, 0), fontsize=8)
     axes.set_xticks(list(positions), labels, fontsize=8)
     axes.set_ylim(-0.02, 1.02)
+    axes.set_xlabel("side (experiment, construction, precision)")
     axes.set_ylabel("fraction correct")
     return _save(figure, out_path)
 

@@ -9,10 +9,8 @@ localrules:
     report,
 
 
-def report_checkpoints():
-    """Checkpoints whose model records the run has (an unused checkpoint is never registered)."""
-    used = {PRIMARY} | ({BLIND_CHECKPOINT} if TRANSPLANT["enabled"] else set())
-    return sorted(used)
+# The checkpoints the run uses (a configured but unused checkpoint is never registered).
+REPORT_CHECKPOINTS = sorted({PRIMARY} | ({BLIND_CHECKPOINT} if TRANSPLANT["enabled"] else set()))
 
 
 rule report:
@@ -21,7 +19,7 @@ rule report:
         trajectories=rules.gather.output,
         comparisons=rules.compare.output,
         transplants=rules.gather_transplants.output if TRANSPLANT["enabled"] else [],
-        models=[ledger("models", name, "model.json") for name in report_checkpoints()],
+        models=[ledger("models", name, "model.json") for name in REPORT_CHECKPOINTS],
         item_file=ledger("items.jsonl"),
     output:
         card=ledger("results.md"),
