@@ -7,6 +7,8 @@ import math
 import re
 import statistics
 import struct
+import subprocess
+import sys
 from collections import defaultdict
 
 import pyarrow.parquet as pq
@@ -305,3 +307,16 @@ def test_snakemake_report_bundles_the_card_and_plots_with_captions(completed):
         assert phrase in html, (caption.name, phrase)
     for name in ["results.html", *PLOT_FILES.values()]:
         assert name in html, name
+
+
+def test_report_without_a_summary_stops_with_one_line_naming_the_fix(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "stagereplay", "report", "--summary", str(tmp_path / "summary.json"),
+         "--trajectories", "t.parquet", "--comparisons", "c.parquet", "--models", "m.json", "--items", "i.jsonl",
+         "--item-source", "data/items.jsonl", "--card", str(tmp_path / "results.md"), "--plots-dir", str(tmp_path)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "summary.json not found — run snakemake" in lines[0], result.stderr
+    assert not (tmp_path / "results.md").exists()
