@@ -27,7 +27,7 @@ NOT_RUN = "not run"
 class Figure:
     """One row of the card's table."""
 
-    experiment: str  # "E1 matched"
+    experiment: str  # "E1 matched (bf16)"
     figure: str  # what is counted, in the paper's terms
     count: str  # "3/4" (or the counts a difference is made of)
     estimate: str  # "75.0%", "+25.0 pts", "p = 1.000"
