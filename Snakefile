@@ -9,6 +9,9 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/items.smk"
@@ -19,8 +22,10 @@ include: "workflow/rules/bridge.smk"
 include: "workflow/rules/transplant.smk"
 include: "workflow/rules/ledger.smk"
 include: "workflow/rules/audit.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
     input:
         ledger("summary.json"),
+        rules.report.output,

@@ -184,6 +184,24 @@ def cmd_audit(args) -> None:
     write_table(rows, AUDIT_SCHEMA, args.out)
     print(verdict(figures))
 
+def cmd_report(args) -> None:
+    from .card import provenance, write_results_card
+    from .checkpoints import read_model_record
+    from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, read_table
+    from .plots import write_plots
+
+    summary_path = Path(args.summary)
+    if not summary_path.is_file():
+        raise LedgerError(f"{summary_path} not found — run snakemake (rule summary) first")
+    summary = json.loads(summary_path.read_text())
+    comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
+    trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
+    transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
+    records = {Path(path).parent.name: read_model_record(path) for path in args.models}
+    write_results_card(summary, comparisons, provenance(summary, args.item_source, args.items, records), args.card,
+                       args.card_html)
+    write_plots(comparisons, trajectories, transplants, args.plots_dir)
+
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-record", required=True, help="model.json written by register-model")
@@ -332,6 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audit-runtime", default=None, help="JSON of the audit's runtime overrides (recorded)")
     p.add_argument("--out", required=True, help="audit table to write (Parquet)")
     p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("report", help="write the results card (results.md) and the findings plots from the ledger")
+    p.add_argument("--summary", required=True, help="summary.json")
+    p.add_argument("--trajectories", required=True)
+    p.add_argument("--comparisons", required=True)
+    p.add_argument("--transplants", default=None, help="transplants table (absent when E5 is not run)")
+    p.add_argument("--models", nargs="+", required=True, help="model.json of every checkpoint (models/<name>/model.json)")
+    p.add_argument("--items", required=True, help="normalised items.jsonl of the run")
+    p.add_argument("--item-source", required=True, help="where the items came from, as configured (recorded)")
+    p.add_argument("--card", required=True, help="results card to write (Markdown)")
+    p.add_argument("--card-html", default=None, help="the same card as HTML (for the Snakemake report)")
+    p.add_argument("--plots-dir", required=True, help="folder for the PNG plots (fixed names)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

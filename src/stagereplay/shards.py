@@ -124,6 +124,8 @@ def _continue(loaded: LoadedModel, state: KVState, prefix, boundary_reason: str,
 
 def _progress(total: int, label: str) -> tuple[tqdm, callable]:
     bar = tqdm(total=total, desc=label, unit="item", mininterval=2.0)
+    # Set from the start, so even a job with nothing to decode ends its log with a tok_s figure.
+    bar.set_postfix(tok_s="0.0", refresh=False)
     counter = {"tokens": 0}
     started = time.perf_counter()
 

@@ -1,4 +1,4 @@
-"""Confidence intervals for accuracy and paired accuracy differences.
+"""Confidence intervals and tests for accuracy and paired accuracy differences.
 
 Thin wrappers around scipy.stats so the statistics are the library's, and this
 module only adds input validation and edge-case handling.
@@ -7,6 +7,7 @@ module only adds input validation and edge-case handling.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats
@@ -22,6 +23,21 @@ def _as_bool_array(x: Sequence[bool] | np.ndarray, name: str) -> np.ndarray:
             raise ValueError(f"{name} must contain only booleans (or 0/1)")
         arr = arr.astype(bool)
     return arr
+
+
+def _paired_arrays(a: Sequence[bool] | np.ndarray, b: Sequence[bool] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    a_arr = _as_bool_array(a, "a")
+    b_arr = _as_bool_array(b, "b")
+    if a_arr.size != b_arr.size:
+        raise ValueError(f"a and b must have equal length (paired items), got {a_arr.size} and {b_arr.size}")
+    if a_arr.size == 0:
+        raise ValueError("a and b must not be empty")
+    return a_arr, b_arr
+
+
+def _check_confidence(confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
 
 
 def _mean_difference(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -40,14 +56,8 @@ def paired_difference_ci(
     a, b: per-item correctness on the same items, in the same order.
     Returns (difference, low, high) as fractions (0.01 == 1 percentage point).
     """
-    a_arr = _as_bool_array(a, "a")
-    b_arr = _as_bool_array(b, "b")
-    if a_arr.size != b_arr.size:
-        raise ValueError(f"a and b must have equal length (paired items), got {a_arr.size} and {b_arr.size}")
-    if a_arr.size == 0:
-        raise ValueError("a and b must not be empty")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    a_arr, b_arr = _paired_arrays(a, b)
+    _check_confidence(confidence)
 
     n = a_arr.size
     # Integer counts keep the point estimate exact (2/200 == 0.01, while
@@ -82,7 +92,93 @@ def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, fl
         raise ValueError(f"n must be >= 1, got {n}")
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, n={n}], got {k}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    _check_confidence(confidence)
     ci = stats.binomtest(int(k), int(n)).proportion_ci(confidence_level=confidence, method="wilson")
     return float(ci.low), float(ci.high)
+
+
+@dataclass(frozen=True)
+class PairedCounts:
+    """The paired 2x2 table of two correctness vectors over the same items."""
+
+    both: int
+    a_only: int
+    b_only: int
+    neither: int
+
+    @property
+    def n(self) -> int:
+        return self.both + self.a_only + self.b_only + self.neither
+
+
+def paired_counts(a: Sequence[bool] | np.ndarray, b: Sequence[bool] | np.ndarray) -> PairedCounts:
+    a_arr, b_arr = _paired_arrays(a, b)
+    return PairedCounts(
+        both=int((a_arr & b_arr).sum()),
+        a_only=int((a_arr & ~b_arr).sum()),
+        b_only=int((~a_arr & b_arr).sum()),
+        neither=int((~a_arr & ~b_arr).sum()),
+    )
+
+
+def mcnemar_exact(a: Sequence[bool] | np.ndarray, b: Sequence[bool] | np.ndarray) -> tuple[int, int, float]:
+    """Exact (conditional) McNemar test of equal accuracy on paired items.
+
+    Under the null each discordant pair is equally likely to favour a or b, so
+    the test is a two-sided binomial test of a_only out of the discordant pairs.
+    Returns (a_only, b_only, p_value); p is 1.0 when there is no discordant pair.
+    """
+    counts = paired_counts(a, b)
+    discordant = counts.a_only + counts.b_only
+    if discordant == 0:
+        return 0, 0, 1.0
+    p_value = stats.binomtest(counts.a_only, discordant, 0.5, alternative="two-sided").pvalue
+    return counts.a_only, counts.b_only, float(p_value)
+
+
+def paired_difference_wald(
+    a: Sequence[bool] | np.ndarray, b: Sequence[bool] | np.ndarray, confidence: float = 0.95
+) -> tuple[float, float, float]:
+    """Difference mean(a) - mean(b) with the Wald interval for paired proportions.
+
+    Standard error sqrt((a_only + b_only) - (a_only - b_only)**2 / n) / n. Shown for
+    comparison only: it collapses to a point when there is no discordant pair and
+    may overshoot [-1, 1] (it is clipped there).
+    """
+    _check_confidence(confidence)
+    counts = paired_counts(a, b)
+    n = counts.n
+    difference = (counts.a_only - counts.b_only) / n
+    z = stats.norm.ppf(0.5 + confidence / 2)
+    standard_error = np.sqrt((counts.a_only + counts.b_only) - (counts.a_only - counts.b_only) ** 2 / n) / n
+    return difference, max(-1.0, difference - z * standard_error), min(1.0, difference + z * standard_error)
+
+
+def paired_difference_newcombe(
+    a: Sequence[bool] | np.ndarray, b: Sequence[bool] | np.ndarray, confidence: float = 0.95
+) -> tuple[float, float, float]:
+    """Difference mean(a) - mean(b) with Newcombe's (1998) hybrid score interval for paired data.
+
+    Method 10 of Newcombe, Statistics in Medicine 17:2635-2650 ("square and add"):
+    the Wilson intervals of the two marginal accuracies combined with the
+    estimated correlation phi between them, whose numerator (A*D - B*C) is
+    shrunk towards 0 by n/2 when positive, as in the paper.
+    """
+    _check_confidence(confidence)
+    counts = paired_counts(a, b)
+    n = counts.n
+    a_correct, b_correct = counts.both + counts.a_only, counts.both + counts.b_only
+    p1, p2 = a_correct / n, b_correct / n
+    difference = (counts.a_only - counts.b_only) / n
+    l1, u1 = wilson_interval(a_correct, n, confidence)
+    l2, u2 = wilson_interval(b_correct, n, confidence)
+    margins = a_correct * (n - a_correct) * b_correct * (n - b_correct)
+    if margins == 0:
+        phi = 0.0
+    else:
+        cross = counts.both * counts.neither - counts.a_only * counts.b_only
+        numerator = cross - n / 2 if cross > n / 2 else (0.0 if cross >= 0 else cross)
+        phi = numerator / np.sqrt(float(margins))
+    below = np.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    above = np.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
+    return difference, float(difference - below), float(difference + above)
