@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import xxhash
 from scipy import stats
+from workflow_helpers import REPO, snakemake
 
 from stagereplay.card import provenance, write_results_card
 from stagereplay.checkpoints import read_model_record
@@ -26,7 +27,6 @@ from stagereplay.stats import (
     paired_difference_newcombe,
     paired_difference_wald,
 )
-from workflow_helpers import REPO, snakemake, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +34,8 @@ WILSON = "Wilson score 95%"
 
 
 @pytest.fixture(scope="module")
-def completed(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("report-run")
-    ledger = workdir / "ledger"
-    config = write_config(workdir / "config.yaml", ledger_dir=str(ledger))
-    result = snakemake(workdir, config)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return workdir, ledger, config
+def completed(test_run):
+    return test_run
 
 
 def card_sections(text: str) -> dict[str, list[str]]:

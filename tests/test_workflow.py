@@ -6,9 +6,9 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from workflow_helpers import job_counts, ledger_snapshot, snakemake, write_config
 
 from stagereplay.ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore
-from workflow_helpers import ledger_snapshot, snakemake, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -91,19 +91,6 @@ def test_e2_and_e3_figures(completed):
         assert row["cache_exact"] == (max(row["k_max_abs"] + row["v_max_abs"]) == 0)
         if row["suffix_differs"]:
             assert row["a_token_at_divergence"] != row["b_token_at_divergence"]
-
-
-def job_counts(result) -> dict[str, int]:
-    """Jobs per rule from the 'Job stats' table of a dry run."""
-    lines = result.stdout.splitlines()
-    start = lines.index("Job stats:") + 3
-    counts = {}
-    for line in lines[start:]:
-        parts = line.split()
-        if len(parts) != 2 or parts[0] == "total":
-            break
-        counts[parts[0]] = int(parts[1])
-    return counts
 
 
 def test_adding_a_precision_schedules_only_its_jobs(completed, tmp_path):

@@ -80,3 +80,16 @@ def ledger_snapshot(ledger: Path) -> dict[str, str]:
         str(path.relative_to(ledger)): xxhash.xxh3_128(path.read_bytes()).hexdigest()
         for path in sorted(ledger.rglob("*")) if path.is_file()
     }
+
+
+def job_counts(result) -> dict[str, int]:
+    """Jobs per rule from the 'Job stats' table of a dry run."""
+    lines = result.stdout.splitlines()
+    start = lines.index("Job stats:") + 3
+    counts = {}
+    for line in lines[start:]:
+        parts = line.split()
+        if len(parts) != 2 or parts[0] == "total":
+            break
+        counts[parts[0]] = int(parts[1])
+    return counts
