@@ -187,10 +187,11 @@ def audit_selection(saved: dict, audited: dict) -> list[Check]:
 
 
 def audit_models(saved_records: dict[str, dict], audited_records: dict[str, dict]) -> list[Check]:
+    """The checkpoints the audit used (a ledger may also hold records of checkpoints no longer configured)."""
     return [
         _same("model", "model_folder", {"checkpoint": name, "item_id": None, "side": record["folder"]},
-              record["fingerprint"], audited_records[name]["fingerprint"])
-        for name, record in sorted(saved_records.items())
+              saved_records.get(name, {}).get("fingerprint"), record["fingerprint"])
+        for name, record in sorted(audited_records.items())
     ]
 
 
