@@ -47,3 +47,16 @@ def test_a_convolution_left_on_tf32_counts_as_tf32(restore_tf32):
     else:
         torch.backends.cudnn.allow_tf32 = True
     assert tf32_enabled()
+
+
+@pytest.mark.parametrize("layers", [1, 12, 130])
+def test_cache_digest_is_the_stored_object_id(layers):
+    from stagereplay.cache import KVState, fingerprint_cache
+    from stagereplay.fingerprint import fingerprint_tensors
+
+    generator = torch.Generator().manual_seed(layers)
+    keys = tuple(torch.randn(1, 2, 3, 4, generator=generator).to(torch.bfloat16) for _ in range(layers))
+    values = tuple(torch.randn(1, 2, 3, 4, generator=generator).to(torch.bfloat16) for _ in range(layers))
+    state = KVState(keys, values)
+    # The digest is built from the layer digests; it must equal the id the store derives from the tensors.
+    assert fingerprint_cache(state).digest == fingerprint_tensors(state.named_tensors())
