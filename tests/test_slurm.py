@@ -32,7 +32,7 @@ LOCAL_RULES = ("items", "gather", "compare", "gather_transplants", "summary", "s
 FINGERPRINTS = ("prefix_object", "cache_object", "layer_k", "layer_v", "suffix_object")
 ROW_KEY = ("checkpoint", "precision", "construction", "replica", "prefix_precision", "item_id")
 # A run that hangs instead of failing is a failure of the test, not a stuck CI.
-TIMEOUT_S = 600
+TIMEOUT_S = 900
 # config/test.yaml, one precision and no cross-precision casts: every kind of model
 # job (live, rebuild, transplant) runs under SLURM in about ten jobs.
 SMALL = {"fixed_prefix": {"precisions": ["bf16"]}, "transplant": {"cross_precision": None}}
