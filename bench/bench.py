@@ -108,6 +108,19 @@ def minimum_tokens(row: dict) -> int:
     return row["prefix_length"] - 1 + len(row["suffix_tokens"])
 
 
+def experiments_using(row: dict, e1: str) -> set[str]:
+    """Which of E1, E2, E3 read this trajectory (the pairs of stagereplay.compare)."""
+    used = set()
+    construction, precision, prefix = row["construction"], row["precision"], row["prefix_precision"]
+    if precision == e1 and prefix == e1 and construction in ("live", "prefill"):
+        used.add("E1")
+    if prefix == e1 and construction != "live" and row["replica"] == 0:
+        used.add("E2")
+    if prefix == precision and construction in ("live", "incremental") and row["replica"] == 0:
+        used.add("E3")
+    return used or {"other"}
+
+
 def transplant_minimum(row: dict) -> int:
     return len(row["suffix_tokens"])  # the pending token, then every emitted token but the last
 
@@ -157,6 +170,14 @@ def section_a(ledger: Ledger) -> None:
     add("a", "design minimum, whole ledger", f"{total:,} forward tokens",
         f"{len(trajectories)} trajectories ({duplicates} duplicated), {len(transplants)} transplants; "
         + ", ".join(f"{kind} {tokens:,}" for kind, tokens in by_kind.items()))
+    uses = Counter()
+    for row in trajectories:
+        uses[id(row)] = len(experiments_using(row, ledger.e1))
+    standalone = sum(minimum_tokens(row) * uses[id(row)] for row in trajectories) + by_kind["transplant"]
+    shared = sum(1 for row in trajectories if uses[id(row)] > 1)
+    add("a", "if each experiment computed its own trajectories", f"{standalone:,} forward tokens",
+        f"{shared} trajectories serve more than one of E1/E2/E3 and are computed once: "
+        f"{1 - total / standalone:.0%} of the work saved")
 
     config, stage = ledger.config, ledger.config["stage"]
     budgets = Budgets(StageBoundary(stage["max_new_tokens"], stage["marker"]), stage["suffix_tokens"])
