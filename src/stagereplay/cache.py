@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 from transformers import DynamicCache
 
-from .fingerprint import fingerprint_tensor, fingerprint_tensors
+from .fingerprint import combine, fingerprint_tensor
 from .plan import TransplantError
 
 
@@ -59,11 +59,12 @@ class CacheFingerprint:
 
 
 def fingerprint_cache(state: KVState) -> CacheFingerprint:
-    return CacheFingerprint(
-        keys=tuple(fingerprint_tensor(key) for key in state.keys),
-        values=tuple(fingerprint_tensor(value) for value in state.values),
-        digest=fingerprint_tensors(state.named_tensors()),
-    )
+    keys = tuple(fingerprint_tensor(key) for key in state.keys)
+    values = tuple(fingerprint_tensor(value) for value in state.values)
+    # The digest is fingerprint_tensors(state.named_tensors()), combined from the layer
+    # digests just computed rather than hashing every tensor a second time.
+    named = dict(zip(state.named_tensors(), (digest for pair in zip(keys, values) for digest in pair)))
+    return CacheFingerprint(keys=keys, values=values, digest=combine((name, named[name]) for name in sorted(named)))
 
 
 @lru_cache(maxsize=None)

@@ -88,19 +88,14 @@ def configure_runtime(runtime: Runtime) -> Environment:
         raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")
     device = resolve_device(runtime.device)
     torch.set_num_threads(runtime.threads)
-    tf32 = False
-    deterministic = False
     if device == "cuda":
         # cuBLAS needs a fixed workspace to give run-to-run identical GEMMs.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         if runtime.precision == "fp16" and torch.cuda.get_device_capability()[0] < 6:
             raise ModelError("fp16 needs a CUDA device of compute capability 6.0 or newer — drop fp16 from precisions")
-        # TF32 silently rounds fp32 matmuls to 10-bit mantissas: the fp32 arm would not be fp32.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        _disable_tf32()
         torch.backends.cudnn.benchmark = False
         torch.use_deterministic_algorithms(True, warn_only=False)
-        deterministic = True
         device_name = torch.cuda.get_device_name()
     else:
         device_name = platform.processor() or platform.machine()
@@ -111,11 +106,35 @@ def configure_runtime(runtime: Runtime) -> Environment:
         precision=runtime.precision,
         threads=runtime.threads,
         attn_implementation=runtime.attn_implementation,
-        tf32=tf32,
-        deterministic=deterministic,
+        tf32=device == "cuda" and tf32_enabled(),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
     )
+
+
+def _disable_tf32() -> None:
+    """TF32 silently rounds fp32 matmuls to 10-bit mantissas: the fp32 arm would not be fp32."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        # torch >= 2.9: once the new per-backend settings are used anywhere, the legacy
+        # allow_tf32 flags raise on reading, so set (and later read) only the new ones.
+        matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        torch.backends.cudnn.rnn.fp32_precision = "ieee"
+    else:
+        matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def tf32_enabled() -> bool:
+    """Read back, not assumed: whether fp32 CUDA matmuls or convolutions may use TF32 now."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        # "none" inherits a default that may be TF32: only an explicit "ieee" counts as off.
+        settings = (matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision)
+        return any(setting != "ieee" for setting in settings)
+    return bool(matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
 
 
 def _check_precision_runs(device: str, precision: str) -> None:
@@ -149,6 +168,9 @@ def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
         attn_implementation=runtime.attn_implementation,
         trust_remote_code=runtime.trust_remote_code,
         use_safetensors=True,  # never unpickle weights: a .bin file can run arbitrary code
+        # On CUDA the weights go straight to the device: a 14B model in fp32 would
+        # otherwise pass through ~56 GB of host memory first.
+        device_map=environment.device if environment.device == "cuda" else None,
     )
     model.to(environment.device).eval()
     model.requires_grad_(False)

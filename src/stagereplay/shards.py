@@ -13,7 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import items as items_mod
-from .cache import KVState, fingerprint_cache
+from .cache import KVState, fingerprint_cache, to_host
 from .checkpoints import read_model_record
 from .constructions import StageBoundary, build_boundary_state, build_live, parse_construction
 from .decode import Decoded, continue_from
@@ -69,6 +69,8 @@ class ShardRecorder:
     def add(self, item: items_mod.Item, prompt_length: int, prefix: tuple[int, ...], boundary_reason: str,
             state: KVState, suffix: Decoded, seconds: float) -> None:
         meta = {"model_fingerprint": self.record["fingerprint"], "precision": self.spec.precision}
+        # One device-to-host copy, shared by the fingerprints and the stored object (a no-op on CPU).
+        state = to_host(state)
         fingerprint = fingerprint_cache(state)
         cache_object = self.store.put(
             state.named_tensors(),

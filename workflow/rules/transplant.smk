@@ -10,6 +10,10 @@ BLIND_CHECKPOINT = BLIND["checkpoint"] or PRIMARY
 CROSS = TRANSPLANT["cross_precision"]
 
 
+localrules:
+    select_transplants,  # reads the E1 shard tables and writes a small JSON: no cluster job
+
+
 def outcome_blind_ids():
     from stagereplay.plan import outcome_blind_sample
 

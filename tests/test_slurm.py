@@ -1,0 +1,207 @@
+"""The workflow through a real SLURM controller with profiles/slurm.
+
+CI starts a single-node cluster first (`bash .ci/slurm.sh start`, called by
+.ci/run). Without SLURM these tests skip with the reason; with
+STAGEREPLAY_REQUIRE_SLURM=1 (set by .ci/run) a missing SLURM fails them instead.
+
+The CI node has no GPU and a few GB of memory, so the test runs a variant of the
+real profile that changes only that: GPU requests dropped, memory capped, status
+polled with squeue (no slurmdbd, so no sacct) and polled soon after submission.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from workflow_helpers import REPO, snakemake, write_config
+
+pytestmark = pytest.mark.slow
+
+PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
+MODEL_RULES = ("live", "rebuild", "transplant")
+LOCAL_RULES = ("items", "gather", "compare", "gather_transplants", "summary", "select_transplants")
+FINGERPRINTS = ("prefix_object", "cache_object", "layer_k", "layer_v", "suffix_object")
+ROW_KEY = ("checkpoint", "precision", "construction", "replica", "prefix_precision", "item_id")
+# A run that hangs instead of failing is a failure of the test, not a stuck CI.
+TIMEOUT_S = 900
+# config/test.yaml, one precision and no cross-precision casts: every kind of model
+# job (live, rebuild, transplant) runs under SLURM in about ten jobs.
+SMALL = {"fixed_prefix": {"precisions": ["bf16"]}, "transplant": {"cross_precision": None}}
+
+
+def slurm_problem() -> str | None:
+    """Why no SLURM cluster can run jobs here, or None when one can."""
+    for tool in ("sbatch", "squeue", "sinfo", "scontrol"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found — install SLURM and start a test cluster with: bash .ci/slurm.sh start"
+    try:
+        result = subprocess.run(["sinfo", "--noheader", "--format=%t"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 30 s — is slurmctld running? (bash .ci/slurm.sh start)"
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"sinfo failed ({last}) — start the test cluster with: bash .ci/slurm.sh start"
+    if not any(state.startswith(("idle", "mix", "alloc")) for state in result.stdout.split()):
+        return f"no SLURM node is up (states: {result.stdout.split() or 'none'}) — check slurmd (bash .ci/slurm.sh start)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    problem = slurm_problem()
+    if problem is None:
+        return
+    if os.environ.get("STAGEREPLAY_REQUIRE_SLURM") == "1":
+        pytest.fail(f"STAGEREPLAY_REQUIRE_SLURM=1 but {problem}")
+    pytest.skip(problem)
+
+
+def ci_profile(directory: Path) -> Path:
+    """profiles/slurm adapted to the CPU-only test node; every other setting is the real profile's."""
+    profile = yaml.safe_load(PROFILE.read_text())
+    for resources in profile["set-resources"].values():
+        for key in ("gpu", "gpu_model", "gres"):
+            resources.pop(key, None)
+        resources["mem_mb"] = min(resources.get("mem_mb", 2000), 2000)
+    profile["slurm-status-command"] = "squeue"  # sacct needs slurmdbd; the test cluster keeps jobs (MinJobAge)
+    profile["slurm-init-seconds-before-status-checks"] = 1
+    profile["slurm-keep-successful-logs"] = True  # so the test can see which rules ran as SLURM jobs
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.yaml").write_text(yaml.safe_dump(profile))
+    return directory
+
+
+def through_slurm(workdir: Path, configfile: Path, profile: Path) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(configfile),
+        "--workflow-profile", str(profile), "--directory", str(workdir),
+    ]
+    # Output to a file, not a pipe: nobody reads a pipe while the local run goes, and a full one would stall snakemake.
+    with open(workdir / "snakemake.log", "w") as log:
+        return subprocess.Popen(command, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen, workdir: Path, started: float) -> tuple[int, str, float]:
+    try:
+        process.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - started)))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        output = (workdir / "snakemake.log").read_text()
+        pytest.fail(f"snakemake through SLURM did not finish within {TIMEOUT_S} s (it hangs):\n{output[-3000:]}")
+    return process.returncode, (workdir / "snakemake.log").read_text(), time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def runs(slurm, tmp_path_factory):
+    """A good run and a failing run through SLURM, and the same good config run locally.
+
+    The SLURM runs mostly wait on the queue's polling, so the local run goes at the same time.
+    """
+    base = tmp_path_factory.mktemp("slurm")
+    profile = ci_profile(base / "profile")
+    cluster, local, bad = base / "cluster", base / "local", base / "bad"
+    for directory in (cluster, local, bad):
+        directory.mkdir()
+    cluster_config = write_config(cluster / "config.yaml", ledger_dir=str(cluster / "ledger"), **SMALL)
+    local_config = write_config(local / "config.yaml", ledger_dir=str(local / "ledger"), **SMALL)
+    fake = bad / "model.gguf"
+    fake.write_bytes(b"GGUF not really")
+    # The checksum is checked inside the convert_gguf job, so this fails on the cluster, not at parse time.
+    bad_config = write_config(bad / "config.yaml", ledger_dir=str(bad / "ledger"),
+                              checkpoints={"fake": {"gguf": str(fake), "sha256": "0" * 64}})
+    started = time.monotonic()
+    good_run = through_slurm(cluster, cluster_config, profile)
+    bad_run = through_slurm(bad, bad_config, profile)
+    try:
+        local_result = snakemake(local, local_config, "--cores", "1")
+        runs = {"cluster": (cluster, *finish(good_run, cluster, started)), "bad": (bad, *finish(bad_run, bad, started))}
+    finally:
+        for process in (good_run, bad_run):  # never leave a snakemake submitting jobs behind a failed test
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert local_result.returncode == 0, local_result.stderr[-3000:]
+    return {**runs, "local": local}
+
+
+def fingerprints(ledger: Path) -> dict[tuple, tuple]:
+    rows = pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
+    table = {tuple(row[key] for key in ROW_KEY): tuple(str(row[key]) for key in FINGERPRINTS) for row in rows}
+    assert len(table) == len(rows), "trajectory rows are not unique by their key"
+    return table
+
+
+def test_slurm_run_reproduces_the_local_fingerprints(runs):
+    cluster, returncode, output, seconds = runs["cluster"]
+    assert returncode == 0, output[-4000:]
+    through_cluster, local = fingerprints(cluster / "ledger"), fingerprints(runs["local"] / "ledger")
+    # 4 items x (E1 live and prefill x 2 replicas + E2/E3 incremental).
+    assert len(local) == 20
+    differing = sorted(key for key in local if through_cluster.get(key) != local[key])
+    assert set(through_cluster) == set(local) and not differing, differing[:5]
+    print(f"\nSLURM run: {seconds:.0f} s wall")
+
+
+def test_model_rules_ran_as_slurm_jobs_and_gathering_rules_locally(runs):
+    cluster, returncode, output, _ = runs["cluster"]
+    assert returncode == 0, output[-4000:]
+    logs = cluster / ".snakemake" / "slurm_logs"
+    submitted = {path.name.removeprefix("rule_") for path in logs.iterdir()} if logs.is_dir() else set()
+    assert set(MODEL_RULES) <= submitted, submitted
+    assert not submitted & set(LOCAL_RULES), submitted & set(LOCAL_RULES)
+    assert "SLURM run ID" in output
+
+
+def test_a_failing_job_fails_the_run_with_its_one_line_error(runs):
+    bad, returncode, output, seconds = runs["bad"]
+    assert returncode != 0
+    assert "SLURM-job" in output and "convert_gguf" in output, output[-3000:]  # it failed on the cluster
+    lines = [line for line in output.splitlines() if "checksum mismatch" in line]
+    assert lines and "—" in lines[0], output[-3000:]  # the job's own error reaches the console (show-failed-logs)
+    assert not (bad / "ledger" / "models" / "fake" / "converted").exists()
+
+
+def model_rules(tmp_path: Path) -> set[str]:
+    """Rules whose jobs declare a gpu resource (common.smk's MODEL_RESOURCES), read off a dry run."""
+    result = snakemake(tmp_path, REPO / "config/test.yaml", "--dry-run", "--workflow-profile", "none",
+                       "--config", f"ledger_dir={tmp_path / 'ledger'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rules, rule = set(), None
+    for line in result.stdout.splitlines():
+        if line.startswith(("rule ", "localrule ")):
+            rule = line.split()[1].rstrip(":")
+        elif line.strip().startswith("resources:") and "gpu=" in line:
+            rules.add(rule)
+    return rules
+
+
+def test_profile_names_real_rules_and_requests_gpus_for_every_model_job(tmp_path):
+    profile = yaml.safe_load(PROFILE.read_text())
+    assert profile["executor"] == "slurm"
+    result = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(REPO / "config/test.yaml"),
+         "--list-rules"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rules = set(result.stdout.split())
+    named = set(profile["set-resources"])
+    assert named <= rules, f"profile names rules the workflow lacks: {sorted(named - rules)}"
+    assert not named & set(LOCAL_RULES), "localrules never run as SLURM jobs: drop them from set-resources"
+    # A model rule added later (an audit rule, say) must get its GPU here too.
+    running_models = model_rules(tmp_path)
+    assert set(MODEL_RULES) <= running_models, running_models
+    missing = sorted(rule for rule in running_models if profile["set-resources"].get(rule, {}).get("gpu") != 1)
+    assert not missing, f"model rules without gpu: 1 in profiles/slurm/config.yaml: {missing} — add them like live"
+    # Partition and account are the user's to fill in: never a real value in the shipped profile.
+    assert not {"slurm_partition", "slurm_account"} & set(profile["default-resources"])
