@@ -55,9 +55,12 @@ def points(fraction: float) -> str:
     return f"{100 * fraction:+.1f}"
 
 
+NOT_MEASURED = "not measured"
+
+
 def proportion(experiment: str, figure: str, count: int, n: int) -> Figure:
-    if n == 0:
-        return Figure(experiment, figure, "0/0", "—", "—", "no items to count")
+    if n == 0:  # nothing was observed: never a success, never a failure
+        return Figure(experiment, figure, "0/0", NOT_MEASURED, "—", "no observations (n = 0)")
     low, high = wilson_interval(count, n)
     return Figure(experiment, figure, f"{count}/{n}", percent(count / n), f"[{percent(low)}, {percent(high)}]", WILSON)
 
@@ -69,34 +72,42 @@ def not_run(experiment: str, how: str) -> Figure:
 # --- E1 ---------------------------------------------------------------------------------
 
 
-def e1_pairs(comparisons: pa.Table) -> tuple[str, list[bool], list[bool]]:
-    """(precision, live correct, prefill correct) per item, over the E1 live-vs-prefill rows."""
+def experiment_name(experiment: str, precision: str | None, checkpoint: str, summary: dict) -> str:
+    """'E1 matched (bf16)'; with several checkpoints, 'E1 matched (bf16, tiny-b)'."""
+    where = ", ".join(part for part in (precision, checkpoint if len(summary["checkpoints"]) > 1 else None) if part)
+    return f"{experiment} ({where})" if where else experiment
+
+
+def e1_pairs(comparisons: pa.Table, checkpoint: str) -> tuple[list[bool], list[bool]]:
+    """(live correct, prefill correct) per item, over one checkpoint's E1 live-vs-prefill rows."""
     rows = sorted(
-        (row for row in comparisons.to_pylist() if row["experiment"] == "E1" and row["relation"] == "construction"),
+        (row for row in comparisons.to_pylist()
+         if row["experiment"] == "E1" and row["relation"] == "construction" and row["checkpoint"] == checkpoint),
         key=lambda row: row["item_id"],
     )
-    precision = rows[0]["precision"] if rows else "?"
-    return precision, [row["a_correct"] for row in rows], [row["b_correct"] for row in rows]
+    return [row["a_correct"] for row in rows], [row["b_correct"] for row in rows]
 
 
-def e1_figures(e1: dict, comparisons: pa.Table) -> list[Figure]:
-    precision, live, prefill = e1_pairs(comparisons)
-    name = f"E1 matched ({precision})"
-    n = e1["items"]
-    figures = [
-        proportion(name, "suffixes that differ, live vs prefill", e1["suffixes_differ"]["count"], n),
-        proportion(name, "correctness labels that differ", e1["labels_differ"]["count"], n),
-        proportion(name, "boundary caches that differ", e1["caches_differ"]["count"], n),
-        proportion(name, "accuracy, live", e1["accuracy"]["live"]["count"], n),
-        proportion(name, "accuracy, prefill", e1["accuracy"]["prefill"]["count"], n),
-        proportion(name, "unparsable answers, live", e1["unparsable"]["live"], n),
-        proportion(name, "unparsable answers, prefill", e1["unparsable"]["prefill"], n),
-    ]
-    for side in ("live", "prefill"):
-        replicas = e1["replicas_exact"][side]
-        figures.append(proportion(name, f"exact replicas, {side}", replicas["exact"], replicas["n"]))
-    if n:
-        figures += paired_figures(name, e1, live, prefill)
+def e1_figures(summary: dict, comparisons: pa.Table) -> list[Figure]:
+    figures = []
+    for checkpoint, e1 in summary["E1"]["checkpoints"].items():
+        live, prefill = e1_pairs(comparisons, checkpoint)
+        name = experiment_name("E1 matched", e1["precision"], checkpoint, summary)
+        n = e1["items"]
+        figures += [
+            proportion(name, "suffixes that differ, live vs prefill", e1["suffixes_differ"]["count"], n),
+            proportion(name, "correctness labels that differ", e1["labels_differ"]["count"], n),
+            proportion(name, "boundary caches that differ", e1["caches_differ"]["count"], n),
+            proportion(name, "accuracy, live", e1["accuracy"]["live"]["count"], n),
+            proportion(name, "accuracy, prefill", e1["accuracy"]["prefill"]["count"], n),
+            proportion(name, "unparsable answers, live", e1["unparsable"]["live"], n),
+            proportion(name, "unparsable answers, prefill", e1["unparsable"]["prefill"], n),
+        ]
+        for side in ("live", "prefill"):
+            replicas = e1["replicas_exact"][side]
+            figures.append(proportion(name, f"exact replicas, {side}", replicas["count"], replicas["n"]))
+        if n:
+            figures += paired_figures(name, e1, live, prefill)
     return figures
 
 
@@ -124,36 +135,39 @@ def paired_figures(name: str, e1: dict, live: list[bool], prefill: list[bool]) -
 # --- E2, E3 -----------------------------------------------------------------------------
 
 
-def e2_figures(e2: dict) -> list[Figure]:
+def e2_figures(summary: dict) -> list[Figure]:
     figures = []
-    for precision, arms in e2.get("precisions", {}).items():
-        name = f"E2 fixed_prefix ({precision})"
-        for arm, figure in arms.items():
-            other = arm.removeprefix("incremental_vs_")
-            counted = figure["decoded_disagreements"]
-            figures += [
-                proportion(name, f"decoded disagreements, incremental vs {other}", counted["count"], counted["n"]),
-                proportion(name, f"labels that differ, incremental vs {other}", figure["labels_differ"]["count"],
-                           figure["labels_differ"]["n"]),
-                proportion(name, f"caches that differ, incremental vs {other}", figure["caches_differ"]["count"],
-                           figure["caches_differ"]["n"]),
-            ]
-            if figure["median_first_divergence"] is not None:
-                figures.append(Figure(name, f"median first divergent position, incremental vs {other}",
-                                      f"{counted['count']} divergent", f"token {figure['median_first_divergence']:g}",
-                                      "—", "median over the divergent suffixes"))
+    for checkpoint, e2 in summary["E2"]["checkpoints"].items():
+        for precision, arms in e2["precisions"].items():
+            name = experiment_name("E2 fixed_prefix", precision, checkpoint, summary)
+            for arm, figure in arms.items():
+                other = arm.removeprefix("incremental_vs_")
+                counted = figure["decoded_disagreements"]
+                figures += [
+                    proportion(name, f"decoded disagreements, incremental vs {other}", counted["count"], counted["n"]),
+                    proportion(name, f"labels that differ, incremental vs {other}", figure["labels_differ"]["count"],
+                               figure["labels_differ"]["n"]),
+                    proportion(name, f"caches that differ, incremental vs {other}", figure["caches_differ"]["count"],
+                               figure["caches_differ"]["n"]),
+                ]
+                if figure["median_first_divergence"] is not None:
+                    figures.append(Figure(name, f"median first divergent position, incremental vs {other}",
+                                          f"{counted['count']} divergent", f"token {figure['median_first_divergence']:g}",
+                                          "—", "median over the divergent suffixes"))
     return figures or [not_run("E2 fixed_prefix", "no fixed_prefix.precisions in the config")]
 
 
-def e3_figures(e3: dict) -> list[Figure]:
+def e3_figures(summary: dict) -> list[Figure]:
     figures = []
-    for precision, figure in e3.get("precisions", {}).items():
-        name = f"E3 bridge ({precision})"
-        figures += [
-            proportion(name, "caches bit-exact, incremental vs live", figure["bit_exact"]["exact"], figure["bit_exact"]["n"]),
-            proportion(name, "suffixes identical, incremental vs live", figure["suffixes_identical"]["identical"],
-                       figure["suffixes_identical"]["n"]),
-        ]
+    for checkpoint, e3 in summary["E3"]["checkpoints"].items():
+        for precision, figure in e3["precisions"].items():
+            name = experiment_name("E3 bridge", precision, checkpoint, summary)
+            figures += [
+                proportion(name, "caches bit-exact, incremental vs live", figure["bit_exact"]["count"],
+                           figure["bit_exact"]["n"]),
+                proportion(name, "suffixes identical, incremental vs live", figure["suffixes_identical"]["count"],
+                           figure["suffixes_identical"]["n"]),
+            ]
     return figures or [not_run("E3 bridge", "no fixed_prefix.precisions in the config")]
 
 
@@ -188,14 +202,21 @@ def e5_figures(e5: dict | None) -> list[Figure]:
             figures.append(proportion(name, f"all layers, {key}, {direction}: follow the donor", count, total))
     for entry in e5["sweep"]:
         figures.append(proportion(name, f"sweep {entry['subset']}: follow the donor", entry["follows_donor"], entry["n"]))
-    for direction, counted in e5["cross_precision"].items():
-        figures.append(proportion(name, f"cross precision {direction}: follow the donor", counted["count"], counted["n"]))
+    cross = e5["cross_precision"]
+    for precision, counted in cross["divergence_survives_cast"].items():
+        figures.append(proportion(
+            name, f"cross precision, at {precision}: continuations from the cast live and cast prefill caches differ"
+                  " (the divergence survives the cast)", counted["count"], counted["n"]))
+    for direction, counted in cross["follows_donor"].items():
+        figures.append(proportion(
+            name, f"cross precision {direction}: follow the donor's own suffix (decoded at the donor's precision, so"
+                  " this mixes the cache with the precision)", counted["count"], counted["n"]))
     return figures or [Figure(name, "all layers: follow the donor", "0/0", "—", "—",
                               "no divergent item to transplant (counted on divergent items only)")]
 
 
 def all_figures(summary: dict, comparisons: pa.Table) -> list[Figure]:
-    return (e1_figures(summary["E1"], comparisons) + e2_figures(summary.get("E2", {})) + e3_figures(summary.get("E3", {}))
+    return (e1_figures(summary, comparisons) + e2_figures(summary) + e3_figures(summary)
             + e4_figures(summary.get("E4")) + e5_figures(summary.get("E5")))
 
 
@@ -209,14 +230,21 @@ def _bound(count: int, n: int) -> str:
     return f"Wilson 95% [{percent(low)}, {percent(high)}]"
 
 
-def e1_reading(e1: dict, comparisons: pa.Table) -> list[str]:
-    precision, live, prefill = e1_pairs(comparisons)
+def e1_reading(summary: dict, comparisons: pa.Table) -> list[str]:
+    lines = []
+    for checkpoint, e1 in summary["E1"]["checkpoints"].items():
+        lines += e1_checkpoint_reading(experiment_name("E1", (e1["precision"] or "").upper(), checkpoint, summary),
+                                       e1, *e1_pairs(comparisons, checkpoint))
+    return lines or ["E1 compared no items: there is nothing to read."]
+
+
+def e1_checkpoint_reading(name: str, e1: dict, live: list[bool], prefill: list[bool]) -> list[str]:
     n = e1["items"]
     if not n:
-        return ["E1 compared no items: there is nothing to read."]
+        return [f"{name} compared no items: there is nothing to read."]
     differ = e1["suffixes_differ"]["count"]
     lines = [
-        f"E1 ({precision.upper()}): {differ}/{n} suffixes differ between continuing from the live cache and from a"
+        f"{name}: {differ}/{n} suffixes differ between continuing from the live cache and from a"
         f" one-shot prefill of the same tokens ({_bound(differ, n)}); {e1['labels_differ']['count']}/{n} correctness"
         " labels differ."
     ]
@@ -242,13 +270,7 @@ def e1_reading(e1: dict, comparisons: pa.Table) -> list[str]:
         accuracy += (f" With only {live_only + prefill_only} discordant pair(s) the bootstrap interval rests on very"
                      " few distinct resampled values; Newcombe's interval is the safer reading.")
     lines.append(accuracy)
-    inexact = [side for side in ("live", "prefill") if e1["replicas_exact"][side]["exact"] < e1["replicas_exact"][side]["n"]]
-    if inexact:
-        lines.append(f"Replicas of {' and '.join(inexact)} are not all exact: the run is not deterministic, so the"
-                     " divergence figures mix replay with run-to-run noise.")
-    else:
-        lines.append("Every replica reproduced its side exactly (prefix, every cache layer, suffix): the run is"
-                     " deterministic, so any difference between the sides comes from the construction, not from noise.")
+    lines.append(replica_reading(e1["replicas_exact"]))
     unparsable = e1["unparsable"]
     if unparsable["live"] or unparsable["prefill"]:
         lines.append(f"{unparsable['live']}/{n} live and {unparsable['prefill']}/{n} prefill answers have no parsable"
@@ -256,20 +278,39 @@ def e1_reading(e1: dict, comparisons: pa.Table) -> list[str]:
     return lines
 
 
-def e2_reading(e2: dict) -> list[str]:
+def replica_reading(replicas: dict) -> str:
+    """Determinism is claimed only from replicas that were run and all reproduced their side."""
+    unmeasured = [side for side in ("live", "prefill") if not replicas[side]["n"]]
+    inexact = [side for side in ("live", "prefill") if replicas[side]["count"] < replicas[side]["n"]]
+    if inexact:
+        return (f"Replicas of {' and '.join(inexact)} are not all exact: the run is not deterministic, so the"
+                " divergence figures mix replay with run-to-run noise.")
+    if unmeasured:
+        return (f"Replicas of {' and '.join(unmeasured)}: not measured (one run per side, matched.replicas: 1), so"
+                " whether the run is deterministic is untested and the divergence figures may include run-to-run"
+                " noise.")
+    counted = " and ".join(f"{replicas[side]['count']}/{replicas[side]['n']} {side}" for side in ("live", "prefill"))
+    return (f"Every replica reproduced its side exactly ({counted}; prefix, every cache layer, suffix): the run is"
+            " deterministic, so any difference between the sides comes from the construction, not from noise.")
+
+
+def e2_reading(summary: dict) -> list[str]:
     lines, diverging, exact = [], [], []
-    for precision, arms in e2.get("precisions", {}).items():
-        for arm, figure in arms.items():
-            other = arm.removeprefix("incremental_vs_")
-            counted = figure["decoded_disagreements"]
-            count, n = counted["count"], counted["n"]
-            if not n:
-                continue
-            (diverging if count else exact).append(precision.upper())
-            consequence = (f"with the prefix tokens held fixed, building the cache by {other} instead of token by token"
-                           f" changes the continuation at {precision.upper()}" if count else "")
-            lines.append(f"{precision.upper()} arm: {count}/{n} decoded disagreements, incremental vs {other}"
-                         f" ({_bound(count, n)}){': ' + consequence if consequence else ''}.")
+    for checkpoint, e2 in summary["E2"]["checkpoints"].items():
+        for precision, arms in e2["precisions"].items():
+            name = experiment_name(f"{precision.upper()} arm", None, checkpoint, summary)
+            for arm, figure in arms.items():
+                other = arm.removeprefix("incremental_vs_")
+                counted = figure["decoded_disagreements"]
+                count, n = counted["count"], counted["n"]
+                if not n:
+                    lines.append(f"{name}: incremental vs {other} not measured (no items).")
+                    continue
+                (diverging if count else exact).append(precision.upper())
+                consequence = (f"with the prefix tokens held fixed, building the cache by {other} instead of token by"
+                               f" token changes the continuation at {precision.upper()}" if count else "")
+                lines.append(f"{name}: {count}/{n} decoded disagreements, incremental vs {other}"
+                             f" ({_bound(count, n)}){': ' + consequence if consequence else ''}.")
     if diverging and exact:
         lines.append(f"The construction changes continuations at {', '.join(sorted(set(diverging)))} but not at"
                      f" {', '.join(sorted(set(exact)))} on these items: consistent with reduced-precision rounding in"
@@ -277,18 +318,22 @@ def e2_reading(e2: dict) -> list[str]:
     return lines
 
 
-def e3_reading(e3: dict) -> list[str]:
+def e3_reading(summary: dict) -> list[str]:
     lines = []
-    for precision, figure in e3.get("precisions", {}).items():
-        exact, n = figure["bit_exact"]["exact"], figure["bit_exact"]["n"]
-        if exact == n:
-            lines.append(f"E3 ({precision.upper()}): {exact}/{n} token-by-token caches are bit-exact with the retained"
-                         " live cache, so the incremental construction stands in for live.")
-        else:
-            first = figure["not_exact"][0]
-            lines.append(f"E3 ({precision.upper()}): only {exact}/{n} token-by-token caches are bit-exact with live"
-                         f" (item {first['item_id']} first differs at layer {first['first_differing_layer']}"
-                         f" {first['kv']}): incremental is not a faithful stand-in for live here.")
+    for checkpoint, e3 in summary["E3"]["checkpoints"].items():
+        for precision, figure in e3["precisions"].items():
+            name = experiment_name("E3", precision.upper(), checkpoint, summary)
+            exact, n = figure["bit_exact"]["count"], figure["bit_exact"]["n"]
+            if not n:
+                lines.append(f"{name}: not measured (no items): whether incremental stands in for live is untested.")
+            elif exact == n:
+                lines.append(f"{name}: {exact}/{n} token-by-token caches are bit-exact with the retained"
+                             " live cache, so the incremental construction stands in for live.")
+            else:
+                first = figure["not_exact"][0]
+                lines.append(f"{name}: only {exact}/{n} token-by-token caches are bit-exact with live"
+                             f" (item {first['item_id']} first differs at layer {first['first_differing_layer']}"
+                             f" {first['kv']}): incremental is not a faithful stand-in for live here.")
     return lines
 
 
@@ -296,6 +341,8 @@ def e4_reading(e4: dict | None) -> list[str]:
     if e4 is None:
         return [f"E4 audit: not run ({AUDIT_HOW}): whether the saved ledger reproduces is untested here."]
     reproduced, n = e4["trajectories"]["reproduced"], e4["trajectories"]["n"]
+    if not n:
+        return ["E4 audit: not measured: the audit compared no trajectory, so whether the ledger reproduces is untested."]
     line = f"E4 audit: {reproduced}/{n} trajectories reproduced from the saved ledger"
     mismatches = e4.get("mismatches", [])
     line += f"; {len(mismatches)} mismatch(es) recorded." if mismatches else ", with no mismatch."
@@ -320,7 +367,7 @@ def e5_reading(e5: dict | None) -> list[str]:
         else:
             lines.append(f"E5 ({key}): {followed}/{n} continuations follow the donor cache, {figure['follows_recipient']}"
                          f" their own side, {figure['neither']} neither: the cache carries only part of the difference.")
-    lines += sweep_reading(e5)
+    lines += sweep_reading(e5) + cross_precision_reading(e5["cross_precision"])
     if e5.get("outcome_blind_checkpoint"):
         lines.append(f"Note: {e5['outcome_blind_checkpoint']}.")
     return lines
@@ -348,6 +395,23 @@ def sweep_reading(e5: dict) -> list[str]:
     return lines
 
 
+def cross_precision_reading(cross: dict) -> list[str]:
+    lines = []
+    for precision, counted in cross["divergence_survives_cast"].items():
+        count, n = counted["count"], counted["n"]
+        if not n:
+            lines.append(f"Cross precision at {precision.upper()}: not measured (no selected item).")
+            continue
+        verdict = ("the caches still carry the difference at this precision" if count == n
+                   else "the cast erases the difference for some items" if count else
+                   "the cast erases the difference: at this precision the two caches continue alike")
+        lines.append(f"Cross precision at {precision.upper()}: continuing from the cast live and the cast prefill caches,"
+                     f" {count}/{n} continuations differ ({_bound(count, n)}): {verdict}. (Whether a cast cache follows"
+                     " its donor's own suffix is listed apart: that suffix was decoded at the donor's precision, so it"
+                     " mixes the cache with the precision.)")
+    return lines
+
+
 def limits_reading(provenance: Provenance) -> list[str]:
     sources = sorted({model["source"] for model in provenance.models})
     devices = sorted({f"{entry['device']} ({entry['device_name']})" for entry in provenance.environment})
@@ -367,7 +431,7 @@ def limits_reading(provenance: Provenance) -> list[str]:
 
 
 def reading(summary: dict, comparisons: pa.Table, provenance: Provenance) -> list[str]:
-    return (e1_reading(summary["E1"], comparisons) + e2_reading(summary.get("E2", {})) + e3_reading(summary.get("E3", {}))
+    return (e1_reading(summary, comparisons) + e2_reading(summary) + e3_reading(summary)
             + e4_reading(summary.get("E4")) + e5_reading(summary.get("E5")) + limits_reading(provenance))
 
 

@@ -157,8 +157,16 @@ def build_byte_tokenizer():
     return tokenizer
 
 
-def build_random_qwen2(out_dir: str | Path, seed: int, layers: int = 2, hidden: int = 64) -> Path:
-    """A tiny randomly initialised Qwen2 (real transformers code path, seconds to run)."""
+def build_random_qwen2(out_dir: str | Path, seed: int, layers: int = 2, hidden: int = 64,
+                       near_ties: bool = False) -> Path:
+    """A tiny randomly initialised Qwen2 (real transformers code path, seconds to run).
+
+    With ``near_ties`` the output head is untied and every row is one shared direction
+    plus a 1% spread, so the top logits sit within a few bf16 ulps of each other: a
+    last-bit difference in the boundary cache then flips greedy choices in bf16 (live and
+    prefill diverge on many items) but not in fp32, where the spread is far above the
+    rounding. A plain random model never diverges: its margins are far from ties.
+    """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -167,15 +175,25 @@ def build_random_qwen2(out_dir: str | Path, seed: int, layers: int = 2, hidden: 
         config = Qwen2Config(
             vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=4096, tie_word_embeddings=True,
+            max_position_embeddings=4096, tie_word_embeddings=not near_ties,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         )
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.float32)
+        if near_ties:
+            generator = torch.Generator().manual_seed(seed)
+            std = config.initializer_range
+            shared = torch.randn(1, hidden, generator=generator) * std
+            spread = torch.randn(config.vocab_size, hidden, generator=generator) * std * NEAR_TIE_SPREAD
+            with torch.no_grad():
+                model.lm_head.weight.copy_(shared + spread)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
 
     return _write_folder_atomically(Path(out_dir), build)
+
+
+NEAR_TIE_SPREAD = 0.01  # of the shared direction's scale: a few bf16 ulps of the logits, far above fp32's
 
 
 def write_model_record(record_path: str | Path, folder: str | Path, source: str) -> dict:

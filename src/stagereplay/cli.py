@@ -59,7 +59,7 @@ def cmd_convert_gguf(args) -> None:
 def cmd_random_qwen2(args) -> None:
     from .checkpoints import build_random_qwen2
 
-    build_random_qwen2(args.out, seed=args.seed, layers=args.layers, hidden=args.hidden)
+    build_random_qwen2(args.out, seed=args.seed, layers=args.layers, hidden=args.hidden, near_ties=args.near_ties)
 
 
 def cmd_register_model(args) -> None:
@@ -134,13 +134,14 @@ def cmd_gather(args) -> None:
 
 
 def cmd_compare(args) -> None:
-    from .compare import comparison_table, pair_specs
+    from .compare import comparison_table, pair_specs, replication_specs
     from .plan import parse_construction
     from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
 
     for construction in args.constructions:
         parse_construction(construction)
-    specs = pair_specs(args.matched_precision, args.replicas, args.precisions, args.constructions)
+    specs = {args.primary: pair_specs(args.matched_precision, args.replicas, args.precisions, args.constructions)}
+    specs.update({name: replication_specs(args.matched_precision) for name in args.replications if name != args.primary})
     table = comparison_table(read_table(args.trajectories, TRAJECTORY_SCHEMA), ObjectStore(args.store), specs)
     write_table(table.to_pylist(), COMPARISON_SCHEMA, args.out)
 
@@ -152,8 +153,7 @@ def cmd_summarize(args) -> None:
     comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
-    notes = {"outcome_blind_checkpoint": args.outcome_blind_note} if args.outcome_blind_note else {}
-    write_json(summary(comparisons, trajectories, __version__, transplants, notes), args.out)
+    write_json(summary(comparisons, trajectories, __version__, transplants), args.out)
 
 
 def cmd_verify(args) -> int:
@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--near-ties", action="store_true",
+                   help="untied output head whose logits sit near ties, so bf16 live and prefill diverge (tests)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_random_qwen2)
 
@@ -323,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="compare trajectory pairs of E1, E2 and E3: caches per layer, suffixes per token")
     p.add_argument("--trajectories", required=True)
     p.add_argument("--store", required=True, help="object store directory")
+    p.add_argument("--primary", required=True, help="the checkpoint E1 (with replicas), E2 and E3 run on")
+    p.add_argument("--replications", nargs="*", default=[],
+                   help="other checkpoints, each with only E1 live and prefill of replica 0 (the outcome-blind replication)")
     p.add_argument("--matched-precision", required=True, help="precision of E1 (its live prefix feeds E2)")
     p.add_argument("--replicas", type=int, required=True, help="replicas per E1 side")
     p.add_argument("--precisions", nargs="+", required=True, help="E2/E3 precisions")
@@ -334,7 +339,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trajectories", required=True)
     p.add_argument("--comparisons", required=True)
     p.add_argument("--transplants", default=None)
-    p.add_argument("--outcome-blind-note", default=None, help="a plain statement about the outcome-blind checkpoint")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_summarize)
 

@@ -1,10 +1,13 @@
 """Which trajectories are compared, and how: caches layer by layer, suffixes token by token.
 
-Pairs are fixed by the experiment design, never by the data:
+Pairs are fixed by the experiment design, never by the data, and always within
+one checkpoint (two models' rows are never paired):
 - E1: live vs prefill at the matched precision, and each side against its replicas;
 - E2: at each precision, incremental vs every other construction, all rebuilt
   from the E1 live prefix (the token states are held fixed);
 - E3: at each precision, the retained live cache vs incremental over its own prefix.
+The primary checkpoint runs all three; any other checkpoint (the outcome-blind
+replication's) has only the E1 live and prefill sides of replica 0, so only that pair.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def live(precision: str, replica: int = 0) -> Side:
 
 
 def pair_specs(matched_precision: str, replicas: int, precisions: list[str], constructions: list[str]) -> list[PairSpec]:
+    """The pairs of the primary checkpoint: E1 with its replicas, E2 and E3."""
     rebuilt = lambda construction, precision, replica=0: Side(construction, precision, matched_precision, replica)  # noqa: E731
     specs = [PairSpec("E1", "construction", live(matched_precision), rebuilt("prefill", matched_precision))]
     for replica in range(1, replicas):
@@ -59,6 +63,11 @@ def pair_specs(matched_precision: str, replicas: int, precisions: list[str], con
     for precision in precisions:
         specs.append(PairSpec("E3", "construction", live(precision), Side("incremental", precision, precision)))
     return specs
+
+
+def replication_specs(matched_precision: str) -> list[PairSpec]:
+    """The pairs of another checkpoint: only E1 live vs prefill, the sides its replication runs."""
+    return pair_specs(matched_precision, 1, [], [])[:1]
 
 
 def index_trajectories(trajectories: pa.Table) -> dict[tuple, dict]:
@@ -81,6 +90,12 @@ def _at(values: list, index: int | None):
 
 
 def compare_pair(store: ObjectStore, spec: PairSpec, a: dict, b: dict) -> dict:
+    if spec.relation == "construction" and a["prefix_object"] != b["prefix_object"]:
+        # Every construction rebuilds the same saved prefix: unequal prefixes mean a broken ledger.
+        raise LedgerError(
+            f"item {a['item_id']}: {spec.experiment} {spec.a.label()} and {spec.b.label()} of checkpoint {a['checkpoint']}"
+            " have different prefixes, though one was rebuilt from the other's — rerun snakemake to rebuild the ledger"
+        )
     keys, values = cache_difference(
         KVState.from_named_tensors(store.get(a["cache_object"])),
         KVState.from_named_tensors(store.get(b["cache_object"])),
@@ -128,20 +143,23 @@ def compare_pair(store: ObjectStore, spec: PairSpec, a: dict, b: dict) -> dict:
     }
 
 
-def comparison_table(trajectories: pa.Table, store: ObjectStore, specs: list[PairSpec]) -> pa.Table:
+def comparison_table(trajectories: pa.Table, store: ObjectStore, specs: dict[str, list[PairSpec]]) -> pa.Table:
+    """Compare the pairs ``specs`` names for each checkpoint; every pair must exist for every item."""
     index = index_trajectories(trajectories)
-    items = sorted({(row["checkpoint"], row["item_id"]) for row in trajectories.select(["checkpoint", "item_id"]).to_pylist()})
+    items = sorted({row["item_id"] for row in trajectories.select(["item_id"]).to_pylist()})
+    strays = sorted({row["checkpoint"] for row in trajectories.select(["checkpoint"]).to_pylist()} - specs.keys())
+    if strays:
+        raise LedgerError(f"trajectories of checkpoint {strays[0]} are not part of this run's design — rerun snakemake to regather")
     rows = []
-    for spec in specs:
-        for checkpoint, item_id in items:
-            a = index.get(spec.a.key(checkpoint, item_id))
-            b = index.get(spec.b.key(checkpoint, item_id))
-            if a is None and b is None:
-                continue
-            if a is None or b is None:
-                missing = spec.a if a is None else spec.b
-                raise LedgerError(
-                    f"item {item_id}: trajectory {missing.label()} of checkpoint {checkpoint} is missing for {spec.experiment} — rerun snakemake to complete the ledger"
-                )
-            rows.append(compare_pair(store, spec, a, b))
+    for checkpoint, checkpoint_specs in specs.items():
+        for spec in checkpoint_specs:
+            for item_id in items:
+                a = index.get(spec.a.key(checkpoint, item_id))
+                b = index.get(spec.b.key(checkpoint, item_id))
+                if a is None or b is None:
+                    missing = spec.a if a is None else spec.b
+                    raise LedgerError(
+                        f"item {item_id}: trajectory {missing.label()} of checkpoint {checkpoint} is missing for {spec.experiment} — rerun snakemake to complete the ledger"
+                    )
+                rows.append(compare_pair(store, spec, a, b))
     return pa.Table.from_pylist(rows, schema=COMPARISON_SCHEMA)

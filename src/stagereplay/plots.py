@@ -65,11 +65,18 @@ def short(label: str) -> str:
 
 
 def arms(comparisons: pa.Table, experiments: tuple[str, ...]) -> dict[str, list[dict]]:
-    """Construction comparisons grouped by arm: 'E2 incremental vs prefill, fp32' -> rows."""
+    """Construction comparisons grouped by arm: 'E2 incremental vs prefill, fp32' -> rows.
+
+    Arms never pool checkpoints (their models may differ even in layer count): with more than
+    one checkpoint each arm is named with its checkpoint.
+    """
+    rows = comparisons.to_pylist()
+    several = len({row["checkpoint"] for row in rows}) > 1
     grouped: dict[str, list[dict]] = defaultdict(list)
-    for row in comparisons.to_pylist():
+    for row in rows:
         if row["relation"] == "construction" and row["experiment"] in experiments:
-            grouped[f"{row['experiment']} {side(row['a'])} vs {side(row['b'])}, {row['precision']}"].append(row)
+            where = f"{row['checkpoint']}: " if several else ""
+            grouped[f"{where}{row['experiment']} {side(row['a'])} vs {side(row['b'])}, {row['precision']}"].append(row)
     return dict(sorted(grouped.items()))
 
 
@@ -178,12 +185,12 @@ def plot_transplant_follow_donor(transplants: pa.Table | None, out_path: str | P
     if transplants is None or transplants.num_rows == 0:
         _message(axes, "E5 not run in this ledger")
         return _save(figure, out_path)
-    figures = e5_figures(transplants, {})
+    figures = e5_figures(transplants, None)
     bars = [(f"all layers, {key}", entry["follows_donor"]["count"], entry["follows_donor"]["n"])
             for key, entry in figures["all_layers"].items()]
     bars += [(f"sweep {entry['subset']}", entry["follows_donor"], entry["n"]) for entry in figures["sweep"]]
     bars += [(f"cross precision {short(key)}", entry["count"], entry["n"])
-             for key, entry in figures["cross_precision"].items()]
+             for key, entry in figures["cross_precision"]["follows_donor"].items()]
     bars = [bar for bar in bars if bar[2]]
     if not bars:
         _message(axes, f"E5 ran ({transplants.num_rows} transplants), but no item diverged: follow-donor is counted on"
@@ -214,12 +221,14 @@ def plot_accuracy(comparisons: pa.Table, out_path: str | Path) -> Path:
         _message(axes, "E1 not run in this ledger")
         return _save(figure, out_path)
     labels, fractions, errors, annotations = [], [], [], []
+    several = len({row["checkpoint"] for rows in grouped.values() for row in rows}) > 1
     for arm, rows in grouped.items():
-        experiment, precision = arm.split(" ")[0], rows[0]["precision"]
+        experiment, precision = rows[0]["experiment"], rows[0]["precision"]
         for column, label in (("a_correct", rows[0]["a"]), ("b_correct", rows[0]["b"])):
             count = sum(row[column] for row in rows)
             low, high = wilson_interval(count, len(rows))
-            labels.append(f"{experiment} {side(label)}\n{precision}")
+            where = f"{rows[0]['checkpoint']}\n" if several else ""
+            labels.append(f"{where}{experiment} {side(label)}\n{precision}")
             fractions.append(count / len(rows))
             errors.append([count / len(rows) - low, high - count / len(rows)])
             annotations.append(f"{count}/{len(rows)}")

@@ -259,6 +259,10 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
             fingerprint = fingerprint_cache(state)
             if recipient["boundary_reason"] == "eos":
                 suffix = Decoded((), (), "eos")
+            elif job.selection == "cross_precision":
+                # Decoded to the full budget: the cast live and cast prefill continuations are compared
+                # with each other (does the divergence survive the cast?), not only with the two suffixes.
+                suffix = continue_from(loaded.model, state, prefix[-1], suffix_tokens, eos, on_token=on_token)
             else:
                 # Once the continuation has left both suffixes it can follow neither: stop there.
                 suffix = continue_from(loaded.model, state, prefix[-1], suffix_tokens, eos, on_token=on_token,

@@ -1,4 +1,4 @@
-"""From the comparison table to the figures in summary.json (E1, E2, E3)."""
+"""From the ledger tables to the figures in summary.json: E1, E2 and E3 per checkpoint, and E5."""
 
 from __future__ import annotations
 
@@ -15,38 +15,58 @@ BOOTSTRAP = {"confidence": 0.95, "n_resamples": 10000, "seed": 0}
 
 
 def proportion(count: int, n: int) -> dict:
+    """x/N with its Wilson interval; with n = 0 nothing was observed, so it is marked not measured."""
     low, high = wilson_interval(count, n) if n else (None, None)
-    return {"count": int(count), "n": int(n), "rate": count / n if n else None, "wilson95": [low, high]}
+    return {"count": int(count), "n": int(n), "rate": count / n if n else None, "wilson95": [low, high],
+            "measured": n > 0}
 
 
 def _rows(comparisons: pa.Table, experiment: str, relation: str = "construction") -> list[dict]:
     return [row for row in comparisons.to_pylist() if row["experiment"] == experiment and row["relation"] == relation]
 
 
-def e1_figures(comparisons: pa.Table) -> dict:
-    rows = _rows(comparisons, "E1")
-    n = len(rows)
-    live = [row["a_correct"] for row in rows]
-    prefill = [row["b_correct"] for row in rows]
+def checkpoint_order(comparisons: pa.Table) -> list[str]:
+    """The primary checkpoint (the one E3 ran on) first, then the others by name."""
+    names = {row["checkpoint"] for row in comparisons.select(["checkpoint"]).to_pylist()}
+    primary = sorted({row["checkpoint"] for row in _rows(comparisons, "E3")})
+    return primary + sorted(names - set(primary))
+
+
+def per_checkpoint(comparisons: pa.Table, experiment: str, figures) -> dict:
+    """``figures`` of each checkpoint's own rows: two models' rows are never pooled."""
+    grouped: dict[str, list[dict]] = defaultdict(list)
+    for row in comparisons.to_pylist():
+        if row["experiment"] == experiment:
+            grouped[row["checkpoint"]].append(row)
+    return {checkpoint: figures(grouped[checkpoint]) for checkpoint in checkpoint_order(comparisons) if checkpoint in grouped}
+
+
+def e1_figures(rows: list[dict]) -> dict:
+    """E1 of one checkpoint, from its construction and replica rows."""
+    pairs = [row for row in rows if row["relation"] == "construction"]
+    n = len(pairs)
+    live = [row["a_correct"] for row in pairs]
+    prefill = [row["b_correct"] for row in pairs]
     replicas: dict[str, list[bool]] = defaultdict(list)
-    for row in _rows(comparisons, "E1", "replica"):
-        replicas[row["a"].split("/")[0]].append(row["trajectory_exact"])
+    for row in rows:
+        if row["relation"] == "replica":
+            replicas[row["a"].split("/")[0]].append(row["trajectory_exact"])
     figures = {
-        "name": "matched",
-        "pair": sorted({f"{row['a']} vs {row['b']}" for row in rows}),
+        "pair": sorted({f"{row['a']} vs {row['b']}" for row in pairs}),
+        "precision": pairs[0]["precision"] if pairs else None,
         "items": n,
-        "caches_differ": proportion(sum(not row["cache_exact"] for row in rows), n),
-        "suffixes_differ": proportion(sum(row["suffix_differs"] for row in rows), n),
-        "labels_differ": proportion(sum(row["label_differs"] for row in rows), n),
+        "caches_differ": proportion(sum(not row["cache_exact"] for row in pairs), n),
+        "suffixes_differ": proportion(sum(row["suffix_differs"] for row in pairs), n),
+        "labels_differ": proportion(sum(row["label_differs"] for row in pairs), n),
         "accuracy": {"live": proportion(sum(live), n), "prefill": proportion(sum(prefill), n)},
         "unparsable": {
-            "live": int(sum(not row["a_parsed"] for row in rows)),
-            "prefill": int(sum(not row["b_parsed"] for row in rows)),
+            "live": int(sum(not row["a_parsed"] for row in pairs)),
+            "prefill": int(sum(not row["b_parsed"] for row in pairs)),
         },
-        "boundary_reasons": dict(Counter(row["boundary_reason"] for row in rows)),
+        "boundary_reasons": dict(Counter(row["boundary_reason"] for row in pairs)),
+        # Replicas that reproduced their side exactly; n = 0 (one replica) is "not measured", never "all exact".
         "replicas_exact": {
-            side: {"exact": int(sum(replicas.get(side, []))), "n": len(replicas.get(side, []))}
-            for side in ("live", "prefill")
+            side: proportion(sum(replicas.get(side, [])), len(replicas.get(side, []))) for side in ("live", "prefill")
         },
     }
     if n:
@@ -63,41 +83,41 @@ def e1_figures(comparisons: pa.Table) -> dict:
     return figures
 
 
-def e2_figures(comparisons: pa.Table) -> dict:
-    """Per precision and construction: decoded disagreements with incremental, over fixed prefixes."""
+def e2_figures(rows: list[dict]) -> dict:
+    """One checkpoint's E2: per precision and construction, decoded disagreements with incremental."""
     grouped: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    for row in _rows(comparisons, "E2"):
+    for row in rows:
         grouped[(row["precision"], row["b"].split("/")[0])].append(row)
     by_precision: dict[str, dict] = defaultdict(dict)
-    for (precision, construction), rows in sorted(grouped.items()):
-        n = len(rows)
+    for (precision, construction), group in sorted(grouped.items()):
+        n = len(group)
         by_precision[precision][f"incremental_vs_{construction}"] = {
-            "decoded_disagreements": proportion(sum(row["suffix_differs"] for row in rows), n),
-            "labels_differ": proportion(sum(row["label_differs"] for row in rows), n),
-            "caches_differ": proportion(sum(not row["cache_exact"] for row in rows), n),
-            "median_first_divergence": _median([row["first_divergence"] for row in rows if row["suffix_differs"]]),
+            "decoded_disagreements": proportion(sum(row["suffix_differs"] for row in group), n),
+            "labels_differ": proportion(sum(row["label_differs"] for row in group), n),
+            "caches_differ": proportion(sum(not row["cache_exact"] for row in group), n),
+            "median_first_divergence": _median([row["first_divergence"] for row in group if row["suffix_differs"]]),
         }
-    return {"name": "fixed_prefix", "prefix": "E1 live trajectory (never regenerated)", "precisions": dict(by_precision)}
+    return {"precisions": dict(by_precision)}
 
 
-def e3_figures(comparisons: pa.Table) -> dict:
-    """Per precision: is token-by-token incremental bit-exact with the retained live cache?"""
+def e3_figures(rows: list[dict]) -> dict:
+    """One checkpoint's E3: per precision, is token-by-token incremental bit-exact with the retained live cache?"""
     grouped: dict[str, list[dict]] = defaultdict(list)
-    for row in _rows(comparisons, "E3"):
+    for row in rows:
         grouped[row["precision"]].append(row)
     figures = {}
-    for precision, rows in sorted(grouped.items()):
-        not_exact = [row for row in rows if not row["cache_exact"]]
+    for precision, group in sorted(grouped.items()):
+        not_exact = [row for row in group if not row["cache_exact"]]
         figures[precision] = {
-            "bit_exact": {"exact": len(rows) - len(not_exact), "n": len(rows)},
-            "suffixes_identical": {"identical": sum(not row["suffix_differs"] for row in rows), "n": len(rows)},
+            "bit_exact": proportion(len(group) - len(not_exact), len(group)),
+            "suffixes_identical": proportion(sum(not row["suffix_differs"] for row in group), len(group)),
             "not_exact": [
                 {"item_id": row["item_id"], "first_differing_layer": row["first_differing_layer"],
                  "kv": row["first_differing_kv"]}
                 for row in not_exact
             ],
         }
-    return {"name": "bridge", "precisions": figures}
+    return {"precisions": figures}
 
 
 def _median(values: list[int]) -> float | None:
@@ -115,23 +135,34 @@ def environment(trajectories: pa.Table) -> list[dict]:
     return [dict(entry) for entry in sorted(unique)]
 
 
-def _is_all_layers(row: dict, num_layers: int) -> bool:
-    return row["kv"] == "kv" and row["last_positions"] is None and len(row["layers"]) == num_layers
+def _is_all_layers(row: dict) -> bool:
+    """Every layer of the row's own model (checkpoints may differ in depth), K and V, every position."""
+    return row["kv"] == "kv" and row["last_positions"] is None and len(row["layers"]) == len(row["layer_k"])
 
 
-def e5_figures(transplants: pa.Table, notes: dict) -> dict:
+def _follows_donor(rows: list[dict]) -> dict:
+    return proportion(sum(row["outcome"] == "follows_donor" for row in rows), len(rows))
+
+
+def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
     """Follows-donor counts over divergent items: all layers per selection, the sweep, cross-precision."""
-    rows = [row for row in transplants.to_pylist() if row["divergent"]]
-    num_layers = max((len(row["layer_k"]) for row in rows), default=0)
+    every = transplants.to_pylist()
+    rows = [row for row in every if row["divergent"]]
     figures: dict = {"name": "transplant", "counted": "divergent items only (donor and recipient suffixes differ)"}
-    figures.update(notes)
+    blind = sorted({row["checkpoint"] for row in every if row["selection"] == "outcome_blind"})
+    if blind:
+        figures["outcome_blind_checkpoint"] = (
+            f"the outcome-blind replication uses the primary checkpoint {primary!r} again (no second checkpoint is"
+            " configured): it repeats the test on a seeded sample, not on a later checkpoint"
+            if blind == [primary] else f"outcome-blind replication on checkpoint {', '.join(map(repr, blind))}"
+        )
     all_layers: dict[str, dict] = {}
     for selection in ("selected", "outcome_blind"):
         for checkpoint in sorted({row["checkpoint"] for row in rows if row["selection"] == selection}):
             chosen = [row for row in rows if row["selection"] == selection and row["checkpoint"] == checkpoint
-                      and _is_all_layers(row, num_layers)]
+                      and _is_all_layers(row)]
             all_layers[f"{selection}/{checkpoint}"] = {
-                "follows_donor": proportion(sum(row["outcome"] == "follows_donor" for row in chosen), len(chosen)),
+                "follows_donor": _follows_donor(chosen),
                 "follows_recipient": int(sum(row["outcome"] == "follows_recipient" for row in chosen)),
                 "neither": int(sum(row["outcome"] == "neither" for row in chosen)),
                 "by_direction": {
@@ -150,12 +181,35 @@ def e5_figures(transplants: pa.Table, notes: dict) -> dict:
     figures["sweep"] = sweep
     sufficient = [entry for entry in sweep if entry["fraction"] == 1.0 and entry["kv"] == "kv" and entry["positions"] is None]
     figures["smallest_sufficient_layer_set"] = min(sufficient, key=lambda e: e["layers"])["subset"] if sufficient else None
-    cross = [row for row in rows if row["selection"] == "cross_precision"]
-    figures["cross_precision"] = {
-        f"{direction}": proportion(sum(r["outcome"] == "follows_donor" for r in group), len(group))
-        for direction, group in _group(cross, lambda r: f"{r['donor']} -> {r['recipient']}").items()
-    }
+    figures["cross_precision"] = cross_precision_figures([row for row in every if row["selection"] == "cross_precision"])
     return figures
+
+
+def cross_precision_figures(rows: list[dict]) -> dict:
+    """Two questions, kept apart because they have different causes.
+
+    ``follows_donor``: does a cast cache reproduce its donor's own suffix? The donor's suffix
+    was decoded at the donor's precision, so a "no" mixes the cache with the precision change.
+    ``divergence_survives_cast``: at the recipient's precision, do the continuations from the
+    cast live cache and from the cast prefill cache still differ? Both are decoded at the same
+    precision, so the answer is about the caches alone.
+    """
+    divergent = [row for row in rows if row["divergent"]]
+    survives: dict[str, dict] = {}
+    for precision, group in _group(rows, lambda r: r["precision"]).items():
+        by_item = _group(group, lambda r: r["item_id"])
+        pairs = [sorted(item_rows, key=lambda r: r["donor"]) for item_rows in by_item.values() if len(item_rows) == 2]
+        survives[precision] = {
+            "pair": " vs ".join(f"cast {row['donor']}" for row in pairs[0]) if pairs else None,
+            **proportion(sum(a["suffix_object"] != b["suffix_object"] for a, b in pairs), len(pairs)),
+        }
+    return {
+        "follows_donor": {
+            direction: _follows_donor(group)
+            for direction, group in _group(divergent, lambda r: f"{r['donor']} -> {r['recipient']}").items()
+        },
+        "divergence_survives_cast": survives,
+    }
 
 
 def _group(rows: list[dict], key) -> dict[str, list[dict]]:
@@ -165,16 +219,19 @@ def _group(rows: list[dict], key) -> dict[str, list[dict]]:
     return dict(sorted(grouped.items()))
 
 
-def summary(comparisons: pa.Table, trajectories: pa.Table, version: str,
-            transplants: pa.Table | None = None, notes: dict | None = None) -> dict:
+def summary(comparisons: pa.Table, trajectories: pa.Table, version: str, transplants: pa.Table | None = None) -> dict:
+    """Every figure of a run, from its tables alone (so verify can recompute and check it)."""
+    order = checkpoint_order(comparisons)
     result = {
         "stagereplay_version": version,
-        "E1": e1_figures(comparisons),
-        "E2": e2_figures(comparisons),
-        "E3": e3_figures(comparisons),
+        "checkpoints": order,
+        "E1": {"name": "matched", "checkpoints": per_checkpoint(comparisons, "E1", e1_figures)},
+        "E2": {"name": "fixed_prefix", "prefix": "E1 live trajectory (never regenerated)",
+               "checkpoints": per_checkpoint(comparisons, "E2", e2_figures)},
+        "E3": {"name": "bridge", "checkpoints": per_checkpoint(comparisons, "E3", e3_figures)},
     }
     if transplants is not None:
-        result["E5"] = e5_figures(transplants, notes or {})
+        result["E5"] = e5_figures(transplants, order[0] if order else None)
     result["environment"] = environment(trajectories)
     return result
 

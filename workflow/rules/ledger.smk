@@ -9,18 +9,22 @@ localrules:
     summary,
 
 
+# Checkpoints other than the primary one: only the outcome-blind replication's, with E1 live and prefill (rep0).
+REPLICATIONS = [BLIND_CHECKPOINT] if TRANSPLANT["enabled"] and BLIND_CHECKPOINT != PRIMARY else []
+
+
 def all_shard_tables():
     """Every trajectory table; transplant jobs add the outcome-blind checkpoint's E1 tables."""
     tables = matched_tables() + fixed_prefix_tables() + bridge_tables()
-    if TRANSPLANT["enabled"] and BLIND_CHECKPOINT != PRIMARY:
-        tables += [
-            table
-            for shard in SHARDS
-            for table in (
-                live_table(BLIND_CHECKPOINT, MATCHED["precision"], 0, shard),
-                rebuilt_table(BLIND_CHECKPOINT, MATCHED["precision"], MATCHED["precision"], "prefill", 0, shard),
-            )
-        ]
+    tables += [
+        table
+        for checkpoint in REPLICATIONS
+        for shard in SHARDS
+        for table in (
+            live_table(checkpoint, MATCHED["precision"], 0, shard),
+            rebuilt_table(checkpoint, MATCHED["precision"], MATCHED["precision"], "prefill", 0, shard),
+        )
+    ]
     return sorted(set(tables))
 
 
@@ -46,6 +50,8 @@ rule compare:
         ledger("tables", "comparisons.parquet"),
     params:
         store=ledger("objects"),
+        primary=PRIMARY,
+        replications=" ".join(REPLICATIONS),
         matched_precision=MATCHED["precision"],
         replicas=MATCHED["replicas"],
         precisions=" ".join(FIXED["precisions"]),
@@ -58,6 +64,7 @@ rule compare:
         runtime=30,
     shell:
         "{STAGEREPLAY} compare --trajectories {input:q} --store {params.store:q}"
+        " --primary {params.primary} --replications {params.replications}"
         " --matched-precision {params.matched_precision} --replicas {params.replicas}"
         " --precisions {params.precisions} --constructions {params.constructions}"
         " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
@@ -88,7 +95,6 @@ rule summary:
         ledger("summary.json"),
     params:
         transplants=lambda wildcards, input: f"--transplants {input.transplants}" if TRANSPLANT["enabled"] else "",
-        note=shlex.quote(outcome_blind_note()),
     log:
         ledger("logs", "summary.log"),
     threads: 1
@@ -97,4 +103,4 @@ rule summary:
         runtime=10,
     shell:
         "{STAGEREPLAY} summarize --trajectories {input.trajectories:q} --comparisons {input.comparisons:q}"
-        " {params.transplants} --outcome-blind-note {params.note} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " {params.transplants} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"

@@ -54,6 +54,7 @@ rule random_qwen2:
         seed=lambda wildcards: CHECKPOINTS[wildcards.checkpoint]["random_qwen2"]["seed"],
         layers=lambda wildcards: CHECKPOINTS[wildcards.checkpoint]["random_qwen2"]["layers"],
         hidden=lambda wildcards: CHECKPOINTS[wildcards.checkpoint]["random_qwen2"]["hidden"],
+        near_ties=lambda wildcards: "--near-ties" if CHECKPOINTS[wildcards.checkpoint]["random_qwen2"]["near_ties"] else "",
     log:
         ledger("logs", "random_qwen2", "{checkpoint}.log"),
     threads: 1
@@ -62,7 +63,7 @@ rule random_qwen2:
         runtime=10,
     shell:
         "{STAGEREPLAY} random-qwen2 --seed {params.seed} --layers {params.layers} --hidden {params.hidden}"
-        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " {params.near_ties} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 def registered_folder_input(wildcards):

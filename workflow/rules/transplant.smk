@@ -140,12 +140,3 @@ def transplant_tables():
             for shard in SHARDS
         ]
     return tables
-
-
-def outcome_blind_note():
-    if BLIND_CHECKPOINT == PRIMARY:
-        return (
-            f"the outcome-blind replication uses the primary checkpoint {PRIMARY!r} again (no second checkpoint is"
-            " configured): it repeats the test on a seeded sample, not on a later checkpoint"
-        )
-    return f"outcome-blind replication on checkpoint {BLIND_CHECKPOINT!r}"
