@@ -51,7 +51,7 @@ def build_live(
 ) -> LiveRun:
     """Generate from the prompt to the stage boundary, keeping the live cache."""
     device = next(model.parameters()).device
-    cache = kv.empty_cache()
+    cache = kv.empty_cache(model)
     with torch.inference_mode():
         logits = kv.forward(model, torch.tensor([prompt], device=device), cache)
     stop_at_marker = None
@@ -81,7 +81,7 @@ def build_boundary_state(model, prefix: list[int], construction: str, prompt_len
         pieces = [context[:prompt_length]] + [[token] for token in context[prompt_length:]]
     else:
         pieces = [context[start:start + chunk] for start in range(0, len(context), chunk)]
-    cache = kv.empty_cache()
+    cache = kv.empty_cache(model)
     with torch.inference_mode():
         for piece in pieces:
             kv.forward(model, torch.tensor([piece], device=device), cache)

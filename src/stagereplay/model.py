@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from .cache import unsupported_attention
+
 PRECISIONS: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
@@ -153,7 +155,7 @@ def _check_precision_runs(device: str, precision: str) -> None:
 
 def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
     """Load a Hugging Face model folder (weights, config, tokenizer) at ``runtime``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -161,9 +163,14 @@ def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
     if not any(folder.glob("*.safetensors")):
         raise ModelError(f"model folder {folder} holds no .safetensors weights — convert it to safetensors (pickle weights are never loaded)")
     environment = configure_runtime(runtime)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
+    refusal = unsupported_attention(config, str(folder))
+    if refusal:  # before the weights are read: the job stops before any work
+        raise ModelError(refusal)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         folder,
+        config=config,
         dtype=PRECISIONS[runtime.precision],
         attn_implementation=runtime.attn_implementation,
         trust_remote_code=runtime.trust_remote_code,
