@@ -17,8 +17,8 @@ from .cache import KVState, fingerprint_cache, to_host
 from .checkpoints import read_model_record
 from .constructions import StageBoundary, build_boundary_state, build_live, parse_construction
 from .decode import Decoded, continue_from
-from .ledger import TRAJECTORY_SCHEMA, LedgerError, ObjectStore, read_table, write_table
-from .model import LoadedModel, Runtime, load_model
+from .ledger import ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, LedgerError, ObjectStore, read_table, write_table
+from .model import Environment, LoadedModel, Runtime, load_model
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,6 @@ class ShardRecorder:
         reasoning_text = self.text(prefix[prompt_length:])
         suffix_text = self.text(suffix.tokens)
         answer, correct = items_mod.score(item, reasoning_text + suffix_text)
-        environment = self.loaded.environment
         self.rows.append({
             "checkpoint": self.spec.checkpoint,
             "precision": self.spec.precision,
@@ -106,16 +105,13 @@ class ShardRecorder:
             "answer": answer,
             "parsed": answer is not None,
             "correct": correct,
-            "device": environment.device,
-            "device_name": environment.device_name,
-            "threads": environment.threads,
-            "attn_implementation": environment.attn_implementation,
-            "tf32": environment.tf32,
-            "deterministic": environment.deterministic,
-            "torch_version": environment.torch_version,
-            "transformers_version": environment.transformers_version,
+            **environment_columns(self.loaded.environment),
             "model_seconds": seconds,
         })
+
+
+def environment_columns(environment: Environment) -> dict:
+    return {name: getattr(environment, name) for name in ENVIRONMENT_COLUMNS}
 
 
 def _continue(loaded: LoadedModel, state: KVState, prefix, boundary_reason: str, budget: int, eos, on_token) -> Decoded:
@@ -229,7 +225,7 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
     loaded = load_model(record["folder"], runtime)
     if job.plan:
         check_plan(job.plan, loaded.model.config.get_text_config().num_hidden_layers)
-    environment = loaded.environment
+    environment = environment_columns(loaded.environment)
     eos = eos_ids(loaded)
     rows = []
     work = []
@@ -286,10 +282,7 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
                 "suffix_tokens": tokens,
                 "suffix_stop": suffix.stop,
                 "model_fingerprint": record["fingerprint"],
-                "device": environment.device,
-                "threads": environment.threads,
-                "torch_version": environment.torch_version,
-                "transformers_version": environment.transformers_version,
+                **environment,
             })
         bar.update()
     bar.close()
