@@ -15,7 +15,7 @@ def text_of(loaded):
 
 
 def live_run(loaded, max_new_tokens=16, marker=None):
-    return build_live(loaded.model, PROMPT, StageBoundary(max_new_tokens, marker), frozenset(), text_of(loaded))
+    return build_live(loaded.model, PROMPT, StageBoundary(max_new_tokens, marker), frozenset(), loaded.tokenizer)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -81,7 +81,7 @@ def test_boundary_at_marker_ends_on_the_token_that_completes_it(tiny_fp32):
 def test_boundary_at_eos(tiny_fp32):
     free = live_run(tiny_fp32, max_new_tokens=8)
     third = free.prefix[len(PROMPT) + 2]
-    stopped = build_live(tiny_fp32.model, PROMPT, StageBoundary(8), frozenset({third}), text_of(tiny_fp32))
+    stopped = build_live(tiny_fp32.model, PROMPT, StageBoundary(8), frozenset({third}), tiny_fp32.tokenizer)
     assert stopped.reasoning.stop == "eos"
     assert stopped.prefix[-1] == third and len(stopped.prefix) <= len(PROMPT) + 3
 

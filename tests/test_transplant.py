@@ -22,7 +22,7 @@ def perturbed(state: KVState, scale: float = 3.0) -> KVState:
 
 @pytest.fixture(scope="module")
 def divergent_pair(tiny_fp32):
-    live = build_live(tiny_fp32.model, PROMPT, StageBoundary(10), frozenset(), lambda tokens: "")
+    live = build_live(tiny_fp32.model, PROMPT, StageBoundary(10), frozenset(), tiny_fp32.tokenizer)
     donor, recipient = live.state, perturbed(live.state)
     pending = live.prefix[-1]
     donor_suffix = continue_from(tiny_fp32.model, donor, pending, 12, frozenset()).tokens

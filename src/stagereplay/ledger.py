@@ -122,6 +122,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("prompt_length", pa.int32()),
     ("prefix_length", pa.int32()),
     ("boundary_reason", pa.string()),
+    ("marker_match", pa.string()),  # "token_ids" or "text" when the stage ended at the marker, else null
     ("reasoning_text", pa.string()),
     ("prefix_object", pa.string()),
     ("cache_object", pa.string()),

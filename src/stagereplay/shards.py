@@ -67,7 +67,7 @@ class ShardRecorder:
         return self.loaded.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     def add(self, item: items_mod.Item, prompt_length: int, prefix: tuple[int, ...], boundary_reason: str,
-            state: KVState, suffix: Decoded, seconds: float) -> None:
+            marker_match: str | None, state: KVState, suffix: Decoded, seconds: float) -> None:
         meta = {"model_fingerprint": self.record["fingerprint"], "precision": self.spec.precision}
         # One device-to-host copy, shared by the fingerprints and the stored object (a no-op on CPU).
         state = to_host(state)
@@ -91,6 +91,7 @@ class ShardRecorder:
             "prompt_length": prompt_length,
             "prefix_length": len(prefix),
             "boundary_reason": boundary_reason,
+            "marker_match": marker_match,
             "reasoning_text": reasoning_text,
             "prefix_object": self.store.put_tokens(prefix, {"role": "prefix", **meta}),
             "cache_object": cache_object,
@@ -146,9 +147,10 @@ def run_live_shard(model_record: str | Path, items_path: str | Path, prompts_pat
     for item in item_list:
         prompt = prompts[item.item_id]
         started = time.perf_counter()
-        live = build_live(loaded.model, prompt, budgets.boundary, eos, recorder.text, on_token=on_token)
+        live = build_live(loaded.model, prompt, budgets.boundary, eos, loaded.tokenizer, on_token=on_token)
         suffix = _continue(loaded, live.state, live.prefix, live.reasoning.stop, budgets.suffix_tokens, eos, on_token)
-        recorder.add(item, len(prompt), live.prefix, live.reasoning.stop, live.state, suffix, time.perf_counter() - started)
+        recorder.add(item, len(prompt), live.prefix, live.reasoning.stop, live.marker_match, live.state, suffix,
+                     time.perf_counter() - started)
         bar.update()
     bar.close()
     return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
@@ -184,8 +186,9 @@ def run_construction_shard(model_record: str | Path, items_path: str | Path, sou
         started = time.perf_counter()
         state = build_boundary_state(loaded.model, list(prefix), construction, row["prompt_length"])
         suffix = _continue(loaded, state, prefix, row["boundary_reason"], suffix_tokens, eos, on_token)
-        recorder.add(items[row["item_id"]], row["prompt_length"], prefix, row["boundary_reason"], state, suffix,
-                     time.perf_counter() - started)
+        # The stage ended where the live run ended it: boundary and marker match are the source row's.
+        recorder.add(items[row["item_id"]], row["prompt_length"], prefix, row["boundary_reason"], row["marker_match"],
+                     state, suffix, time.perf_counter() - started)
         bar.update()
     bar.close()
     return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
