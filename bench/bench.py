@@ -322,7 +322,7 @@ def section_c(ledger: Ledger) -> None:
         def generate():
             ids = torch.tensor([prefix])
             # The cache holds prefix[:-1]; generate feeds only the uncached pending token first.
-            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=kv.to_cache(state),
+            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=kv.to_cache(state, model),
                                     max_new_tokens=steps, min_new_tokens=steps, do_sample=False, top_k=None, top_p=None,
                                     temperature=None)
             return output[0, len(prefix):].tolist()

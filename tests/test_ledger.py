@@ -84,12 +84,14 @@ def trajectory_row(item_id="arith-000"):
     return {
         "checkpoint": "c", "precision": "bf16", "construction": "live", "replica": 0, "prefix_precision": "bf16",
         "item_id": item_id, "model_fingerprint": "m", "prompt_length": 3, "prefix_length": 5,
-        "boundary_reason": "budget", "reasoning_text": "ab", "prefix_object": "p", "cache_object": "c",
+        "boundary_reason": "budget", "marker_match": None, "reasoning_text": "ab", "prefix_object": "p", "cache_object": "c",
         "cache_positions": 4, "layer_k": ["k0"], "layer_v": ["v0"], "suffix_object": "s",
         "suffix_tokens": [1, 2], "suffix_margins": [0.5, 0.25], "suffix_stop": "eos", "suffix_text": "x",
-        "answer": None, "parsed": False, "correct": False, "device": "cpu", "device_name": "x86_64",
-        "threads": 1, "attn_implementation": "sdpa", "tf32": False, "deterministic": False,
-        "torch_version": "t", "transformers_version": "tr", "model_seconds": 1.5,
+        "answer": None, "parsed": False, "correct": False, "device": "cpu", "device_name": "Intel Xeon",
+        "cpu_capability": "AVX512", "threads": 1, "attn_implementation": "sdpa", "tf32": False,
+        "bf16_reduced_precision_reduction": True, "fp16_reduced_precision_reduction": True,
+        "sdpa_backends": "flash,mem_efficient,math,cudnn", "float32_matmul_precision": "highest",
+        "deterministic": False, "torch_version": "t", "transformers_version": "tr", "model_seconds": 1.5,
     }
 
 

@@ -211,9 +211,10 @@ def test_card_provenance_names_the_model_items_and_environment(completed):
     assert xxhash.xxh3_128(items).hexdigest() in provenance_lines
     assert f"precisions: {', '.join(sorted({r['precision'] for r in trajectories}))}" in provenance_lines
     for r in trajectories:
-        row = (f"| {r['checkpoint']} | {r['precision']} | {r['device']} | {r['device_name']} | {r['threads']} |"
-               f" {r['attn_implementation']} | {r['tf32']} | {r['deterministic']} | {r['torch_version']} |"
-               f" {r['transformers_version']} | {r['model_fingerprint']} |")
+        row = (f"| {r['checkpoint']} | {r['precision']} | {r['device']} | {r['device_name']} | {r['cpu_capability']} |"
+               f" {r['threads']} | {r['attn_implementation']} | {r['tf32']} | {r['bf16_reduced_precision_reduction']} |"
+               f" {r['fp16_reduced_precision_reduction']} | {r['sdpa_backends']} | {r['float32_matmul_precision']} |"
+               f" {r['deterministic']} | {r['torch_version']} | {r['transformers_version']} | {r['model_fingerprint']} |")
         assert row in provenance_lines
 
 

@@ -22,7 +22,7 @@ def perturbed(state: KVState, scale: float = 3.0) -> KVState:
 
 @pytest.fixture(scope="module")
 def divergent_pair(tiny_fp32):
-    live = build_live(tiny_fp32.model, PROMPT, StageBoundary(10), frozenset(), lambda tokens: "")
+    live = build_live(tiny_fp32.model, PROMPT, StageBoundary(10), frozenset(), tiny_fp32.tokenizer)
     donor, recipient = live.state, perturbed(live.state)
     pending = live.prefix[-1]
     donor_suffix = continue_from(tiny_fp32.model, donor, pending, 12, frozenset()).tokens
@@ -45,21 +45,30 @@ def test_all_layer_transplant_follows_the_donor_both_ways(tiny_fp32, divergent_p
 
 def test_partial_transplants_replace_exactly_the_chosen_part(divergent_pair):
     donor, recipient, *_ = divergent_pair
+    recipient_before = kv.fingerprint_cache(recipient)
     keys_only = transplant(donor, recipient, TransplantSpec((1,), "k"))
     assert torch.equal(keys_only.keys[1], donor.keys[1]) and torch.equal(keys_only.values[1], recipient.values[1])
     assert torch.equal(keys_only.keys[0], recipient.keys[0])
     window = transplant(donor, recipient, TransplantSpec((0, 1), "kv", last_positions=3))
     assert torch.equal(window.keys[0][..., -3:, :], donor.keys[0][..., -3:, :])
     assert torch.equal(window.keys[0][..., :-3, :], recipient.keys[0][..., :-3, :])
-    assert torch.equal(recipient.keys[0], divergent_pair[1].keys[0])  # the recipient itself is untouched
+    assert kv.fingerprint_cache(recipient) == recipient_before  # the recipient itself is untouched
 
 
 def test_cross_precision_transplant_casts_to_the_recipient_dtype(divergent_pair):
     donor, recipient, *_ = divergent_pair
     bf16_donor = cast_state(donor, torch.bfloat16)
-    result = transplant(bf16_donor, recipient, TransplantSpec((0, 1)))
-    assert result.keys[0].dtype == torch.float32
-    assert torch.equal(result.keys[0], bf16_donor.keys[0].float())
+    result = transplant(bf16_donor, recipient, TransplantSpec((0,)))
+    assert all(t.dtype == torch.float32 for t in result.keys + result.values)
+    # The donor's bf16 rounding is carried into the fp32 state: equal to the rounded values, not the originals.
+    rounded = donor.keys[0].to(torch.bfloat16).to(torch.float32)
+    assert torch.equal(result.keys[0], rounded) and not torch.equal(result.keys[0], donor.keys[0])
+    assert torch.equal(result.keys[1], recipient.keys[1])  # layer 1 stays the recipient's
+    # The other way, an fp32 donor is rounded into a bf16 recipient.
+    back = transplant(donor, cast_state(recipient, torch.bfloat16), TransplantSpec((0, 1)))
+    assert all(t.dtype == torch.bfloat16 for t in back.keys + back.values)
+    assert torch.equal(back.values[1].float(), donor.values[1].to(torch.bfloat16).float())
+    assert not torch.equal(back.values[1].float(), donor.values[1])
 
 
 @pytest.mark.parametrize("spec,message", [

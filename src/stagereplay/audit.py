@@ -21,6 +21,7 @@ import pyarrow as pa
 from .compare import Side, first_divergence
 from .ledger import (
     COMPARISON_SCHEMA,
+    ENVIRONMENT_COLUMNS,
     TRAJECTORY_SCHEMA,
     TRANSPLANT_SCHEMA,
     LedgerError,
@@ -28,8 +29,6 @@ from .ledger import (
     read_table,
 )
 
-ENVIRONMENT = ("device", "device_name", "threads", "attn_implementation", "tf32", "deterministic", "torch_version",
-               "transformers_version")
 MISMATCHES_LISTED = 50
 
 
@@ -53,7 +52,7 @@ class Check:
 
 
 def environment_difference(saved: dict, audited: dict) -> str | None:
-    changes = [f"{name} {saved[name]} -> {audited[name]}" for name in ENVIRONMENT
+    changes = [f"{name} {saved[name]} -> {audited[name]}" for name in ENVIRONMENT_COLUMNS
                if name in saved and saved[name] != audited[name]]
     return "; ".join(changes) or None
 

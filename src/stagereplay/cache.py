@@ -1,19 +1,27 @@
 """Boundary K/V caches: the one module that touches the transformers cache API.
 
 transformers changes its cache classes and keyword names between releases
-(5.x renamed the forward keyword ``past_key_values`` to ``cache``), so every
-call that builds, reads or feeds a cache goes through here. Everything else
-sees a ``KVState``: plain per-layer key and value tensors.
+(verified in 5.24.0: Qwen2's forward takes ``cache``, and ``past_key_values`` is
+a deprecated alias to be removed in 5.40), so every call that builds, reads or
+feeds a cache goes through here. Everything else sees a ``KVState``: plain
+per-layer key and value tensors.
+
+Caches are built from the model's config, so each layer gets the cache class
+the model expects. Only models whose every layer is full attention are
+accepted (``check_full_attention``): a sliding-window or recurrent layer keeps
+less than every position, so a boundary cache, a last-W transplant or a cache
+difference would mean something else there.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .fingerprint import combine, fingerprint_tensor
 from .plan import TransplantError
@@ -43,7 +51,7 @@ class KVState:
         return named
 
     @classmethod
-    def from_named_tensors(cls, named: dict[str, torch.Tensor]) -> "KVState":
+    def from_named_tensors(cls, named: dict[str, torch.Tensor]) -> KVState:
         layers = sorted({name.split(".")[1] for name in named})
         return cls(
             keys=tuple(named[f"layer.{layer}.k"] for layer in layers),
@@ -67,14 +75,41 @@ def fingerprint_cache(state: KVState) -> CacheFingerprint:
     return CacheFingerprint(keys=keys, values=values, digest=combine((name, named[name]) for name in sorted(named)))
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def _cache_keyword(model_class: type) -> str:
+    # Built-in models take ``cache``; a trust_remote_code model may still name only ``past_key_values``.
     parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def empty_cache() -> DynamicCache:
-    return DynamicCache()
+def unsupported_attention(config, name: str) -> str | None:
+    """One line refusing a model whose layers are not all full attention, or None when they all are.
+
+    Asks DynamicCache itself which cache class each layer gets, so the check follows transformers'
+    own reading of the config (``layer_types``, ``sliding_window``, ``attention_chunk_size``, ...).
+    """
+    layers = DynamicCache(config=config).layers
+    other = [index for index, layer in enumerate(layers) if type(layer) is not DynamicLayer]
+    if layers and not other:
+        return None
+    if not layers:
+        found = "no attention layers in its config"
+    else:
+        layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or []
+        first = other[0]
+        kind = layer_types[first] if first < len(layer_types) else type(layers[first]).__name__
+        found = f"{len(other)} of {len(layers)} layers are not full attention (layer {first}: {kind})"
+    return (f"model {name}: {found} — stage replay needs every position cached in every layer; use a model whose"
+            " layers are all full attention (Qwen2/Mistral-style configs: use_sliding_window false, sliding_window null)")
+
+
+def empty_cache(model) -> DynamicCache:
+    """An empty cache with the layer classes ``model``'s config asks for."""
+    cache = DynamicCache(config=model.config)
+    # load_model refuses such models first; this guards a model built any other way (a test, a notebook).
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError(unsupported_attention(model.config, getattr(model.config, "name_or_path", "") or type(model).__name__))
+    return cache
 
 
 def forward(model, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
@@ -97,14 +132,18 @@ def snapshot(cache: DynamicCache) -> KVState:
     )
 
 
-def to_cache(state: KVState, device: torch.device | str | None = None) -> DynamicCache:
-    """A fresh DynamicCache holding copies of ``state`` (decoding from it leaves ``state`` intact)."""
-    pairs = [
-        (key.to(device).clone() if device is not None else key.clone(),
-         value.to(device).clone() if device is not None else value.clone())
-        for key, value in zip(state.keys, state.values)
-    ]
-    return DynamicCache(pairs)
+def to_cache(state: KVState, model) -> DynamicCache:
+    """A fresh cache for ``model`` holding copies of ``state`` (decoding from it leaves ``state`` intact)."""
+    cache = empty_cache(model)
+    if state.num_layers != len(cache.layers):
+        raise TransplantError(
+            f"a cache of {state.num_layers} layers cannot feed a model of {len(cache.layers)} layers — continue a state only on the model that built it"
+        )
+    device = next(model.parameters()).device
+    for index, (key, value) in enumerate(zip(state.keys, state.values)):
+        # DynamicLayer.update concatenates onto an empty tensor, so the cache holds a copy, never ``state`` itself.
+        cache.update(key.to(device), value.to(device), index)
+    return cache
 
 
 def to_host(state: KVState) -> KVState:

@@ -452,7 +452,10 @@ def provenance(summary: dict, item_source: str, items_path: str | Path, model_re
 
 ENVIRONMENT_COLUMNS = [
     ("checkpoint", "checkpoint"), ("precision", "precision"), ("device", "device"), ("device_name", "device name"),
-    ("threads", "threads"), ("attn_implementation", "attention"), ("tf32", "TF32"), ("deterministic", "deterministic"),
+    ("cpu_capability", "CPU kernels"), ("threads", "threads"), ("attn_implementation", "attention"), ("tf32", "TF32"),
+    ("bf16_reduced_precision_reduction", "bf16 reduced-precision reduction"),
+    ("fp16_reduced_precision_reduction", "fp16 reduced-precision reduction"), ("sdpa_backends", "SDPA backends"),
+    ("float32_matmul_precision", "fp32 matmul precision"), ("deterministic", "deterministic"),
     ("torch_version", "torch"), ("transformers_version", "transformers"), ("model_fingerprint", "model fingerprint"),
 ]
 FIGURE_COLUMNS = ["Experiment", "Figure", "Count / N", "Estimate", "95% interval", "Method"]

@@ -74,7 +74,7 @@ def continue_from(
 ) -> Decoded:
     """The suffix: feed the pending token on a copy of the boundary cache, then decode greedily."""
     device = next(model.parameters()).device
-    cache = kv.to_cache(state, device)
+    cache = kv.to_cache(state, model)
     with torch.inference_mode():
         logits = kv.forward(model, torch.tensor([[pending]], device=device), cache)
     return decode_greedy(model, cache, logits, max_new_tokens, eos_ids, stop_after=stop_after,

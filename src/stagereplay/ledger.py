@@ -88,6 +88,26 @@ class ObjectStore:
         return self.get(object_id)["tokens"].tolist()
 
 
+# What the numbers depend on besides the inputs (model.Environment, less the precision,
+# which is a key column): recorded in every trajectory and transplant row, compared by
+# the audit, listed in summary.json and on the results card.
+_ENVIRONMENT_FIELDS = (
+    ("device", pa.string()),
+    ("device_name", pa.string()),
+    ("cpu_capability", pa.string()),
+    ("threads", pa.int32()),
+    ("attn_implementation", pa.string()),
+    ("tf32", pa.bool_()),
+    ("bf16_reduced_precision_reduction", pa.bool_()),
+    ("fp16_reduced_precision_reduction", pa.bool_()),
+    ("sdpa_backends", pa.string()),
+    ("float32_matmul_precision", pa.string()),
+    ("deterministic", pa.bool_()),
+    ("torch_version", pa.string()),
+    ("transformers_version", pa.string()),
+)
+ENVIRONMENT_COLUMNS = tuple(name for name, _ in _ENVIRONMENT_FIELDS)
+
 # One row per (item, checkpoint, precision, construction, replica, prefix precision):
 # a boundary state and its continuation. ``prefix_precision`` names the live run
 # whose saved integer prefix was rebuilt (for ``live`` rows: its own precision).
@@ -102,6 +122,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("prompt_length", pa.int32()),
     ("prefix_length", pa.int32()),
     ("boundary_reason", pa.string()),
+    ("marker_match", pa.string()),  # "token_ids" or "text" when the stage ended at the marker, else null
     ("reasoning_text", pa.string()),
     ("prefix_object", pa.string()),
     ("cache_object", pa.string()),
@@ -116,14 +137,7 @@ TRAJECTORY_SCHEMA = pa.schema([
     ("answer", pa.string()),
     ("parsed", pa.bool_()),
     ("correct", pa.bool_()),
-    ("device", pa.string()),
-    ("device_name", pa.string()),
-    ("threads", pa.int32()),
-    ("attn_implementation", pa.string()),
-    ("tf32", pa.bool_()),
-    ("deterministic", pa.bool_()),
-    ("torch_version", pa.string()),
-    ("transformers_version", pa.string()),
+    *_ENVIRONMENT_FIELDS,
     ("model_seconds", pa.float64()),
 ])
 
@@ -189,10 +203,7 @@ TRANSPLANT_SCHEMA = pa.schema([
     ("suffix_tokens", pa.list_(pa.int64())),
     ("suffix_stop", pa.string()),
     ("model_fingerprint", pa.string()),
-    ("device", pa.string()),
-    ("threads", pa.int32()),
-    ("torch_version", pa.string()),
-    ("transformers_version", pa.string()),
+    *_ENVIRONMENT_FIELDS,
 ])
 
 # One row per checkpoint and item: the integers every stage (and the audit) starts from.

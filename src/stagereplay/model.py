@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import transformers
+
+from .cache import unsupported_attention
 
 PRECISIONS: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -42,11 +45,17 @@ class Environment:
     """What the numbers depend on besides the inputs; recorded per ledger row."""
 
     device: str
-    device_name: str
+    device_name: str  # the GPU's name, or the CPU model
+    cpu_capability: str  # the SIMD level torch picked CPU kernels for (e.g. AVX2, AVX512)
     precision: str
     threads: int
     attn_implementation: str
     tf32: bool
+    # May bf16/fp16 matmuls reduce in reduced precision (cuBLAS split-K): changes sums on CUDA.
+    bf16_reduced_precision_reduction: bool
+    fp16_reduced_precision_reduction: bool
+    sdpa_backends: str  # enabled scaled-dot-product-attention kernels, e.g. "flash,mem_efficient,math,cudnn"
+    float32_matmul_precision: str  # torch.get_float32_matmul_precision(): highest, high or medium
     deterministic: bool
     torch_version: str
     transformers_version: str
@@ -98,19 +107,60 @@ def configure_runtime(runtime: Runtime) -> Environment:
         torch.use_deterministic_algorithms(True, warn_only=False)
         device_name = torch.cuda.get_device_name()
     else:
-        device_name = platform.processor() or platform.machine()
+        device_name = cpu_model()
     _check_precision_runs(device, runtime.precision)
+    matmul = torch.backends.cuda.matmul
     return Environment(
         device=device,
         device_name=device_name,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
         precision=runtime.precision,
         threads=runtime.threads,
         attn_implementation=runtime.attn_implementation,
         tf32=device == "cuda" and tf32_enabled(),
+        bf16_reduced_precision_reduction=bool(matmul.allow_bf16_reduced_precision_reduction),
+        fp16_reduced_precision_reduction=bool(matmul.allow_fp16_reduced_precision_reduction),
+        sdpa_backends=sdpa_backends(),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
         deterministic=torch.are_deterministic_algorithms_enabled(),
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
     )
+
+
+def cpu_model() -> str:
+    """The CPU's model, not just its architecture: two x86_64 machines can run different kernels."""
+    if platform.system() == "Darwin":
+        try:
+            brand = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], check=False, capture_output=True, text=True,
+                                   timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            brand = ""
+        if brand:
+            return brand
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if not line.strip() and fields:
+                    break  # the first processor describes them all
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass  # not Linux
+    if fields.get("model name"):
+        return fields["model name"]
+    if fields.get("CPU implementer") and fields.get("CPU part"):  # Arm Linux names no model, only these ids
+        return f"{platform.machine()} (implementer {fields['CPU implementer']}, part {fields['CPU part']})"
+    return platform.processor() or platform.machine()
+
+
+def sdpa_backends() -> str:
+    """The scaled-dot-product-attention kernels torch may choose from, read back now."""
+    cuda = torch.backends.cuda
+    enabled = {"flash": cuda.flash_sdp_enabled(), "mem_efficient": cuda.mem_efficient_sdp_enabled(),
+               "math": cuda.math_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()}
+    return ",".join(name for name, on in enabled.items() if on) or "none"
 
 
 def _disable_tf32() -> None:
@@ -153,7 +203,7 @@ def _check_precision_runs(device: str, precision: str) -> None:
 
 def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
     """Load a Hugging Face model folder (weights, config, tokenizer) at ``runtime``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -161,9 +211,14 @@ def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
     if not any(folder.glob("*.safetensors")):
         raise ModelError(f"model folder {folder} holds no .safetensors weights — convert it to safetensors (pickle weights are never loaded)")
     environment = configure_runtime(runtime)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
+    refusal = unsupported_attention(config, str(folder))
+    if refusal:  # before the weights are read: the job stops before any work
+        raise ModelError(refusal)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         folder,
+        config=config,
         dtype=PRECISIONS[runtime.precision],
         attn_implementation=runtime.attn_implementation,
         trust_remote_code=runtime.trust_remote_code,

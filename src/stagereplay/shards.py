@@ -17,8 +17,8 @@ from .cache import KVState, fingerprint_cache, to_host
 from .checkpoints import read_model_record
 from .constructions import StageBoundary, build_boundary_state, build_live, parse_construction
 from .decode import Decoded, continue_from
-from .ledger import TRAJECTORY_SCHEMA, LedgerError, ObjectStore, read_table, write_table
-from .model import LoadedModel, Runtime, load_model
+from .ledger import ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, LedgerError, ObjectStore, read_table, write_table
+from .model import Environment, LoadedModel, Runtime, load_model
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class ShardRecorder:
         return self.loaded.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     def add(self, item: items_mod.Item, prompt_length: int, prefix: tuple[int, ...], boundary_reason: str,
-            state: KVState, suffix: Decoded, seconds: float) -> None:
+            marker_match: str | None, state: KVState, suffix: Decoded, seconds: float) -> None:
         meta = {"model_fingerprint": self.record["fingerprint"], "precision": self.spec.precision}
         # One device-to-host copy, shared by the fingerprints and the stored object (a no-op on CPU).
         state = to_host(state)
@@ -80,7 +80,6 @@ class ShardRecorder:
         reasoning_text = self.text(prefix[prompt_length:])
         suffix_text = self.text(suffix.tokens)
         answer, correct = items_mod.score(item, reasoning_text + suffix_text)
-        environment = self.loaded.environment
         self.rows.append({
             "checkpoint": self.spec.checkpoint,
             "precision": self.spec.precision,
@@ -92,6 +91,7 @@ class ShardRecorder:
             "prompt_length": prompt_length,
             "prefix_length": len(prefix),
             "boundary_reason": boundary_reason,
+            "marker_match": marker_match,
             "reasoning_text": reasoning_text,
             "prefix_object": self.store.put_tokens(prefix, {"role": "prefix", **meta}),
             "cache_object": cache_object,
@@ -106,16 +106,13 @@ class ShardRecorder:
             "answer": answer,
             "parsed": answer is not None,
             "correct": correct,
-            "device": environment.device,
-            "device_name": environment.device_name,
-            "threads": environment.threads,
-            "attn_implementation": environment.attn_implementation,
-            "tf32": environment.tf32,
-            "deterministic": environment.deterministic,
-            "torch_version": environment.torch_version,
-            "transformers_version": environment.transformers_version,
+            **environment_columns(self.loaded.environment),
             "model_seconds": seconds,
         })
+
+
+def environment_columns(environment: Environment) -> dict:
+    return {name: getattr(environment, name) for name in ENVIRONMENT_COLUMNS}
 
 
 def _continue(loaded: LoadedModel, state: KVState, prefix, boundary_reason: str, budget: int, eos, on_token) -> Decoded:
@@ -150,9 +147,10 @@ def run_live_shard(model_record: str | Path, items_path: str | Path, prompts_pat
     for item in item_list:
         prompt = prompts[item.item_id]
         started = time.perf_counter()
-        live = build_live(loaded.model, prompt, budgets.boundary, eos, recorder.text, on_token=on_token)
+        live = build_live(loaded.model, prompt, budgets.boundary, eos, loaded.tokenizer, on_token=on_token)
         suffix = _continue(loaded, live.state, live.prefix, live.reasoning.stop, budgets.suffix_tokens, eos, on_token)
-        recorder.add(item, len(prompt), live.prefix, live.reasoning.stop, live.state, suffix, time.perf_counter() - started)
+        recorder.add(item, len(prompt), live.prefix, live.reasoning.stop, live.marker_match, live.state, suffix,
+                     time.perf_counter() - started)
         bar.update()
     bar.close()
     return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
@@ -188,8 +186,9 @@ def run_construction_shard(model_record: str | Path, items_path: str | Path, sou
         started = time.perf_counter()
         state = build_boundary_state(loaded.model, list(prefix), construction, row["prompt_length"])
         suffix = _continue(loaded, state, prefix, row["boundary_reason"], suffix_tokens, eos, on_token)
-        recorder.add(items[row["item_id"]], row["prompt_length"], prefix, row["boundary_reason"], state, suffix,
-                     time.perf_counter() - started)
+        # The stage ended where the live run ended it: boundary and marker match are the source row's.
+        recorder.add(items[row["item_id"]], row["prompt_length"], prefix, row["boundary_reason"], row["marker_match"],
+                     state, suffix, time.perf_counter() - started)
         bar.update()
     bar.close()
     return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
@@ -229,7 +228,7 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
     loaded = load_model(record["folder"], runtime)
     if job.plan:
         check_plan(job.plan, loaded.model.config.get_text_config().num_hidden_layers)
-    environment = loaded.environment
+    environment = environment_columns(loaded.environment)
     eos = eos_ids(loaded)
     rows = []
     work = []
@@ -290,10 +289,7 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
                 "suffix_tokens": tokens,
                 "suffix_stop": suffix.stop,
                 "model_fingerprint": record["fingerprint"],
-                "device": environment.device,
-                "threads": environment.threads,
-                "torch_version": environment.torch_version,
-                "transformers_version": environment.transformers_version,
+                **environment,
             })
         bar.update()
     bar.close()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from .atomic import atomic_write_text
+from .ledger import ENVIRONMENT_COLUMNS
 from .stats import paired_difference_ci, wilson_interval
 
 BOOTSTRAP = {"confidence": 0.95, "n_resamples": 10000, "seed": 0}
@@ -129,8 +130,7 @@ def _median(values: list[int]) -> float | None:
 
 
 def environment(trajectories: pa.Table) -> list[dict]:
-    columns = ["checkpoint", "precision", "device", "device_name", "threads", "attn_implementation", "tf32",
-               "deterministic", "torch_version", "transformers_version", "model_fingerprint"]
+    columns = ["checkpoint", "precision", *ENVIRONMENT_COLUMNS, "model_fingerprint"]
     unique = {tuple(row.items()) for row in trajectories.select(columns).to_pylist()}
     return [dict(entry) for entry in sorted(unique)]
 
