@@ -296,6 +296,8 @@ def e4_reading(e4: dict | None) -> list[str]:
     if e4 is None:
         return [f"E4 audit: not run ({AUDIT_HOW}): whether the saved ledger reproduces is untested here."]
     reproduced, n = e4["trajectories"]["reproduced"], e4["trajectories"]["n"]
+    if not n:
+        return ["E4 audit: not measured: the audit recomputed no trajectory, so nothing is shown to reproduce."]
     line = f"E4 audit: {reproduced}/{n} trajectories reproduced from the saved ledger"
     mismatches = e4.get("mismatches", [])
     line += f"; {len(mismatches)} mismatch(es) recorded." if mismatches else ", with no mismatch."
