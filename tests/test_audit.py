@@ -11,7 +11,9 @@ from workflow_helpers import (
     copy_run,
     job_counts,
     ledger_snapshot,
+    rewrite_live_suffix,
     snakemake,
+    stagereplay,
     write_config,
 )
 
@@ -138,6 +140,35 @@ def test_a_missing_transplant_row_is_named(test_run):
     missing = [row for row in checks if not row["reproduced"]]
     assert len(missing) == 1 and missing[0]["detail"] == "missing from the audit tree"
     assert missing[0]["item_id"] == saved.to_pylist()[0]["item_id"]
+
+
+def test_a_recomputed_difference_that_verify_cannot_see_is_found_by_the_audit(test_run, tmp_path):
+    """A saved suffix replaced by other tokens with every digest valid: the ledger verifies, only the audit's
+    recomputation finds the difference, on that item and artifact alone."""
+    workdir, _, _ = test_run
+    ledger, config = copy_run(workdir, tmp_path / "copy")
+    row = rewrite_live_suffix(ledger)
+    # Newer than the gathered tables: snakemake regathers, recompares, resummarises and redraws the card.
+    result = snakemake(tmp_path / "copy", config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    verified = stagereplay("verify", ledger)
+    assert verified.returncode == 0 and "ledger OK" in verified.stdout, verified.stderr
+
+    result = snakemake(tmp_path / "copy", config, "audit")
+    assert result.returncode == 0, result.stderr[-3000:]
+    e4 = json.loads((ledger / "summary.json").read_text())["E4"]
+    side = Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
+    assert e4["status"] == "differences found"
+    assert [(m["kind"], m["artifact"], m["item_id"], m["side"]) for m in e4["mismatches"]] == [
+        ("trajectory", "suffix", row["item_id"], side),
+        # The saved replica comparison was computed from the rewritten suffix; the recomputed one was not.
+        ("comparison", "comparison", row["item_id"], f"E1: live/{row['precision']}/rep0 vs {side}"),
+    ]
+    assert e4["mismatches"][0]["first_differing_position"] == 0
+    assert e4["mismatches"][0]["saved"] == row["suffix_object"]
+    assert e4["artifacts"]["suffix"]["reproduced"] == e4["artifacts"]["suffix"]["n"] - 1
+    assert e4["items"]["reproduced"] == e4["items"]["n"] - 1
+    assert f"item {row['item_id']} {side} suffix first differing position 0" in result.stdout + result.stderr
 
 
 def test_a_rebuilt_prefix_is_copied_so_it_is_not_counted_as_reproduced(test_run):
