@@ -3,10 +3,13 @@
 The audit tree (``<ledger>/audit/``) is rebuilt by the workflow's own rules from
 the saved inputs only: prompt tokens, saved live prefixes, saved caches and the
 saved selection. Here every saved row is matched with its recomputed twin and
-every artifact compared: prefix tokens, each layer's K and V, the cache digest,
-suffix tokens, labels, comparison rows, transplant outcomes, the E5 selection and
-the model fingerprint. A difference of environment (device, threads, attention,
-versions) is recorded beside each row, apart from a difference of result.
+every recomputed artifact compared: the prefix tokens of live rows (a rebuilt
+row's prefix is the saved one, copied, so it proves nothing), each layer's K and
+V, the cache digest, suffix tokens, labels, comparison rows, transplant outcomes,
+the E5 selection and the model fingerprint. A key shared by several rows, or a
+construction pair over unequal prefixes, is a failed check. A difference of
+environment (device, threads, attention, versions) is recorded beside each row,
+apart from a difference of result.
 """
 
 from __future__ import annotations
