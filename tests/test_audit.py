@@ -11,18 +11,25 @@ from workflow_helpers import (
     copy_run,
     job_counts,
     ledger_snapshot,
+    rewrite_live_suffix,
     snakemake,
+    stagereplay,
     write_config,
 )
 
 from stagereplay.audit import (
+    audit_comparisons,
     audit_rows,
     audit_trajectories,
     audit_transplants,
     e4_figures,
+    verdict,
 )
+from stagereplay.card import e4_reading
+from stagereplay.compare import Side
 from stagereplay.ledger import (
     AUDIT_SCHEMA,
+    COMPARISON_SCHEMA,
     TRAJECTORY_SCHEMA,
     TRANSPLANT_SCHEMA,
     ObjectStore,
@@ -133,3 +140,97 @@ def test_a_missing_transplant_row_is_named(test_run):
     missing = [row for row in checks if not row["reproduced"]]
     assert len(missing) == 1 and missing[0]["detail"] == "missing from the audit tree"
     assert missing[0]["item_id"] == saved.to_pylist()[0]["item_id"]
+
+
+def test_a_recomputed_difference_that_verify_cannot_see_is_found_by_the_audit(test_run, tmp_path):
+    """A saved suffix replaced by other tokens with every digest valid: the ledger verifies, only the audit's
+    recomputation finds the difference, on that item and artifact alone."""
+    workdir, _, _ = test_run
+    ledger, config = copy_run(workdir, tmp_path / "copy")
+    row = rewrite_live_suffix(ledger)
+    # Newer than the gathered tables: snakemake regathers, recompares, resummarises and redraws the card.
+    result = snakemake(tmp_path / "copy", config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    verified = stagereplay("verify", ledger)
+    assert verified.returncode == 0 and "ledger OK" in verified.stdout, verified.stderr
+
+    result = snakemake(tmp_path / "copy", config, "audit")
+    assert result.returncode == 0, result.stderr[-3000:]
+    e4 = json.loads((ledger / "summary.json").read_text())["E4"]
+    side = Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
+    assert e4["status"] == "differences found"
+    assert [(m["kind"], m["artifact"], m["item_id"], m["side"]) for m in e4["mismatches"]] == [
+        ("trajectory", "suffix", row["item_id"], side),
+        # The saved replica comparison was computed from the rewritten suffix; the recomputed one was not.
+        ("comparison", "comparison", row["item_id"], f"E1: live/{row['precision']}/rep0 vs {side}"),
+    ]
+    assert e4["mismatches"][0]["first_differing_position"] == 0
+    assert e4["mismatches"][0]["saved"] == row["suffix_object"]
+    assert e4["artifacts"]["suffix"]["reproduced"] == e4["artifacts"]["suffix"]["n"] - 1
+    assert e4["items"]["reproduced"] == e4["items"]["n"] - 1
+    assert f"item {row['item_id']} {side} suffix first differing position 0" in result.stdout + result.stderr
+
+
+def test_a_rebuilt_prefix_is_copied_so_it_is_not_counted_as_reproduced(test_run):
+    _, ledger, _ = test_run
+    saved = read_table(ledger / "tables" / "trajectories.parquet", TRAJECTORY_SCHEMA)
+    rows = saved.to_pylist()
+    live = [row for row in rows if row["construction"] == "live"]
+    rebuilt = next(index for index, row in enumerate(rows) if row["construction"] != "live")
+    # A rebuilt row naming another (real) prefix object: never compared, since it is never recomputed.
+    rows[rebuilt]["prefix_object"] = next(row["prefix_object"] for row in live
+                                          if row["prefix_object"] != rows[rebuilt]["prefix_object"])
+    store = ObjectStore(ledger / "objects")
+    checks = audit_rows(audit_trajectories(saved, pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), store, store))
+    prefixes = [check for check in checks if check["artifact"] == "prefix"]
+    assert sorted(check["side"] for check in prefixes) == sorted(
+        Side(r["construction"], r["precision"], r["prefix_precision"], r["replica"]).label() for r in live)
+    assert all(check["reproduced"] for check in checks)
+    figures = e4_figures(checks)
+    assert figures["artifacts"]["prefix"] == {"reproduced": len(live), "n": len(live)}
+    assert figures["artifacts"]["suffix"] == {"reproduced": len(rows), "n": len(rows)}
+
+
+@pytest.mark.parametrize("where", ["saved", "audited"])
+def test_a_duplicate_key_fails_its_trajectory(where, test_run):
+    _, ledger, _ = test_run
+    saved = read_table(ledger / "tables" / "trajectories.parquet", TRAJECTORY_SCHEMA)
+    doubled = pa.concat_tables([saved, saved.slice(0, 1)])
+    tables = (doubled, saved) if where == "saved" else (saved, doubled)
+    store = ObjectStore(ledger / "objects")
+    checks = audit_rows(audit_trajectories(*tables, store, store))
+    failed = [check for check in checks if not check["reproduced"]]
+    first = saved.to_pylist()[0]
+    key = (first["checkpoint"], first["construction"], first["precision"], first["prefix_precision"], first["replica"],
+           first["item_id"])
+    place = "the saved ledger" if where == "saved" else "the audit tree"
+    assert [(check["item_id"], check["artifact"], check["detail"]) for check in failed] == [
+        (first["item_id"], "trajectory", f"2 rows share the key {key} in {place} — rebuild that table (rerun snakemake)")]
+    figures = e4_figures(checks)
+    assert figures["status"] == "differences found"
+    assert figures["trajectories"] == {"reproduced": saved.num_rows - 1, "n": saved.num_rows}
+
+
+def test_a_construction_pair_over_different_prefixes_is_not_reproduced(test_run):
+    _, ledger, _ = test_run
+    table = read_table(ledger / "tables" / "comparisons.parquet", COMPARISON_SCHEMA)
+    rows = table.to_pylist()
+    construction = next(index for index, row in enumerate(rows) if row["relation"] == "construction")
+    replica = next(index for index, row in enumerate(rows) if row["relation"] == "replica")
+    # The same on both sides, so no field differs: only the pair's own premise is broken.
+    rows[construction]["prefix_equal"] = False
+    rows[replica]["prefix_equal"] = False  # replicas generate their prefixes anew: they may differ
+    edited = pa.Table.from_pylist(rows, schema=COMPARISON_SCHEMA)
+    failed = [check for check in audit_rows(audit_comparisons(edited, edited)) if not check["reproduced"]]
+    assert [(check["item_id"], check["side"], check["detail"]) for check in failed] == [(
+        rows[construction]["item_id"], f"{rows[construction]['experiment']}: {rows[construction]['a']} vs {rows[construction]['b']}",
+        "prefixes of the construction pair differ (every construction is built over the same prefix)")]
+
+
+def test_an_audit_of_nothing_is_not_measured():
+    figures = e4_figures([])
+    assert figures["status"] == "not measured"
+    assert figures["trajectories"] == figures["items"] == {"reproduced": None, "n": 0, "status": "not measured"}
+    assert verdict(figures) == "E4 audit: not measured (no saved row was audited)"
+    assert e4_reading(figures) == [
+        "E4 audit: not measured: the audit recomputed no trajectory, so nothing is shown to reproduce."]

@@ -65,6 +65,12 @@ def missing_item_file(folder: Path) -> dict:
     return {"items": {"source": str(folder / "nowhere.jsonl"), "limit": None}}
 
 
+def latin1_item_file(folder: Path) -> dict:
+    """Items saved in a legacy encoding (here Latin-1), as a spreadsheet export on Windows may be."""
+    (folder / "latin1.jsonl").write_bytes((ITEM % "a" + ITEM.replace('"q"', '"café?"') % "b").encode("latin-1"))
+    return {"items": {"source": str(folder / "latin1.jsonl"), "limit": None}}
+
+
 def not_a_ledger(folder: Path) -> dict:
     (folder / "notes").mkdir()
     return {"verify": str(folder / "notes")}
@@ -110,6 +116,8 @@ CATALOGUE = {
     "malformed row": BadInput("line 2", items=ITEM % "a" + '{"id": "b"\n'),
     "empty item file": BadInput("contains no items", items=""),
     "missing item file": BadInput("not found", prepare=missing_item_file),
+    "item file not UTF-8": BadInput("line 2: not UTF-8 text (byte 0xe9) — save the file as UTF-8",
+                                    prepare=latin1_item_file),
     # model
     "missing model folder": BadInput("does not exist", {"checkpoints": {"mine": {"folder": "/nonexistent/model"}}}),
     "two model sources": BadInput("exactly one source", {"checkpoints": {"mine": {"folder": "/tmp", "embedded": True}}}),

@@ -177,6 +177,19 @@ def test_empty_missing_unknown_and_bad_limit(tmp_path):
         load_items(odd, fmt="yaml")
 
 
+def test_jsonl_not_utf8_names_file_line_and_fix(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    # Windows line endings count as one line each; the bad byte is on physical line 3.
+    lines = [json.dumps(GOOD), json.dumps(GOOD | {"id": "b"}), json.dumps(GOOD | {"id": "c", "question": "café?"}, ensure_ascii=False)]
+    path.write_bytes("\r\n".join(lines).encode("latin-1") + b"\r\n")
+    with pytest.raises(ItemError) as exc:
+        load_items(path)
+    assert str(exc.value) == f"items file {path} line 3: not UTF-8 text (byte 0xe9) — save the file as UTF-8"
+    # The same items saved as UTF-8 load.
+    path.write_bytes("\r\n".join(lines).encode("utf-8") + b"\r\n")
+    assert [item.question for item in load_items(path)][-1] == "café?"
+
+
 # ---------------------------------------------------------------- GPQA CSV
 
 GPQA_HEADER = ["Pre-Revision Question", "Question", "Correct Answer", "Incorrect Answer 1",
@@ -296,3 +309,13 @@ def test_score():
     assert score(ITEM, "42\nAnswer: B") == ("B", True)
     assert score(ITEM, "Answer: A") == ("A", False)
     assert score(ITEM, "I think it's 42") == (None, False)
+
+
+def test_gpqa_not_utf8_names_file_line_and_fix(tmp_path):
+    rows = _gpqa_rows(3)  # each question spans two physical lines
+    rows[2][2] = "naïve"
+    path = _write_csv(tmp_path / "g.csv", GPQA_HEADER, rows)
+    path.write_bytes(path.read_bytes().decode("utf-8").encode("latin-1"))
+    with pytest.raises(ItemError) as exc:
+        load_items(path)
+    assert str(exc.value) == f"items file {path} line 7: not UTF-8 text (byte 0xef) — save the file as UTF-8"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from workflow_helpers import copy_run, snakemake, stagereplay
+from workflow_helpers import copy_run, rewrite_live_suffix, snakemake, stagereplay
 
+from stagereplay.stamp import stamp, stamp_problem
 from stagereplay.verify import verify_ledger
 
 pytestmark = pytest.mark.slow
@@ -90,3 +93,83 @@ def test_a_gathered_table_missing_a_row_is_caught(test_run, tmp_path):
     write_table(rows[:-1], TRAJECTORY_SCHEMA, path)
     faults = [str(fault) for fault in verify_ledger(ledger).faults]
     assert len(faults) == 1 and "rows for" in faults[0] and "items.jsonl holds 4 items" in faults[0], faults
+
+
+def fault_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("stagereplay: fault:")]
+
+
+@pytest.mark.parametrize("table, evidence", [
+    ("comparisons", "summary.json was computed from it"),
+    ("transplants", "summary.json (its E5 figures) was computed from it"),
+])
+def test_a_missing_table_is_named(table, evidence, test_run, tmp_path):
+    workdir, _, _ = test_run
+    ledger, _ = copy_run(workdir, tmp_path / "copy")
+    (ledger / "tables" / f"{table}.parquet").unlink()
+    result = stagereplay("verify", ledger)
+    assert result.returncode == 1
+    assert fault_lines(result) == [f"stagereplay: fault: tables/{table}.parquet: missing, though {evidence}"
+                                   " — rerun snakemake (it rebuilds what is missing)"], result.stderr
+
+
+def test_an_edited_summary_figure_is_named(test_run, tmp_path):
+    workdir, _, _ = test_run
+    ledger, _ = copy_run(workdir, tmp_path / "copy")
+    path = ledger / "summary.json"
+    summary = json.loads(path.read_text())
+    count = summary["E1"]["suffixes_differ"]["count"]
+    summary["E1"]["suffixes_differ"]["count"] = count + 1
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    result = stagereplay("verify", ledger)
+    assert result.returncode == 1
+    assert fault_lines(result) == [
+        f"stagereplay: fault: summary.json: E1.suffixes_differ.count is {count + 1}, but the tables give {count}"
+        " (edited, or not rewritten when the tables changed) — rerun snakemake --forcerun summary to rewrite it from the tables",
+        # The cards still show the figure as it was: drawn from other bytes.
+        "stagereplay: fault: results.md: rendered from another summary.json — rerun snakemake to redraw it",
+        "stagereplay: fault: report/results.html: rendered from another summary.json — rerun snakemake to redraw it",
+    ], result.stderr
+    # The audit's own check reads neither (the workflow rewrites both after it).
+    assert verify_ledger(ledger, documents=False).faults == []
+
+
+def test_a_summary_left_behind_by_regenerated_tables_is_named(test_run, tmp_path):
+    workdir, _, _ = test_run
+    ledger, config = copy_run(workdir, tmp_path / "copy")
+    before = json.loads((ledger / "summary.json").read_text())["E1"]["replicas_exact"]["live"]
+    row = rewrite_live_suffix(ledger)
+    # Only the tables are regenerated (regather, recompare): summary.json is not asked for.
+    result = snakemake(tmp_path / "copy", config, str(ledger / "tables" / "comparisons.parquet"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    faults = [str(fault) for fault in verify_ledger(ledger).faults]
+    assert faults[0] == (
+        f"summary.json: E1.replicas_exact.live.exact is {before['exact']}, but the tables give {before['exact'] - 1}"
+        " (edited, or not rewritten when the tables changed) — rerun snakemake --forcerun summary to rewrite it from the tables"
+    ), (faults, row["item_id"])
+    assert len(faults) == 1
+
+
+def test_an_edited_results_card_is_named(test_run, tmp_path):
+    workdir, _, _ = test_run
+    ledger, _ = copy_run(workdir, tmp_path / "copy")
+    path = ledger / "results.md"
+    text = path.read_text()
+    assert "E1 matched" in text
+    path.write_text(text.replace("E1 matched", "E1 matched (checked)", 1))
+    result = stagereplay("verify", ledger)
+    assert result.returncode == 1
+    assert fault_lines(result) == ["stagereplay: fault: results.md: edited after it was written"
+                                   " — rerun snakemake --forcerun report to redraw it"], result.stderr
+
+
+def test_a_stamp_names_each_problem():
+    source = b'{"E1": {}}\n'
+    text = stamp("# card\n\nfigures\n", source)
+    assert text.startswith("# card\n\nfigures\n<!-- stagereplay stamp: source xxh3-128 ")
+    assert text.count("\n") == 4 and stamp_problem(text, source) is None
+    assert stamp_problem(stamp("no final newline", source), source) is None
+    assert stamp_problem(text.replace("figures", "figure5"), source).startswith("edited after it was written")
+    assert stamp_problem(text, source + b" ").startswith("rendered from another summary.json")
+    assert stamp_problem("# card\n", source).startswith("carries no stamp")
+    assert stamp_problem(text + "appended\n", source).startswith("carries no stamp")

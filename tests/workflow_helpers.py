@@ -93,3 +93,24 @@ def job_counts(result) -> dict[str, int]:
             break
         counts[parts[0]] = int(parts[1])
     return counts
+
+
+def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
+    """Give the first row of a saved live shard other suffix tokens, with every digest valid.
+
+    The new suffix is stored as a proper object and the shard table rewritten with the
+    digest of its rows, so the ledger is self-consistent: only recomputing the row tells
+    it apart. Replica 1 feeds nothing but its replica comparison (no rebuild, no E5
+    selection), so the change stays on that one item. Returns the rewritten row.
+    """
+    from stagereplay.ledger import TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
+
+    shard = sorted((ledger / "runs" / "live").glob(f"*/*/rep{replica}/shard-*.parquet"))[0]
+    rows = read_table(shard, TRAJECTORY_SCHEMA).to_pylist()
+    row = rows[0]
+    tokens = [token + 1 for token in row["suffix_tokens"]]  # as long as before: one margin per token still
+    row["suffix_object"] = ObjectStore(ledger / "objects").put_tokens(
+        tokens, {"role": "suffix", "model_fingerprint": row["model_fingerprint"]})
+    row["suffix_tokens"] = tokens
+    write_table(rows, TRAJECTORY_SCHEMA, shard)
+    return row

@@ -3,10 +3,13 @@
 The audit tree (``<ledger>/audit/``) is rebuilt by the workflow's own rules from
 the saved inputs only: prompt tokens, saved live prefixes, saved caches and the
 saved selection. Here every saved row is matched with its recomputed twin and
-every artifact compared: prefix tokens, each layer's K and V, the cache digest,
-suffix tokens, labels, comparison rows, transplant outcomes, the E5 selection and
-the model fingerprint. A difference of environment (device, threads, attention,
-versions) is recorded beside each row, apart from a difference of result.
+every recomputed artifact compared: the prefix tokens of live rows (a rebuilt
+row's prefix is the saved one, copied, so it proves nothing), each layer's K and
+V, the cache digest, suffix tokens, labels, comparison rows, transplant outcomes,
+the E5 selection and the model fingerprint. A key shared by several rows, or a
+construction pair over unequal prefixes, is a failed check. A difference of
+environment (device, threads, attention, versions) is recorded beside each row,
+apart from a difference of result.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .ledger import (
 )
 
 MISMATCHES_LISTED = 50
+NOT_MEASURED = "not measured"
 
 
 @dataclass(frozen=True)
@@ -89,25 +93,49 @@ def _missing(kind: str, where: dict, saved: bool) -> Check:
     return Check(kind, kind, **where, reproduced=False, detail=detail)
 
 
+def _duplicates(kind: str, rows: list[dict], key, where, place: str) -> tuple[set, list[Check]]:
+    """Keys shared by several rows, each as one failed check.
+
+    A failed check rather than an error: the audit's job is to say what does not
+    reproduce, and stopping here would hide every other result; a row whose key is
+    not unique has no single twin, so it cannot count as reproduced either.
+    """
+    counts = Counter(key(row) for row in rows)
+    first = {}
+    for row in rows:
+        first.setdefault(key(row), row)
+    shared = {k for k, count in counts.items() if count > 1}
+    checks = [Check(kind, kind, **where(first[k]), reproduced=False,
+                    detail=f"{counts[k]} rows share the key {k} in {place} — rebuild that table (rerun snakemake)")
+              for k in sorted(shared, key=str)]
+    return shared, checks
+
+
 def _paired(kind: str, saved: pa.Table, audited: pa.Table, key, label) -> tuple[list[tuple], list[Check]]:
     """Each saved row with its recomputed twin, where it is and how its environment differs;
-    and a failed check for every row of either side without a twin."""
-    recomputed = {key(row): row for row in audited.to_pylist()}
-    saved_rows = saved.to_pylist()
-    saved_keys = {key(row) for row in saved_rows}
+    a failed check for every row of either side without a twin, and for every key shared by several rows."""
 
     def where(row: dict) -> dict:
         return {"checkpoint": row["checkpoint"], "item_id": row["item_id"], "side": label(row)}
 
-    unmatched = [_missing(kind, where(row), saved=True) for row in saved_rows if key(row) not in recomputed]
-    unmatched += [_missing(kind, where(row), saved=False) for k, row in recomputed.items() if k not in saved_keys]
+    saved_rows, audited_rows = saved.to_pylist(), audited.to_pylist()
+    saved_shared, checks = _duplicates(kind, saved_rows, key, where, "the saved ledger")
+    audited_shared, more = _duplicates(kind, audited_rows, key, where, "the audit tree")
+    checks += more
+    shared = saved_shared | audited_shared
+    recomputed = {key(row): row for row in audited_rows if key(row) not in shared}
+    saved_rows = [row for row in saved_rows if key(row) not in shared]
+    saved_keys = {key(row) for row in saved_rows}
+
+    checks += [_missing(kind, where(row), saved=True) for row in saved_rows if key(row) not in recomputed]
+    checks += [_missing(kind, where(row), saved=False) for k, row in recomputed.items() if k not in saved_keys]
     pairs = []
     for row in saved_rows:
         twin = recomputed.get(key(row))
         if twin is not None:
             environment = environment_difference(row, twin)
             pairs.append((row, twin, where(row), {"environment_differs": environment is not None, "environment": environment}))
-    return pairs, unmatched
+    return pairs, checks
 
 
 def _side_label(row: dict) -> str:
@@ -121,15 +149,18 @@ def _trajectory_key(row: dict) -> tuple:
 def audit_trajectories(saved: pa.Table, audited: pa.Table, saved_store: ObjectStore, audit_store: ObjectStore) -> list[Check]:
     pairs, checks = _paired("trajectory", saved, audited, _trajectory_key, _side_label)
     for old, new, where, extra_fields in pairs:
-        # Tokens are loaded only to locate a difference.
-        differs = old["prefix_object"] != new["prefix_object"]
-        prefix_old = saved_store.get_tokens(old["prefix_object"]) if differs else []
-        prefix_new = audit_store.get_tokens(new["prefix_object"]) if differs else []
+        checks.append(_same("trajectory", "model_fingerprint", where, old["model_fingerprint"], new["model_fingerprint"],
+                            **extra_fields))
+        # A rebuilt row's prefix is copied from the saved live row, not recomputed: comparing it would
+        # count a copy as a reproduction. Only a live row's prefix is generated again from the prompt.
+        if old["construction"] == "live":
+            # Tokens are loaded only to locate a difference.
+            differs = old["prefix_object"] != new["prefix_object"]
+            prefix_old = saved_store.get_tokens(old["prefix_object"]) if differs else []
+            prefix_new = audit_store.get_tokens(new["prefix_object"]) if differs else []
+            checks.append(_tokens("trajectory", "prefix", where, old["prefix_object"], new["prefix_object"], prefix_old,
+                                  prefix_new, **extra_fields))
         checks += [
-            _same("trajectory", "model_fingerprint", where, old["model_fingerprint"], new["model_fingerprint"],
-                  **extra_fields),
-            _tokens("trajectory", "prefix", where, old["prefix_object"], new["prefix_object"], prefix_old, prefix_new,
-                    **extra_fields),
             _same("trajectory", "cache", where, old["cache_object"], new["cache_object"], **extra_fields),
             _layers("trajectory", "layer_k", where, old["layer_k"], new["layer_k"], **extra_fields),
             _layers("trajectory", "layer_v", where, old["layer_v"], new["layer_v"], **extra_fields),
@@ -150,9 +181,14 @@ def audit_comparisons(saved: pa.Table, audited: pa.Table) -> list[Check]:
                             lambda row: f"{row['experiment']}: {row['a']} vs {row['b']}")
     for old, new, where, _ in pairs:
         differing = [name for name in old if old[name] != new[name]]
+        details = [f"fields differ: {', '.join(differing)}"] if differing else []
+        # Every construction of a pair is built over the same saved prefix, so unequal prefixes mean the
+        # pair compared two different states, even when saved and recomputed rows agree on it.
+        if old["relation"] == "construction" and not (old["prefix_equal"] and new["prefix_equal"]):
+            details.append("prefixes of the construction pair differ (every construction is built over the same prefix)")
         checks.append(Check(
-            "comparison", "comparison", **where, reproduced=not differing,
-            detail=f"fields differ: {', '.join(differing)}" if differing else None,
+            "comparison", "comparison", **where, reproduced=not details,
+            detail="; ".join(details) or None,
             first_differing_layer=old["first_differing_layer"] if "cache_exact" in differing else None,
         ))
     return checks
@@ -230,6 +266,13 @@ def _describe(check: dict) -> str:
     return where
 
 
+def _reproduced(values: list[bool]) -> dict:
+    """x/N; with nothing audited there is no count, only the statement that nothing was measured."""
+    if not values:
+        return {"reproduced": None, "n": 0, "status": NOT_MEASURED}
+    return {"reproduced": sum(values), "n": len(values)}
+
+
 def e4_figures(rows: list[dict], audit_runtime: dict | None = None) -> dict:
     """Reproduced x/N per artifact kind, per trajectory and per item; mismatches and environment differences."""
     by_artifact: dict[str, list[bool]] = defaultdict(list)
@@ -245,13 +288,15 @@ def e4_figures(rows: list[dict], audit_runtime: dict | None = None) -> dict:
             by_item[key] = by_item.get(key, True) and row["reproduced"]
     mismatches = [row for row in rows if not row["reproduced"]]
     environment = Counter(row["environment"] for row in rows if row["environment_differs"])
+    # A run is reproduced only if trajectories were recomputed: a model fingerprint alone reproduces no result.
+    status = "differences found" if mismatches else "reproduced" if by_trajectory else NOT_MEASURED
     figures = {
         "name": "audit",
-        "status": "reproduced" if not mismatches else "differences found",
+        "status": status,
         "method": "every saved row recomputed from its saved inputs into audit/, every fingerprint compared",
-        "items": {"reproduced": sum(by_item.values()), "n": len(by_item)},
-        "trajectories": {"reproduced": sum(by_trajectory.values()), "n": len(by_trajectory)},
-        "artifacts": {name: {"reproduced": sum(values), "n": len(values)} for name, values in sorted(by_artifact.items())},
+        "items": _reproduced(list(by_item.values())),
+        "trajectories": _reproduced(list(by_trajectory.values())),
+        "artifacts": {name: _reproduced(values) for name, values in sorted(by_artifact.items())},
         "mismatches": [
             {key: row[key] for key in ("kind", "artifact", "checkpoint", "item_id", "side", "first_differing_layer",
                                        "first_differing_position", "detail", "saved", "audited")}
@@ -265,12 +310,17 @@ def e4_figures(rows: list[dict], audit_runtime: dict | None = None) -> dict:
     return figures
 
 
+def _fraction(entry: dict) -> str:
+    return NOT_MEASURED if entry["n"] == 0 else f"{entry['reproduced']}/{entry['n']}"
+
+
 def verdict(figures: dict) -> str:
     artifacts = sum(entry["n"] for entry in figures["artifacts"].values())
-    reproduced = sum(entry["reproduced"] for entry in figures["artifacts"].values())
-    line = (f"E4 audit: {reproduced}/{artifacts} artifacts reproduced; trajectories "
-            f"{figures['trajectories']['reproduced']}/{figures['trajectories']['n']}, items "
-            f"{figures['items']['reproduced']}/{figures['items']['n']}")
+    reproduced = sum(entry["reproduced"] or 0 for entry in figures["artifacts"].values())
+    if not artifacts:
+        return f"E4 audit: {NOT_MEASURED} (no saved row was audited)"
+    line = (f"E4 audit: {figures['status']}; {reproduced}/{artifacts} artifacts reproduced; trajectories "
+            f"{_fraction(figures['trajectories'])}, items {_fraction(figures['items'])}")
     if figures["mismatches"]:
         line += f"; first mismatch: {_describe(figures['mismatches'][0])}"
     if figures["environment_differences"]:

@@ -17,6 +17,7 @@ import pyarrow as pa
 import xxhash
 
 from .atomic import atomic_write_text
+from .stamp import stamp
 from .stats import mcnemar_exact, paired_difference_newcombe, paired_difference_wald, wilson_interval
 
 WILSON = "Wilson score 95%"
@@ -342,7 +343,7 @@ def e4_reading(e4: dict | None) -> list[str]:
         return [f"E4 audit: not run ({AUDIT_HOW}): whether the saved ledger reproduces is untested here."]
     reproduced, n = e4["trajectories"]["reproduced"], e4["trajectories"]["n"]
     if not n:
-        return ["E4 audit: not measured: the audit compared no trajectory, so whether the ledger reproduces is untested."]
+        return ["E4 audit: not measured: the audit recomputed no trajectory, so nothing is shown to reproduce."]
     line = f"E4 audit: {reproduced}/{n} trajectories reproduced from the saved ledger"
     mismatches = e4.get("mismatches", [])
     line += f"; {len(mismatches)} mismatch(es) recorded." if mismatches else ", with no mismatch."
@@ -537,8 +538,14 @@ def results_card(summary: dict, comparisons: pa.Table, prov: Provenance) -> list
 
 
 def write_results_card(summary: dict, comparisons: pa.Table, prov: Provenance, markdown_path: str | Path,
-                       html_path: str | Path | None = None) -> Path:
+                       html_path: str | Path | None = None, summary_bytes: bytes | None = None) -> Path:
+    """Both cards, stamped with the summary.json bytes they come from (unstamped without them:
+    `stagereplay verify` then says so), so an edited or outdated card is caught."""
     blocks = results_card(summary, comparisons, prov)
+
+    def stamped(text: str) -> str:
+        return text if summary_bytes is None else stamp(text, summary_bytes)
+
     if html_path is not None:
-        atomic_write_text(html_path, to_html(blocks))
-    return atomic_write_text(markdown_path, to_markdown(blocks))
+        atomic_write_text(html_path, stamped(to_html(blocks)))
+    return atomic_write_text(markdown_path, stamped(to_markdown(blocks)))

@@ -7,6 +7,7 @@ hash()), because item order and choice order feed content-addressed results.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import random
@@ -196,9 +197,23 @@ def _nonempty_str(value: object) -> bool:
     return isinstance(value, str) and value.strip() != ""
 
 
+def _read_text(path: Path, encoding: str) -> str:
+    """The whole file decoded; bytes that are not UTF-8 give the line they are on (a file is read
+    whole because a streaming decoder fails at a buffer boundary, not at a line)."""
+    data = path.read_bytes()
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as error:
+        # Lines as a text-mode file counts them (universal newlines).
+        lines = io.StringIO(data[:error.start].decode(encoding), newline=None).readlines()
+        lineno = len(lines) + (1 if not lines or lines[-1].endswith("\n") else 0)
+        raise ItemError(f"items file {path} line {lineno}: not UTF-8 text (byte 0x{data[error.start]:02x})"
+                        " — save the file as UTF-8") from None
+
+
 def _parse_jsonl(path: Path) -> list[tuple[int, Item]]:
     rows: list[tuple[int, Item]] = []
-    with open(path, encoding="utf-8") as f:
+    with io.StringIO(_read_text(path, "utf-8"), newline=None) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -249,7 +264,7 @@ def _shuffled_gpqa_choices(correct: str, incorrect: list[str], shuffle_seed: int
 
 def _parse_gpqa_csv(path: Path, shuffle_seed: int) -> list[tuple[int, Item]]:
     rows: list[tuple[int, Item]] = []
-    with open(path, encoding="utf-8-sig", newline="") as f:
+    with io.StringIO(_read_text(path, "utf-8-sig"), newline="") as f:
         reader = csv.DictReader(f)
         header = reader.fieldnames or []
         for column in GPQA_COLUMNS:

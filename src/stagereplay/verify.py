@@ -1,9 +1,31 @@
-"""Check a saved ledger without a model: objects, tables, rows and counts.
+"""Check a saved ledger without a model: objects, tables, rows, counts and what was computed from them.
 
 Every object must hash to its own name, every table must be readable, have its
 schema and carry the digest of its rows, and every row must agree with the
 objects it names (cache layers, token counts and suffix tokens). A fault names
 the file (and row) and the fix; nothing is repaired or deleted.
+
+A table the run produced must be there. "Produced" is read from the ledger
+itself: a file was produced when something computed from it is present, since
+an interrupted run (which verifies clean) simply has not got that far yet:
+
+- tables/trajectories.parquet, when tables/comparisons.parquet or summary.json exists;
+- tables/comparisons.parquet, when summary.json exists (E1-E3 are computed from it);
+- tables/transplants.parquet, when summary.json holds E5;
+- tables/audit.parquet, when summary.json holds E4 (the audit writes both);
+- summary.json, when results.md or report/results.html exists (drawn from it).
+
+summary.json must equal the figures recomputed from the tables it was computed
+from (E4 apart, which the audit adds): an edited figure and a summary left
+behind by regenerated tables are both named by their first differing key. E5 is
+recomputed when summary.json holds it: a run that turns transplants off keeps
+the old transplant table but summarises without it. The results card
+(results.md, report/results.html) must carry the stamp of the summary.json
+bytes it was rendered from and of its own text (stamp.py).
+
+``documents=False`` (``verify --audit-inputs``) leaves out summary.json, the
+card and the audit table: the audit reads none of them, and verifies before the
+workflow has rewritten them.
 """
 
 from __future__ import annotations
@@ -30,6 +52,7 @@ from .ledger import (
     rows_digest,
     stored_rows_digest,
 )
+from .stamp import stamp_problem
 
 RERUN = "delete it and rerun snakemake (the workflow rebuilds what is missing)"
 
@@ -247,7 +270,122 @@ def _canonical(row: dict) -> str:
     return json.dumps(row, sort_keys=True)
 
 
-def verify_ledger(root: str | Path) -> Report:
+CARDS = ("results.md", "report/results.html")
+SUMMARY = "summary.json"
+REWRITE_SUMMARY = "rerun snakemake --forcerun summary to rewrite it from the tables"
+
+
+def _read_summary(root: Path, report: Report) -> dict | None:
+    path = root / SUMMARY
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        report.faults.append(Fault(SUMMARY, f"not valid JSON ({error})", REWRITE_SUMMARY))
+        return None
+
+
+def verify_produced(root: Path, summary: dict | None, documents: bool, report: Report) -> None:
+    """Every file that something present was computed from is there (the rule is in the module docstring)."""
+
+    def present(*names: str) -> list[str]:
+        return [name for name in names if (root / name).is_file()]
+
+    evidence = {
+        "tables/trajectories.parquet": present("tables/comparisons.parquet", SUMMARY),
+        "tables/comparisons.parquet": present(SUMMARY),
+        "tables/transplants.parquet": ["summary.json (its E5 figures)"] if summary and "E5" in summary else [],
+    }
+    if documents:
+        evidence["tables/audit.parquet"] = ["summary.json (its E4 figures)"] if summary and "E4" in summary else []
+        evidence[SUMMARY] = present(*CARDS)
+    for relative, found in evidence.items():
+        if found and not (root / relative).is_file():
+            fix = ("rerun snakemake --cores N audit" if relative == "tables/audit.parquet" else
+                   "rerun snakemake (it rebuilds what is missing)")
+            report.faults.append(Fault(relative, f"missing, though {found[0]} was computed from it", fix))
+
+
+def first_difference(saved, recomputed, path: tuple = ()) -> tuple | None:
+    """The key path (keys and list indices) of the first place two JSON values differ, or None."""
+    if isinstance(saved, dict) and isinstance(recomputed, dict):
+        for key in [*saved, *(key for key in recomputed if key not in saved)]:
+            if key not in saved or key not in recomputed:
+                return (*path, key)
+            found = first_difference(saved[key], recomputed[key], (*path, key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(saved, list) and isinstance(recomputed, list):
+        for index, (a, b) in enumerate(zip(saved, recomputed)):
+            found = first_difference(a, b, (*path, index))
+            if found is not None:
+                return found
+        return None if len(saved) == len(recomputed) else (*path, min(len(saved), len(recomputed)))
+    # NaN is a value the same computation gives twice.
+    both_nan = isinstance(saved, float) and isinstance(recomputed, float) and saved != saved and recomputed != recomputed
+    return None if (saved == recomputed and type(saved) is type(recomputed)) or both_nan else path
+
+
+def _path_text(path: tuple) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".") or "(the whole file)"
+
+
+def _value_text(data, path: tuple) -> str:
+    for part in path:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return "absent"
+    text = json.dumps(data)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Report) -> None:
+    """summary.json equals the figures recomputed from the gathered tables, E4 apart."""
+    from .summary import summary as compute_summary
+
+    needed = ("tables/comparisons.parquet", "tables/trajectories.parquet")
+    if summary is None or not all(name in tables for name in needed):
+        return  # missing or unreadable: already a fault
+    transplants = tables.get("tables/transplants.parquet") if "E5" in summary else None
+    if "E5" in summary and transplants is None:
+        return  # the transplant table is missing or unreadable: already a fault
+    recomputed = compute_summary(comparisons=tables["tables/comparisons.parquet"],
+                                 trajectories=tables["tables/trajectories.parquet"],
+                                 version=summary.get("stagereplay_version"), transplants=transplants)
+    saved = {key: value for key, value in summary.items() if key != "E4"}
+    recomputed = json.loads(json.dumps({key: value for key, value in recomputed.items() if key != "E4"}))
+    path = first_difference(saved, recomputed)
+    if path is not None:
+        report.faults.append(Fault(
+            SUMMARY, f"{_path_text(path)} is {_value_text(saved, path)}, but the tables give"
+                     f" {_value_text(recomputed, path)} (edited, or not rewritten when the tables changed)",
+            REWRITE_SUMMARY))
+
+
+def verify_cards(root: Path, report: Report) -> None:
+    """Each results card carries the stamp of the summary.json it was drawn from, and is unedited."""
+    if not (root / SUMMARY).is_file():
+        return
+    source = (root / SUMMARY).read_bytes()
+    for relative in CARDS:
+        path = root / relative
+        if not path.is_file():
+            continue
+        try:
+            problem = stamp_problem(path.read_text(encoding="utf-8"), source)
+        except UnicodeDecodeError:
+            problem = "not UTF-8 text (overwritten) — rerun snakemake --forcerun report to redraw it"
+        if problem:
+            what, _, fix = problem.partition(" — ")
+            report.faults.append(Fault(relative, what, fix or RERUN))
+
+
+def verify_ledger(root: str | Path, documents: bool = True) -> Report:
+    """Every check of the ledger at ``root``; ``documents=False`` leaves out summary.json, the card and the
+    audit table (what the audit reads nothing of, and verifies before they are rewritten)."""
     root = Path(root)
     if not root.is_dir() or not any((root / part).exists() for part in ("objects", "tables", "runs")):
         raise LedgerError(f"no ledger at {root} (no objects/, tables/ or runs/) — pass the ledger_dir of a run, e.g. ledger")
@@ -257,4 +395,17 @@ def verify_ledger(root: str | Path) -> Report:
     verify_rows(tables, known, report)
     verify_gathered(tables, report)
     verify_counts(root, tables, report)
+    summary = _read_summary(root, report) if documents else None
+    verify_produced(root, summary if documents else _peek_summary(root), documents, report)
+    if documents:
+        verify_summary(summary, tables, report)
+        verify_cards(root, report)
     return report
+
+
+def _peek_summary(root: Path) -> dict | None:
+    """summary.json for what it says was computed (E5), when its own checks are left out."""
+    try:
+        return json.loads((root / SUMMARY).read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None

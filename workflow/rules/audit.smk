@@ -3,7 +3,8 @@
 # fingerprint. The audit jobs are the run's own rules with other outputs: live from
 # the saved prompt tokens, rebuild from the saved live prefixes, transplant from the
 # saved caches and selection; each reads the saved store and writes the audit store.
-# The saved ledger is verified first, so a corrupt ledger stops the audit at once.
+# The saved ledger is verified first, so a corrupt ledger stops the audit at once: what the
+# audit reads (--audit-inputs), since summary.json and the card may be redrawn later in the same run.
 
 AUDIT_RUNTIME = {**RUNTIME, **{key: value for key, value in config["audit"]["runtime"].items() if value is not None}}
 AUDIT_STORE = ledger("audit", "objects")
@@ -45,7 +46,7 @@ rule audit_verify:
         mem_mb=2000,
         runtime=30,
     shell:
-        "{STAGEREPLAY} verify {LEDGER:q} --out {output:q} > {log:q} 2>&1"
+        "{STAGEREPLAY} verify {LEDGER:q} --audit-inputs --out {output:q} > {log:q} 2>&1"
         " || {{ grep -m 3 'fault:' {log:q} >&2; tail -n 1 {log:q} >&2; exit 1; }}"
 
 
