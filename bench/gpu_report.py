@@ -16,12 +16,14 @@ def fraction(entry: dict, key: str) -> str:
 
 
 def rows(summary: dict) -> list[list[str]]:
-    e1, e3 = summary["E1"], summary["E3"]["precisions"]
-    # E1's pair reads like "live/bf16/rep0 vs prefill/bf16/rep0<-bf16": its precision is the second field.
-    e1_precision = e1["pair"][0].split("/")[1] if e1.get("pair") else None
+    primary = summary["checkpoints"][0]
+    e1, e3 = summary["E1"]["checkpoints"][primary], summary["E3"]["checkpoints"][primary]["precisions"]
+    e1_precision = e1["precision"]
     replicas = e1.get("replicas_exact", {})
     table = []
     for entry in summary["environment"]:
+        if entry["checkpoint"] != primary:
+            continue
         precision = entry["precision"]
         is_e1 = precision == e1_precision
         table.append([
@@ -30,8 +32,8 @@ def rows(summary: dict) -> list[list[str]]:
             "on" if entry["tf32"] else "off",
             "yes" if entry["deterministic"] else "no",
             f"{e1['suffixes_differ']['count']}/{e1['suffixes_differ']['n']}" if is_e1 else "—",
-            fraction(e3[precision]["bit_exact"], "exact") if precision in e3 else "—",
-            ", ".join(f"{side} {fraction(value, 'exact')}" for side, value in replicas.items()) if is_e1 else "—",
+            fraction(e3[precision]["bit_exact"], "count") if precision in e3 else "—",
+            ", ".join(f"{side} {fraction(value, 'count')}" for side, value in replicas.items()) if is_e1 else "—",
         ])
     return table
 

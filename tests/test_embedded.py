@@ -29,14 +29,14 @@ def test_embedded_default_runs_end_to_end(tmp_path):
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
     assert not list(folder.glob("*.bin")) and not list(folder.glob("*.gguf"))  # safetensors only
 
-    e1 = json.loads((ledger / "summary.json").read_text())["E1"]
-    assert e1["items"] == 2
-    assert e1["replicas_exact"]["live"] == {"exact": 2, "n": 2}
-    assert e1["replicas_exact"]["prefill"] == {"exact": 2, "n": 2}
-
     summary = json.loads((ledger / "summary.json").read_text())
-    assert summary["E3"]["precisions"]["bf16"]["bit_exact"] == {"exact": 2, "n": 2}
-    assert summary["E3"]["precisions"]["fp32"]["bit_exact"] == {"exact": 2, "n": 2}
+    e1 = summary["E1"]["checkpoints"]["smollm2-135m"]
+    assert e1["items"] == 2
+    for side in ("live", "prefill"):
+        assert (e1["replicas_exact"][side]["count"], e1["replicas_exact"][side]["n"]) == (2, 2)
+    for precision in ("bf16", "fp32"):
+        bridge = summary["E3"]["checkpoints"]["smollm2-135m"]["precisions"][precision]["bit_exact"]
+        assert (bridge["count"], bridge["n"]) == (2, 2)
     transplants = pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
     assert {row["selection"] for row in transplants} >= {"outcome_blind"}
 

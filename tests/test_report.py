@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections import defaultdict
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import xxhash
@@ -20,8 +21,9 @@ from workflow_helpers import REPO, snakemake
 
 from stagereplay.card import provenance, write_results_card
 from stagereplay.checkpoints import read_model_record
-from stagereplay.ledger import COMPARISON_SCHEMA, read_table
+from stagereplay.ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, read_table
 from stagereplay.plots import PLOT_FILES, plot_transplant_follow_donor
+from stagereplay.summary import summary as summarize
 from stagereplay.stats import (
     mcnemar_exact,
     paired_difference_ci,
@@ -158,13 +160,12 @@ def expected_e2_e3(comparisons: list[dict]) -> dict:
 def expected_e5(transplants: list[dict]) -> dict:
     name = "E5 transplant"
     rows = [r for r in transplants if r["divergent"]]
-    layers = max((len(r["layer_k"]) for r in rows), default=0)
     follows = lambda group: sum(r["outcome"] == "follows_donor" for r in group)  # noqa: E731
     expected = {}
     for selection in ("selected", "outcome_blind"):
         for checkpoint in sorted({r["checkpoint"] for r in rows if r["selection"] == selection}):
             chosen = [r for r in rows if r["selection"] == selection and r["checkpoint"] == checkpoint
-                      and r["kv"] == "kv" and r["last_positions"] is None and len(r["layers"]) == layers]
+                      and r["kv"] == "kv" and r["last_positions"] is None and len(r["layers"]) == len(r["layer_k"])]
             key = f"all layers, {selection}/{checkpoint}"
             for outcome, label in (("follows_donor", "follow the donor"), ("follows_recipient", "follow the recipient"),
                                    ("neither", "follow neither")):
@@ -176,9 +177,19 @@ def expected_e5(transplants: list[dict]) -> dict:
     for subset in sorted({r["subset"] for r in rows if r["selection"] == "selected"}):
         group = [r for r in rows if r["selection"] == "selected" and r["subset"] == subset]
         expected[(name, f"sweep {subset}: follow the donor", WILSON)] = proportion(follows(group), len(group))
+    cross = [r for r in transplants if r["selection"] == "cross_precision"]
+    for precision in sorted({r["precision"] for r in cross}):
+        by_item = defaultdict(list)
+        for r in cross:
+            if r["precision"] == precision:
+                by_item[r["item_id"]].append(r["suffix_tokens"])
+        differ = sum(a != b for a, b in by_item.values())
+        expected[(name, f"cross precision, at {precision}: continuations from the cast live and cast prefill caches"
+                        " differ (the divergence survives the cast)", WILSON)] = proportion(differ, len(by_item))
     for direction in sorted({f"{r['donor']} -> {r['recipient']}" for r in rows if r["selection"] == "cross_precision"}):
         group = [r for r in rows if r["selection"] == "cross_precision" and f"{r['donor']} -> {r['recipient']}" == direction]
-        expected[(name, f"cross precision {direction}: follow the donor", WILSON)] = proportion(follows(group), len(group))
+        expected[(name, f"cross precision {direction}: follow the donor's own suffix (decoded at the donor's precision,"
+                        " so this mixes the cache with the precision)", WILSON)] = proportion(follows(group), len(group))
     return expected or {(name, "all layers: follow the donor",
                          "no divergent item to transplant (counted on divergent items only)"): ("0/0", "—", "—")}
 
@@ -222,7 +233,7 @@ def test_card_reading_follows_the_numbers(completed):
     _, ledger, _ = completed
     reading = "\n".join(card_sections((ledger / "results.md").read_text())["Reading: what this run shows and does not show"])
     summary = json.loads((ledger / "summary.json").read_text())
-    for precision, arms in summary["E2"]["precisions"].items():
+    for precision, arms in summary["E2"]["checkpoints"]["tiny-qwen2"]["precisions"].items():
         counted = arms["incremental_vs_prefill"]["decoded_disagreements"]
         k, n = counted["count"], counted["n"]
         assert f"{precision.upper()} arm: {k}/{n} decoded disagreements, incremental vs prefill" in reading
@@ -231,6 +242,26 @@ def test_card_reading_follows_the_numbers(completed):
             assert f"Wilson upper bound {high}: consistent with none, but {n} items cannot rule out a rate below {high}" in reading
     assert "E4 audit: not run (snakemake --cores N audit)" in reading
     assert "randomly initialised" in reading  # the test model's accuracy means nothing, and the card says so
+
+
+def test_nothing_is_claimed_from_zero_replicas(completed, tmp_path):
+    """matched.replicas: 1 leaves no replica pair: the card says not measured, never 'deterministic'."""
+    _, ledger, _ = completed
+    comparisons = read_table(ledger / "tables" / "comparisons.parquet", COMPARISON_SCHEMA)
+    one_replica = comparisons.filter(pc.not_equal(comparisons["relation"], "replica"))
+    trajectories = read_table(ledger / "tables" / "trajectories.parquet", TRAJECTORY_SCHEMA)
+    summary = summarize(one_replica, trajectories, "test")
+    replicas = summary["E1"]["checkpoints"]["tiny-qwen2"]["replicas_exact"]
+    assert replicas["live"] == {"count": 0, "n": 0, "rate": None, "wilson95": [None, None], "measured": False}
+    records = {"tiny-qwen2": read_model_record(ledger / "models" / "tiny-qwen2" / "model.json")}
+    prov = provenance(summary, "data/items.jsonl", ledger / "items.jsonl", records)
+    card = write_results_card(summary, one_replica, prov, tmp_path / "results.md").read_text()
+    figures = card_figures(card)
+    for side in ("live", "prefill"):
+        assert figures[("E1 matched (bf16)", f"exact replicas, {side}", "no observations (n = 0)")] == (
+            "0/0", "not measured", "—")
+    assert "deterministic, so any difference" not in card
+    assert "Replicas of live and prefill: not measured (one run per side)" in card
 
 
 def png_size(path) -> tuple[int, int]:

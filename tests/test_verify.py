@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from workflow_helpers import copy_run, rewrite_live_suffix, snakemake, stagereplay
 
+from stagereplay.ledger import COMPARISON_SCHEMA, write_table
 from stagereplay.stamp import stamp, stamp_problem
 from stagereplay.verify import verify_ledger
 
@@ -118,13 +119,13 @@ def test_an_edited_summary_figure_is_named(test_run, tmp_path):
     ledger, _ = copy_run(workdir, tmp_path / "copy")
     path = ledger / "summary.json"
     summary = json.loads(path.read_text())
-    count = summary["E1"]["suffixes_differ"]["count"]
-    summary["E1"]["suffixes_differ"]["count"] = count + 1
+    count = summary["E1"]["checkpoints"]["tiny-qwen2"]["suffixes_differ"]["count"]
+    summary["E1"]["checkpoints"]["tiny-qwen2"]["suffixes_differ"]["count"] = count + 1
     path.write_text(json.dumps(summary, indent=2) + "\n")
     result = stagereplay("verify", ledger)
     assert result.returncode == 1
     assert fault_lines(result) == [
-        f"stagereplay: fault: summary.json: E1.suffixes_differ.count is {count + 1}, but the tables give {count}"
+        f"stagereplay: fault: summary.json: E1.checkpoints.tiny-qwen2.suffixes_differ.count is {count + 1}, but the tables give {count}"
         " (edited, or not rewritten when the tables changed) — rerun snakemake --forcerun summary to rewrite it from the tables",
         # The cards still show the figure as it was: drawn from other bytes.
         "stagereplay: fault: results.md: rendered from another summary.json — rerun snakemake to redraw it",
@@ -137,14 +138,15 @@ def test_an_edited_summary_figure_is_named(test_run, tmp_path):
 def test_a_summary_left_behind_by_regenerated_tables_is_named(test_run, tmp_path):
     workdir, _, _ = test_run
     ledger, config = copy_run(workdir, tmp_path / "copy")
-    before = json.loads((ledger / "summary.json").read_text())["E1"]["replicas_exact"]["live"]
+    before = json.loads((ledger / "summary.json").read_text())["E1"]["checkpoints"]["tiny-qwen2"]["replicas_exact"]["live"]
     row = rewrite_live_suffix(ledger)
     # Only the tables are regenerated (regather, recompare): summary.json is not asked for.
     result = snakemake(tmp_path / "copy", config, str(ledger / "tables" / "comparisons.parquet"))
     assert result.returncode == 0, result.stderr[-3000:]
     faults = [str(fault) for fault in verify_ledger(ledger).faults]
     assert faults[0] == (
-        f"summary.json: E1.replicas_exact.live.exact is {before['exact']}, but the tables give {before['exact'] - 1}"
+        f"summary.json: E1.checkpoints.tiny-qwen2.replicas_exact.live.count is {before['count']}, but the tables give"
+        f" {before['count'] - 1}"
         " (edited, or not rewritten when the tables changed) — rerun snakemake --forcerun summary to rewrite it from the tables"
     ), (faults, row["item_id"])
     assert len(faults) == 1
@@ -173,3 +175,17 @@ def test_a_stamp_names_each_problem():
     assert stamp_problem(text, source + b" ").startswith("rendered from another summary.json")
     assert stamp_problem("# card\n", source).startswith("carries no stamp")
     assert stamp_problem(text + "appended\n", source).startswith("carries no stamp")
+
+
+def test_a_construction_pair_over_different_prefixes_is_a_fault(test_run, tmp_path):
+    """Rewritten with a valid row digest, so only the meaning of the row can give it away."""
+    workdir, _, _ = test_run
+    ledger, _ = copy_run(workdir, tmp_path / "copy")
+    path = ledger / "tables" / "comparisons.parquet"
+    rows = pq.read_table(path).to_pylist()
+    row = next(row for row in rows if row["experiment"] == "E2")
+    row["prefix_equal"] = False
+    write_table(rows, COMPARISON_SCHEMA, path)
+    faults = [str(fault) for fault in verify_ledger(ledger, documents=False).faults]
+    assert faults == [f"tables/comparisons.parquet item {row['item_id']}: E2 {row['a']} vs {row['b']} compares different"
+                      " prefixes — delete it and rerun snakemake (the workflow rebuilds what is missing)"], faults

@@ -287,7 +287,7 @@ def replica_reading(replicas: dict) -> str:
         return (f"Replicas of {' and '.join(inexact)} are not all exact: the run is not deterministic, so the"
                 " divergence figures mix replay with run-to-run noise.")
     if unmeasured:
-        return (f"Replicas of {' and '.join(unmeasured)}: not measured (one run per side, matched.replicas: 1), so"
+        return (f"Replicas of {' and '.join(unmeasured)}: not measured (one run per side), so"
                 " whether the run is deterministic is untested and the divergence figures may include run-to-run"
                 " noise.")
     counted = " and ".join(f"{replicas[side]['count']}/{replicas[side]['n']} {side}" for side in ("live", "prefill"))

@@ -90,16 +90,17 @@ def _at(values: list, index: int | None):
 
 
 def compare_pair(store: ObjectStore, spec: PairSpec, a: dict, b: dict) -> dict:
-    if spec.relation == "construction" and a["prefix_object"] != b["prefix_object"]:
-        # Every construction rebuilds the same saved prefix: unequal prefixes mean a broken ledger.
-        raise LedgerError(
-            f"item {a['item_id']}: {spec.experiment} {spec.a.label()} and {spec.b.label()} of checkpoint {a['checkpoint']}"
-            " have different prefixes, though one was rebuilt from the other's — rerun snakemake to rebuild the ledger"
+    prefix_equal = a["prefix_object"] == b["prefix_object"]
+    if prefix_equal:
+        keys, values = cache_difference(
+            KVState.from_named_tensors(store.get(a["cache_object"])),
+            KVState.from_named_tensors(store.get(b["cache_object"])),
         )
-    keys, values = cache_difference(
-        KVState.from_named_tensors(store.get(a["cache_object"])),
-        KVState.from_named_tensors(store.get(b["cache_object"])),
-    )
+    else:
+        # Caches over different tokens are not two constructions of one state: no per-layer difference
+        # is recorded, and the row is a fault (verify) or a failed reproduction (the audit, whose live
+        # side may regenerate another prefix while its rebuilt sides read the saved one).
+        keys = values = ()
     differing = [
         (layer, "k" if k.fraction_differ else "v")
         for layer, (k, v) in enumerate(zip(keys, values)) if k.fraction_differ or v.fraction_differ
@@ -115,9 +116,9 @@ def compare_pair(store: ObjectStore, spec: PairSpec, a: dict, b: dict) -> dict:
         "b": spec.b.label(),
         "boundary_reason": a["boundary_reason"],
         "prefix_length": a["prefix_length"],
-        "prefix_equal": a["prefix_object"] == b["prefix_object"],
-        "cache_exact": not differing,
-        "layers_differ": len(differing),
+        "prefix_equal": prefix_equal,
+        "cache_exact": prefix_equal and not differing,
+        "layers_differ": len(differing) if prefix_equal else None,
         "first_differing_layer": differing[0][0] if differing else None,
         "first_differing_kv": differing[0][1] if differing else None,
         "k_max_abs": [d.max_abs for d in keys],

@@ -223,6 +223,11 @@ def verify_rows(tables: dict[str, pa.Table], known: dict[str, StoredObject], rep
         elif schema.equals(COMPARISON_SCHEMA):
             keys = Counter((r["experiment"], r["relation"], r["checkpoint"], r["precision"], r["item_id"], r["a"], r["b"])
                            for r in rows)
+            for row in rows:
+                # Every construction is rebuilt from the saved live prefix: two prefixes mean a broken ledger.
+                if row["relation"] == "construction" and not row["prefix_equal"]:
+                    faults.append(Fault(_row_where(relative, row),
+                                        f"{row['experiment']} {row['a']} vs {row['b']} compares different prefixes"))
         elif schema.equals(PROMPT_SCHEMA):
             keys = Counter(r["item_id"] for r in rows)
         else:
