@@ -104,7 +104,7 @@ CATALOGUE = {
     "no incremental": BadInput("must include incremental", {"fixed_prefix": {"constructions": ["prefill", "chunked:4"]}}),
     "outcome-blind sample too large": BadInput("larger than", {"transplant": {"outcome_blind": {"sample": 99}}}),
     "layer out of range": BadInput("layer 7 out of range", {"transplant": {"sweep": {"single_layers": [0, 7]}}}),
-    "block larger than the model": BadInput("exceeds the model", {"transplant": {"sweep": {"block_sizes": [3]}}}),
+    "block larger than the model": BadInput("exceeds the model", {"transplant": {"sweep": {"block_sizes": [5]}}}),
     "unknown outcome-blind checkpoint": BadInput("not in checkpoints",
                                                  {"transplant": {"outcome_blind": {"checkpoint": "nope"}}}),
     "cross precision equals E1's": BadInput("must differ", {"transplant": {"cross_precision": "bf16"}}),
