@@ -25,7 +25,8 @@ def _spec(args):
 
 
 def cmd_make_default_items(args) -> None:
-    from .items import make_default_items, write_items_jsonl
+    from .default_items import make_default_items
+    from .items import write_items_jsonl
 
     write_items_jsonl(make_default_items(args.n, args.seed), args.out)
 
@@ -110,8 +111,8 @@ def cmd_select_transplants(args) -> None:
 
 
 def cmd_transplant(args) -> None:
-    from .shards import TransplantJob, run_transplant_shard
     from .plan import SweepPlan, parse_layers
+    from .transplant_job import TransplantJob, run_transplant_shard
 
     selection = json.loads(Path(args.selection_file).read_text())
     item_ids = selection["selected" if args.selection == "cross_precision" else args.selection]["item_ids"]
