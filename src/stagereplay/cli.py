@@ -200,9 +200,9 @@ def cmd_report(args) -> None:
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
     records = {Path(path).parent.name: read_model_record(path) for path in args.models}
-    write_results_card(summary, comparisons, provenance(summary, args.item_source, args.items, records), args.card,
+    write_results_card(summary, provenance(summary, args.item_source, args.items, records), args.card,
                        args.card_html, summary_bytes=summary_bytes)
-    write_plots(comparisons, trajectories, transplants, args.plots_dir)
+    write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)
 
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
