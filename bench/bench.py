@@ -153,8 +153,8 @@ def fingerprints(rows_: list[dict], keys=("prefix_object", "cache_object", "suff
 def section_a(ledger: Ledger) -> None:
     from stagereplay.constructions import StageBoundary
     from stagereplay.ledger import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
-    from stagereplay.shards import (Budgets, TransplantJob, run_construction_shard, run_live_shard,
-                                    run_transplant_shard)
+    from stagereplay.shards import Budgets, run_construction_shard, run_live_shard
+    from stagereplay.transplant_job import TransplantJob, run_transplant_shard
 
     trajectories = read_table(ledger.root / "tables/trajectories.parquet", TRAJECTORY_SCHEMA).to_pylist()
     transplants_path = ledger.root / "tables/transplants.parquet"
@@ -277,7 +277,8 @@ def store_shard_again(ledger: Ledger) -> tuple[float, int]:
     """Fingerprint and store again every artifact of one live shard, into a scratch store."""
     import pyarrow.parquet as pq
 
-    from stagereplay.cache import KVState, fingerprint_cache
+    from stagereplay.cache import KVState
+    from stagereplay.fingerprint import fingerprint_cache
     from stagereplay.ledger import ObjectStore
 
     source = ObjectStore(ledger.root / "objects")
@@ -341,8 +342,8 @@ def section_d(ledger: Ledger) -> None:
     import torch
     import xxhash
 
-    from stagereplay.cache import KVState, fingerprint_cache
-    from stagereplay.fingerprint import fingerprint_tensor, tensor_buffer
+    from stagereplay.cache import KVState
+    from stagereplay.fingerprint import fingerprint_cache, fingerprint_tensor, tensor_buffer
     from stagereplay.ledger import ObjectStore
 
     big = torch.randn(64, 1024, 1024).to(torch.bfloat16)  # 128 MiB

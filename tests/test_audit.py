@@ -25,7 +25,7 @@ from stagereplay.audit import (
     e4_figures,
     verdict,
 )
-from stagereplay.card import e4_reading
+from stagereplay.reading import e4_reading
 from stagereplay.compare import Side
 from stagereplay.ledger import (
     AUDIT_SCHEMA,

@@ -11,6 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 from stagereplay import cache as kv
+from stagereplay.fingerprint import fingerprint_cache
 from stagereplay.model import ModelError, Runtime, load_model
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
@@ -72,7 +73,7 @@ def test_caches_are_built_from_the_model_config(tiny_fp32):
     rebuilt = kv.to_cache(state, model)
     assert len(rebuilt.layers) == layers and all(type(layer) is DynamicLayer for layer in rebuilt.layers)
     assert rebuilt.get_seq_length() == len(PROMPT)
-    assert kv.fingerprint_cache(kv.snapshot(rebuilt)) == kv.fingerprint_cache(state)
+    assert fingerprint_cache(kv.snapshot(rebuilt)) == fingerprint_cache(state)
     # A copy: feeding the rebuilt cache leaves the state it came from as it was.
     with torch.inference_mode():
         kv.forward(model, torch.tensor([[PROMPT[-1]]]), rebuilt)

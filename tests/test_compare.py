@@ -2,8 +2,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stagereplay.cache import KVState, cache_difference, tensor_difference
+from stagereplay.cache import KVState
 from stagereplay.compare import comparison_table, compare_pair, first_divergence, pair_specs, replication_specs
+from stagereplay.difference import cache_difference, tensor_difference
 from stagereplay.ledger import TRAJECTORY_SCHEMA, LedgerError, ObjectStore
 
 

@@ -3,9 +3,10 @@ import math
 import pytest
 import torch
 
-from stagereplay import cache as kv
 from stagereplay.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.decode import continue_from
+from stagereplay.difference import cache_difference
+from stagereplay.fingerprint import fingerprint_cache
 from stagereplay.plan import ConstructionError, parse_construction
 from stagereplay.shards import eos_ids
 
@@ -38,7 +39,7 @@ def test_incremental_is_bit_exact_with_live(precision, request):
     loaded = request.getfixturevalue(f"tiny_{precision}")
     live = live_run(loaded)
     incremental = build_boundary_state(loaded.model, list(live.prefix), "incremental", len(PROMPT))
-    assert kv.fingerprint_cache(incremental) == kv.fingerprint_cache(live.state)
+    assert fingerprint_cache(incremental) == fingerprint_cache(live.state)
 
 
 def test_prefill_cache_is_close_to_live_and_one_whole_chunk_equals_prefill(tiny_fp32):
@@ -47,7 +48,7 @@ def test_prefill_cache_is_close_to_live_and_one_whole_chunk_equals_prefill(tiny_
     for a, b in zip(live.state.keys, prefill.keys):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     whole = build_boundary_state(tiny_fp32.model, list(live.prefix), "chunked:1000", len(PROMPT))
-    assert kv.fingerprint_cache(whole) == kv.fingerprint_cache(prefill)
+    assert fingerprint_cache(whole) == fingerprint_cache(prefill)
 
 
 def test_bf16_prefill_cache_differs_in_bits_from_live(tiny_bf16):
@@ -55,8 +56,8 @@ def test_bf16_prefill_cache_differs_in_bits_from_live(tiny_bf16):
     (Which bits differ depends on the CPU's kernels; on the machines tried, layer 1 differs.)"""
     live = live_run(tiny_bf16)
     prefill = build_boundary_state(tiny_bf16.model, list(live.prefix), "prefill", len(PROMPT))
-    keys, values = kv.cache_difference(live.state, prefill)
-    assert kv.fingerprint_cache(live.state).digest != kv.fingerprint_cache(prefill).digest
+    keys, values = cache_difference(live.state, prefill)
+    assert fingerprint_cache(live.state).digest != fingerprint_cache(prefill).digest
     assert any(d.fraction_differ > 0 for d in keys + values)
     # Rounding, not a different computation: every element within a few bf16 ulps of its live twin.
     for a, b in zip(live.state.keys + live.state.values, prefill.keys + prefill.values):
@@ -124,20 +125,20 @@ def test_several_chunks(precision, request):
         for a, b in zip(chunked.keys + chunked.values, shorter.keys + shorter.values):
             assert torch.equal(a[..., :7 * chunks, :], b)
     one_by_one = build_boundary_state(model, prefix, "chunked:1", len(PROMPT))
-    assert kv.fingerprint_cache(one_by_one) == kv.fingerprint_cache(build_boundary_state(model, prefix, "incremental", 1))
+    assert fingerprint_cache(one_by_one) == fingerprint_cache(build_boundary_state(model, prefix, "incremental", 1))
     # Several chunks are not one prefill: the cache is another computation's rounding of the same values.
     prefill = build_boundary_state(model, prefix, "prefill", len(PROMPT))
-    assert kv.fingerprint_cache(chunked).digest != kv.fingerprint_cache(prefill).digest
+    assert fingerprint_cache(chunked).digest != fingerprint_cache(prefill).digest
     for a, b in zip(chunked.keys + chunked.values, prefill.keys + prefill.values):
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
 
 
 def test_continuation_leaves_the_boundary_state_intact(tiny_fp32):
     live = live_run(tiny_fp32)
-    before = kv.fingerprint_cache(live.state)
+    before = fingerprint_cache(live.state)
     first = continue_from(tiny_fp32.model, live.state, live.prefix[-1], 6, frozenset())
     second = continue_from(tiny_fp32.model, live.state, live.prefix[-1], 6, frozenset())
-    assert kv.fingerprint_cache(live.state) == before
+    assert fingerprint_cache(live.state) == before
     assert first == second and len(first.tokens) == 6 and first.stop == "budget"
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from stagereplay.cache import KVState, fingerprint_cache
-from stagereplay.fingerprint import fingerprint_tensors
+from stagereplay.cache import KVState
+from stagereplay.fingerprint import fingerprint_cache, fingerprint_tensors
 from stagereplay.ledger import (
     TRAJECTORY_SCHEMA,
     LedgerError,

@@ -255,7 +255,7 @@ def test_nothing_is_claimed_from_zero_replicas(completed, tmp_path):
     assert replicas["live"] == {"count": 0, "n": 0, "rate": None, "wilson95": [None, None], "measured": False}
     records = {"tiny-qwen2": read_model_record(ledger / "models" / "tiny-qwen2" / "model.json")}
     prov = provenance(summary, "data/items.jsonl", ledger / "items.jsonl", records)
-    card = write_results_card(summary, one_replica, prov, tmp_path / "results.md").read_text()
+    card = write_results_card(summary, prov, tmp_path / "results.md").read_text()
     figures = card_figures(card)
     for side in ("live", "prefill"):
         assert figures[("E1 matched (bf16)", f"exact replicas, {side}", "no observations (n = 0)")] == (
@@ -290,10 +290,9 @@ def test_plots_and_card_degrade_when_an_experiment_is_missing(completed, tmp_pat
                      "artifacts": {"kv_cache": {"reproduced": 20, "n": 20}},
                      "mismatches": [{"item_id": "arith-000", "artifact": "suffix", "detail": "differs"}],
                      "environment_differences": []}
-    comparisons = read_table(ledger / "tables" / "comparisons.parquet", COMPARISON_SCHEMA)
     records = {"tiny-qwen2": read_model_record(ledger / "models" / "tiny-qwen2" / "model.json")}
     prov = provenance(summary, "data/items.jsonl", ledger / "items.jsonl", records)
-    card = write_results_card(summary, comparisons, prov, tmp_path / "results.md").read_text()
+    card = write_results_card(summary, prov, tmp_path / "results.md").read_text()
     figures = card_figures(card)
     assert figures[("E4 audit", "trajectories reproduced from the saved ledger", WILSON)] == proportion(35, 36)
     assert figures[("E4 audit", "kv_cache fingerprints reproduced", WILSON)] == proportion(20, 20)

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from stagereplay import cache as kv
-from stagereplay.cache import KVState, TransplantSpec, cast_state, transplant
+from stagereplay.cache import KVState
 from stagereplay.constructions import StageBoundary, build_live
 from stagereplay.decode import continue_from
+from stagereplay.fingerprint import fingerprint_cache
 from stagereplay.plan import SweepPlan, TransplantError, outcome_blind_sample
-from stagereplay.transplants import left_both, outcome, select_divergent, sweep_specs
+from stagereplay.transplants import (TransplantSpec, cast_state, left_both, outcome, select_divergent, sweep_specs,
+                                     transplant)
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 
@@ -35,7 +36,7 @@ def test_all_layer_transplant_follows_the_donor_both_ways(tiny_fp32, divergent_p
     donor, recipient, pending, donor_suffix, recipient_suffix = divergent_pair
     every = TransplantSpec(tuple(range(donor.num_layers)))
     forward = transplant(donor, recipient, every)
-    assert kv.fingerprint_cache(forward) == kv.fingerprint_cache(donor)
+    assert fingerprint_cache(forward) == fingerprint_cache(donor)
     tokens = list(continue_from(tiny_fp32.model, forward, pending, 12, frozenset()).tokens)
     assert outcome(tokens, donor_suffix, recipient_suffix) == "follows_donor"
     backward = transplant(recipient, donor, every)
@@ -45,14 +46,14 @@ def test_all_layer_transplant_follows_the_donor_both_ways(tiny_fp32, divergent_p
 
 def test_partial_transplants_replace_exactly_the_chosen_part(divergent_pair):
     donor, recipient, *_ = divergent_pair
-    recipient_before = kv.fingerprint_cache(recipient)
+    recipient_before = fingerprint_cache(recipient)
     keys_only = transplant(donor, recipient, TransplantSpec((1,), "k"))
     assert torch.equal(keys_only.keys[1], donor.keys[1]) and torch.equal(keys_only.values[1], recipient.values[1])
     assert torch.equal(keys_only.keys[0], recipient.keys[0])
     window = transplant(donor, recipient, TransplantSpec((0, 1), "kv", last_positions=3))
     assert torch.equal(window.keys[0][..., -3:, :], donor.keys[0][..., -3:, :])
     assert torch.equal(window.keys[0][..., :-3, :], recipient.keys[0][..., :-3, :])
-    assert kv.fingerprint_cache(recipient) == recipient_before  # the recipient itself is untouched
+    assert fingerprint_cache(recipient) == recipient_before  # the recipient itself is untouched
 
 
 def test_cross_precision_transplant_casts_to_the_recipient_dtype(divergent_pair):

@@ -25,7 +25,8 @@ def _spec(args):
 
 
 def cmd_make_default_items(args) -> None:
-    from .items import make_default_items, write_items_jsonl
+    from .default_items import make_default_items
+    from .items import write_items_jsonl
 
     write_items_jsonl(make_default_items(args.n, args.seed), args.out)
 
@@ -110,8 +111,8 @@ def cmd_select_transplants(args) -> None:
 
 
 def cmd_transplant(args) -> None:
-    from .shards import TransplantJob, run_transplant_shard
     from .plan import SweepPlan, parse_layers
+    from .transplant_job import TransplantJob, run_transplant_shard
 
     selection = json.loads(Path(args.selection_file).read_text())
     item_ids = selection["selected" if args.selection == "cross_precision" else args.selection]["item_ids"]
@@ -199,9 +200,9 @@ def cmd_report(args) -> None:
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
     records = {Path(path).parent.name: read_model_record(path) for path in args.models}
-    write_results_card(summary, comparisons, provenance(summary, args.item_source, args.items, records), args.card,
+    write_results_card(summary, provenance(summary, args.item_source, args.items, records), args.card,
                        args.card_html, summary_bytes=summary_bytes)
-    write_plots(comparisons, trajectories, transplants, args.plots_dir)
+    write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)
 
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from .cache import KVState, cache_difference
+from .cache import KVState
+from .difference import cache_difference
 from .ledger import COMPARISON_SCHEMA, LedgerError, ObjectStore
 
 

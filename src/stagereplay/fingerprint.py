@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
+
+if TYPE_CHECKING:
+    from .cache import KVState
 
 if sys.byteorder != "little":  # pragma: no cover - no such torch platform today
     raise RuntimeError("stagereplay fingerprints assume a little-endian host")
@@ -51,3 +56,19 @@ def combine(named_digests: Iterable[tuple[str, str]]) -> str:
 def fingerprint_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
     """Digest of a named set of tensors (sorted by name): the id of a stored object."""
     return combine((name, fingerprint_tensor(tensors[name])) for name in sorted(tensors))
+
+
+@dataclass(frozen=True)
+class CacheFingerprint:
+    keys: tuple[str, ...]  # one xxh3-128 per layer
+    values: tuple[str, ...]
+    digest: str  # over all layer fingerprints: the cache's object id
+
+
+def fingerprint_cache(state: KVState) -> CacheFingerprint:
+    keys = tuple(fingerprint_tensor(key) for key in state.keys)
+    values = tuple(fingerprint_tensor(value) for value in state.values)
+    # The digest is fingerprint_tensors(state.named_tensors()), combined from the layer
+    # digests just computed rather than hashing every tensor a second time.
+    named = dict(zip(state.named_tensors(), (digest for pair in zip(keys, values) for digest in pair)))
+    return CacheFingerprint(keys=keys, values=values, digest=combine((name, named[name]) for name in sorted(named)))

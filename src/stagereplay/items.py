@@ -1,4 +1,4 @@
-"""Four-choice items: a built-in generator, loaders, prompts and answer scoring.
+"""Four-choice items: the Item, loading it from JSONL or a GPQA-style CSV, validating, writing.
 
 Everything here is deterministic across processes (seeded random.Random, never
 hash()), because item order and choice order feed content-addressed results.
@@ -12,14 +12,12 @@ import json
 import os
 import random
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .atomic import atomic_write
 
 LETTERS = ("A", "B", "C", "D")
-BUILTIN_SOURCE = "builtin:arith-v1"
 
 # Ids become file names downstream, so no separators, no "..", no leading dot.
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -57,124 +55,6 @@ class Item:
     @property
     def correct_choice(self) -> str:
         return self.choices[LETTERS.index(self.answer)]
-
-
-# --------------------------------------------------------------------------
-# Built-in arithmetic items
-
-_NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Greg", "Hana", "Ivan", "Jo")
-
-# A template draws numbers and returns (question, correct value, likely mistakes).
-_Template = Callable[[random.Random], tuple[str, int, list[int]]]
-
-
-def _pencils(rng: random.Random) -> tuple[str, int, list[int]]:
-    boxes, per_box = rng.randint(3, 9), rng.randint(4, 12)
-    total = boxes * per_box
-    sold = rng.randint(2, total // 2)
-    q = (
-        f"A shop has {boxes} boxes with {per_box} pencils in each box. "
-        f"It sells {sold} pencils. How many pencils are left?"
-    )
-    # Forgetting the sale, selling one box too many/few, adding instead of subtracting.
-    return q, total - sold, [total, total - sold - per_box, total - sold + per_box, boxes + per_box - sold]
-
-
-def _apples(rng: random.Random) -> tuple[str, int, list[int]]:
-    name = rng.choice(_NAMES)
-    start, bags, per_bag = rng.randint(2, 30), rng.randint(2, 8), rng.randint(3, 12)
-    q = (
-        f"{name} has {start} apples. {name} buys {bags} bags with {per_bag} apples in each bag. "
-        f"How many apples does {name} have now?"
-    )
-    return q, start + bags * per_bag, [bags * per_bag, start + bags + per_bag, start + (bags - 1) * per_bag]
-
-
-def _train(rng: random.Random) -> tuple[str, int, list[int]]:
-    start = rng.randint(30, 100)
-    off, on = rng.randint(3, start // 2), rng.randint(3, 40)
-    q = (
-        f"A train carries {start} passengers. At the first stop {off} people get off "
-        f"and {on} people get on. How many passengers are on the train now?"
-    )
-    return q, start - off + on, [start - off - on, start + off + on, start - off]
-
-
-def _groups(rng: random.Random) -> tuple[str, int, list[int]]:
-    groups, size = rng.randint(2, 9), rng.randint(3, 15)
-    students, extra = groups * size, rng.randint(2, 6)
-    q = (
-        f"{students} students are split equally into {groups} groups. "
-        f"Then {extra} more students join each group. How many students are in each group now?"
-    )
-    return q, size + extra, [size, students + extra, size + extra * groups, size + extra + 1]
-
-
-def _cookies(rng: random.Random) -> tuple[str, int, list[int]]:
-    per_hour, hours = rng.randint(6, 20), rng.randint(2, 8)
-    baked = per_hour * hours
-    friends = rng.randint(2, 6)
-    each = rng.randint(1, max(1, baked // (2 * friends)))
-    q = (
-        f"A baker makes {per_hour} cookies each hour for {hours} hours. "
-        f"The baker gives {each} cookies to each of {friends} friends. How many cookies are left?"
-    )
-    return q, baked - each * friends, [baked, baked - each, baked - each - friends, baked - each * friends + each]
-
-
-_TEMPLATES: tuple[_Template, ...] = (_pencils, _apples, _train, _groups, _cookies)
-
-
-def _pick_distractors(rng: random.Random, correct: int, mistakes: list[int]) -> list[int]:
-    wrong: list[int] = []
-    candidates = list(mistakes)
-    rng.shuffle(candidates)  # so the same kind of mistake is not always picked first
-    for value in candidates:
-        if value > 0 and value != correct and value not in wrong:
-            wrong.append(value)
-        if len(wrong) == 3:
-            return wrong
-    # Templates can collide (e.g. zero sold); pad with near misses, which are always plausible.
-    offsets = [-10, -3, -2, -1, 1, 2, 3, 5, 10]
-    while len(wrong) < 3:
-        value = correct + rng.choice(offsets)
-        if value > 0 and value != correct and value not in wrong:
-            wrong.append(value)
-    return wrong
-
-
-def make_default_items(n: int = 200, seed: int = 0) -> list[Item]:
-    """Deterministic grade-school arithmetic items: same (n, seed) -> same list in any process."""
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    rng = random.Random(seed)
-    items = []
-    positions: list[int] = []
-    for i in range(n):
-        template = _TEMPLATES[i % len(_TEMPLATES)]  # cycle so every template is equally represented
-        question, correct, mistakes = template(rng)
-        values = _pick_distractors(rng, correct, mistakes)
-        if not positions:
-            # Deal answer positions from shuffled blocks of four so A-D stay balanced
-            # (exactly, for n divisible by 4) and position bias cannot masquerade as accuracy.
-            positions = list(range(4))
-            rng.shuffle(positions)
-        values.insert(positions.pop(), correct)
-        choices = tuple(str(v) for v in values)
-        items.append(
-            Item(
-                item_id=f"arith-{i:03d}",
-                question=question,
-                choices=choices,  # type: ignore[arg-type]
-                answer=LETTERS[values.index(correct)],
-                source=BUILTIN_SOURCE,
-            )
-        )
-    return items
-
-
-# --------------------------------------------------------------------------
-# Writing and loading
 
 
 def _item_to_json(item: Item) -> dict:
@@ -339,41 +219,3 @@ def load_items(
 
     items = [item for _, item in rows]
     return items if limit is None else items[:limit]
-
-
-# --------------------------------------------------------------------------
-# Prompting and scoring
-
-_INSTRUCTION = (
-    "Answer the following multiple-choice question. Think step by step, "
-    "then finish with a final line of the form \"Answer: X\" where X is one of A, B, C, D."
-)
-
-
-def prompt_text(item: Item) -> str:
-    options = "\n".join(f"{letter}) {choice}" for letter, choice in zip(LETTERS, item.choices))
-    return f"{_INSTRUCTION}\n\nQuestion: {item.question}\n\n{options}"
-
-
-def build_messages(item: Item) -> list[dict]:
-    """Chat messages for tokenizer.apply_chat_template."""
-    return [{"role": "user", "content": prompt_text(item)}]
-
-
-# Keyword is case-insensitive, letter is not: "answer: a" is more often prose than a choice.
-# Optional markdown bold around the keyword/colon and brackets around the letter.
-# "The answer is X" is accepted too: small chat models write it far more often
-# than the requested "Answer: X", and counting it unparsable would hide real labels.
-_ANSWER_RE = re.compile(r"\b(?i:answer)(?:\s*\**\s*:|\s+is)\s*\**\s*[(\[]?\s*([A-D])\b")
-
-
-def extract_answer(text: str) -> str | None:
-    """The letter of the last "Answer: X" (or "answer is X") in text, or None."""
-    matches = _ANSWER_RE.findall(text)
-    return matches[-1] if matches else None
-
-
-def score(item: Item, generated_text: str) -> tuple[str | None, bool]:
-    """(parsed letter or None, correct); an unparseable answer counts as wrong."""
-    letter = extract_answer(generated_text)
-    return letter, letter is not None and letter == item.answer

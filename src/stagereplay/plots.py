@@ -1,7 +1,9 @@
 """The findings plots: PNG files a reader can follow without the text.
 
-Each plot is drawn from the ledger tables. When its experiment has not been
-run (or produced nothing to count) the PNG is still written, saying so, so the
+Counts, rates and Wilson intervals are read from summary.json, never computed
+here; the tables give only the per-item points a plot draws (first divergences,
+margins, per-layer differences). When its experiment has not been run (or
+produced nothing to count) the PNG is still written, saying so, so the
 workflow's outputs are the same whatever the config runs.
 """
 
@@ -15,8 +17,6 @@ import numpy as np
 import pyarrow as pa
 
 from .atomic import atomic_write
-from .stats import wilson_interval
-from .summary import e5_figures
 
 # File names are fixed so the Snakefile can name every output at parse time;
 # matplotlib itself is imported only when drawing, to keep parsing fast.
@@ -178,60 +178,76 @@ def plot_layer_cache_difference(comparisons: pa.Table, out_path: str | Path) -> 
     return _save(figure, out_path)
 
 
-def plot_transplant_follow_donor(transplants: pa.Table | None, out_path: str | Path) -> Path:
+def plot_transplant_follow_donor(e5: dict | None, out_path: str | Path, transplant_rows: int = 0) -> Path:
+    """summary.json's E5 follow-donor x/N, with their Wilson intervals; ``transplant_rows``: the table's rows."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(11, 5.5))
     figure.suptitle("E5: transplanted continuations that follow the donor (divergent items only; x/N per bar)")
-    if transplants is None or transplants.num_rows == 0:
+    if e5 is None or transplant_rows == 0:
         _message(axes, "E5 not run in this ledger")
         return _save(figure, out_path)
-    figures = e5_figures(transplants, None)
-    bars = [(f"all layers, {key}", entry["follows_donor"]["count"], entry["follows_donor"]["n"])
-            for key, entry in figures["all_layers"].items()]
-    bars += [(f"sweep {entry['subset']}", entry["follows_donor"], entry["n"]) for entry in figures["sweep"]]
-    bars += [(f"cross precision {short(key)}", entry["count"], entry["n"])
-             for key, entry in figures["cross_precision"]["follows_donor"].items()]
-    bars = [bar for bar in bars if bar[2]]
+    bars = [(f"all layers, {key}", entry["follows_donor"]) for key, entry in e5["all_layers"].items()]
+    bars += [(f"sweep {entry['subset']}", {"count": entry["follows_donor"], "n": entry["n"], "rate": entry["fraction"],
+                                           "wilson95": entry["wilson95"]}) for entry in e5["sweep"]]
+    bars += [(f"cross precision {short(key)}", entry) for key, entry in e5["cross_precision"]["follows_donor"].items()]
+    bars = [bar for bar in bars if bar[1]["n"]]
     if not bars:
-        _message(axes, f"E5 ran ({transplants.num_rows} transplants), but no item diverged: follow-donor is counted on"
+        _message(axes, f"E5 ran ({transplant_rows} transplants), but no item diverged: follow-donor is counted on"
                        " divergent items only, so there is nothing to count.")
         return _save(figure, out_path)
-    fractions = [count / n for _, count, n in bars]
-    intervals = [wilson_interval(count, n) for _, count, n in bars]
-    errors = np.array([[fraction - low, high - fraction] for fraction, (low, high) in zip(fractions, intervals)]).T
+    fractions = [counted["rate"] for _, counted in bars]
+    errors = np.array([[counted["rate"] - counted["wilson95"][0], counted["wilson95"][1] - counted["rate"]]
+                       for _, counted in bars]).T
     rows = range(len(bars))
     axes.barh(rows, fractions, xerr=errors, color="tab:green", alpha=0.7, capsize=3)
-    for row, (_, count, n) in zip(rows, bars):
-        axes.text(1.02, row, f"{count}/{n}", va="center", fontsize=8)
-    axes.set_yticks(list(rows), [label for label, _, _ in bars], fontsize=7)
+    for row, (_, counted) in zip(rows, bars):
+        axes.text(1.02, row, f"{counted['count']}/{counted['n']}", va="center", fontsize=8)
+    axes.set_yticks(list(rows), [label for label, _ in bars], fontsize=7)
     axes.invert_yaxis()
     axes.set_xlim(0, 1.12)
     axes.set_xlabel("fraction that follows the donor (Wilson 95% interval)")
     return _save(figure, out_path)
 
 
-def plot_accuracy(comparisons: pa.Table, out_path: str | Path) -> Path:
-    """Accuracy of each side of each E1/E2 arm, with Wilson intervals."""
+def accuracy_arms(summary: dict) -> dict[str, dict]:
+    """summary.json's accuracy of each side of each E1/E2 arm, named and ordered as ``arms`` names them."""
+    several = len(summary["checkpoints"]) > 1
+    found: dict[str, dict] = {}
+    for checkpoint, e1 in summary["E1"]["checkpoints"].items():
+        if e1["items"]:
+            where = f"{checkpoint}: " if several else ""
+            found[f"{where}E1 live vs prefill, {e1['precision']}"] = {
+                "checkpoint": checkpoint, "experiment": "E1", "precision": e1["precision"], "sides": e1["accuracy"]}
+    for checkpoint, e2 in summary["E2"]["checkpoints"].items():
+        for precision, by_arm in e2["precisions"].items():
+            for arm in by_arm.values():
+                sides = arm["accuracy"]
+                where = f"{checkpoint}: " if several else ""
+                found[f"{where}E2 {' vs '.join(sides)}, {precision}"] = {
+                    "checkpoint": checkpoint, "experiment": "E2", "precision": precision, "sides": sides}
+    return dict(sorted(found.items()))
+
+
+def plot_accuracy(summary: dict, out_path: str | Path) -> Path:
+    """Accuracy of each side of each E1/E2 arm, with the Wilson intervals of summary.json."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(8, 4.5))
-    grouped = arms(comparisons, ("E1", "E2"))
-    n = max((len(rows) for rows in grouped.values()), default=0)
+    grouped = accuracy_arms(summary)
+    n = max((counted["n"] for arm in grouped.values() for counted in arm["sides"].values()), default=0)
     axes.set_title(f"Accuracy of each side (Wilson 95%), n = {n} items per arm")
     if not grouped:
         _message(axes, "E1 not run in this ledger")
         return _save(figure, out_path)
     labels, fractions, errors, annotations = [], [], [], []
-    several = len({row["checkpoint"] for rows in grouped.values() for row in rows}) > 1
-    for arm, rows in grouped.items():
-        experiment, precision = rows[0]["experiment"], rows[0]["precision"]
-        for column, label in (("a_correct", rows[0]["a"]), ("b_correct", rows[0]["b"])):
-            count = sum(row[column] for row in rows)
-            low, high = wilson_interval(count, len(rows))
-            where = f"{rows[0]['checkpoint']}\n" if several else ""
-            labels.append(f"{where}{experiment} {side(label)}\n{precision}")
-            fractions.append(count / len(rows))
-            errors.append([count / len(rows) - low, high - count / len(rows)])
-            annotations.append(f"{count}/{len(rows)}")
+    several = len({arm["checkpoint"] for arm in grouped.values()}) > 1
+    for arm in grouped.values():
+        for name, counted in arm["sides"].items():
+            low, high = counted["wilson95"]
+            where = f"{arm['checkpoint']}\n" if several else ""
+            labels.append(f"{where}{arm['experiment']} {name}\n{arm['precision']}")
+            fractions.append(counted["rate"])
+            errors.append([counted["rate"] - low, high - counted["rate"]])
+            annotations.append(f"{counted['count']}/{counted['n']}")
     positions = range(len(labels))
     axes.errorbar(positions, fractions, yerr=np.array(errors).T, fmt="o", capsize=4)
     for position, fraction, text in zip(positions, fractions, annotations):
@@ -243,13 +259,14 @@ def plot_accuracy(comparisons: pa.Table, out_path: str | Path) -> Path:
     return _save(figure, out_path)
 
 
-def write_plots(comparisons: pa.Table, trajectories: pa.Table, transplants: pa.Table | None,
+def write_plots(summary: dict, comparisons: pa.Table, trajectories: pa.Table, transplants: pa.Table | None,
                 out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     return [
         plot_first_divergence(comparisons, out_dir / PLOT_FILES["first_divergence"]),
         plot_margin_at_divergence(comparisons, trajectories, out_dir / PLOT_FILES["margin_at_divergence"]),
         plot_layer_cache_difference(comparisons, out_dir / PLOT_FILES["layer_cache_difference"]),
-        plot_transplant_follow_donor(transplants, out_dir / PLOT_FILES["transplant_follow_donor"]),
-        plot_accuracy(comparisons, out_dir / PLOT_FILES["accuracy"]),
+        plot_transplant_follow_donor(summary.get("E5"), out_dir / PLOT_FILES["transplant_follow_donor"],
+                                     transplants.num_rows if transplants is not None else 0),
+        plot_accuracy(summary, out_dir / PLOT_FILES["accuracy"]),
     ]

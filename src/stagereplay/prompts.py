@@ -1,4 +1,6 @@
-"""Tokenize every item's prompt for one checkpoint, once, and check it fits the context.
+"""What the model is asked: each item's prompt text and chat messages, tokenized once per checkpoint.
+
+Every prompt is checked to fit the context.
 
 The prompt tokens are saved in the ledger: every later stage (and the audit)
 starts from these integers, never from re-tokenized text.
@@ -15,13 +17,28 @@ from .fingerprint import fingerprint_tokens
 from .ledger import PROMPT_SCHEMA, write_table
 from .model import ModelError
 
+_INSTRUCTION = (
+    "Answer the following multiple-choice question. Think step by step, "
+    "then finish with a final line of the form \"Answer: X\" where X is one of A, B, C, D."
+)
+
+
+def prompt_text(item: items_mod.Item) -> str:
+    options = "\n".join(f"{letter}) {choice}" for letter, choice in zip(items_mod.LETTERS, item.choices))
+    return f"{_INSTRUCTION}\n\nQuestion: {item.question}\n\n{options}"
+
+
+def build_messages(item: items_mod.Item) -> list[dict]:
+    """Chat messages for tokenizer.apply_chat_template."""
+    return [{"role": "user", "content": prompt_text(item)}]
+
 
 def encode_prompt(tokenizer, item: items_mod.Item, use_chat_template: bool) -> list[int]:
     if not use_chat_template:
-        return list(tokenizer(items_mod.prompt_text(item))["input_ids"])
+        return list(tokenizer(prompt_text(item))["input_ids"])
     if not getattr(tokenizer, "chat_template", None):
         raise ModelError("the tokenizer has no chat template — set use_chat_template: false in the config for a base model")
-    encoded = tokenizer.apply_chat_template(items_mod.build_messages(item), add_generation_prompt=True, tokenize=True)
+    encoded = tokenizer.apply_chat_template(build_messages(item), add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 

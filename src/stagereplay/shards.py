@@ -13,12 +13,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import items as items_mod
-from .cache import KVState, fingerprint_cache, to_host
+from .cache import KVState, to_host
 from .checkpoints import read_model_record
 from .constructions import StageBoundary, build_boundary_state, build_live, parse_construction
 from .decode import Decoded, continue_from
+from .fingerprint import fingerprint_cache
 from .ledger import ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, LedgerError, ObjectStore, read_table, write_table
 from .model import Environment, LoadedModel, Runtime, load_model
+from .scoring import score
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class ShardRecorder:
         )
         reasoning_text = self.text(prefix[prompt_length:])
         suffix_text = self.text(suffix.tokens)
-        answer, correct = items_mod.score(item, reasoning_text + suffix_text)
+        answer, correct = score(item, reasoning_text + suffix_text)
         self.rows.append({
             "checkpoint": self.spec.checkpoint,
             "precision": self.spec.precision,
@@ -121,7 +123,7 @@ def _continue(loaded: LoadedModel, state: KVState, prefix, boundary_reason: str,
     return continue_from(loaded.model, state, prefix[-1], budget, eos, on_token=on_token)
 
 
-def _progress(total: int, label: str) -> tuple[tqdm, callable]:
+def progress_bar(total: int, label: str) -> tuple[tqdm, callable]:
     bar = tqdm(total=total, desc=label, unit="item", mininterval=2.0)
     # Set from the start, so even a job with nothing to decode ends its log with a tok_s figure.
     bar.set_postfix(tok_s="0.0", refresh=False)
@@ -143,7 +145,7 @@ def run_live_shard(model_record: str | Path, items_path: str | Path, prompts_pat
     loaded = load_model(record["folder"], runtime)
     recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live", spec.precision)
     eos = eos_ids(loaded)
-    bar, on_token = _progress(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
+    bar, on_token = progress_bar(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
     for item in item_list:
         prompt = prompts[item.item_id]
         started = time.perf_counter()
@@ -176,7 +178,7 @@ def run_construction_shard(model_record: str | Path, items_path: str | Path, sou
     prefix_precision = source[0]["precision"] if source else spec.precision
     recorder = ShardRecorder(loaded, record, spec, store, construction, prefix_precision)
     eos = eos_ids(loaded)
-    bar, on_token = _progress(len(source), f"{construction} {spec.precision} rep{spec.replica} shard {spec.shard}")
+    bar, on_token = progress_bar(len(source), f"{construction} {spec.precision} rep{spec.replica} shard {spec.shard}")
     for row in source:
         if row["model_fingerprint"] != record["fingerprint"]:
             raise LedgerError(
@@ -197,106 +199,3 @@ def run_construction_shard(model_record: str | Path, items_path: str | Path, sou
 def prompt_tokens_by_item(prompts_path: str | Path) -> dict[str, list[int]]:
     table = read_table(prompts_path)
     return dict(zip(table.column("item_id").to_pylist(), table.column("prompt_tokens").to_pylist()))
-
-
-@dataclass(frozen=True)
-class TransplantJob:
-    """One E5 shard: which items, which pairs of saved trajectories, which subsets."""
-
-    selection: str  # "selected", "outcome_blind" or "cross_precision"
-    item_ids: frozenset[str]
-    pairs: tuple[tuple[str, str], ...]  # (donor table, recipient table) shard paths, both directions listed
-    plan: object  # transplants.SweepPlan; only the all-layer transplant when None
-
-
-def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: ShardSpec, runtime: Runtime,
-                         suffix_tokens: int, store_root: str | Path, out_path: str | Path,
-                         source_store_root: str | Path | None = None) -> Path:
-    """Transplant donor caches into recipient states and continue in the recipient's precision.
-
-    Caches and prefixes are read from ``source_store_root`` (default: the store written to).
-    """
-    from .cache import TransplantSpec, transplant
-    from .compare import first_divergence
-    from .ledger import TRANSPLANT_SCHEMA
-    from .plan import check_plan
-    from .transplants import left_both, outcome, sweep_specs
-
-    record = read_model_record(model_record)
-    store = ObjectStore(store_root)
-    source_store = ObjectStore(source_store_root or store_root)
-    loaded = load_model(record["folder"], runtime)
-    if job.plan:
-        check_plan(job.plan, loaded.model.config.get_text_config().num_hidden_layers)
-    environment = environment_columns(loaded.environment)
-    eos = eos_ids(loaded)
-    rows = []
-    work = []
-    for donor_path, recipient_path in job.pairs:
-        donors = {row["item_id"]: row for row in read_table(donor_path, TRAJECTORY_SCHEMA).to_pylist()}
-        recipients = {row["item_id"]: row for row in read_table(recipient_path, TRAJECTORY_SCHEMA).to_pylist()}
-        for item_id in sorted(job.item_ids & donors.keys()):
-            work.append((donors[item_id], recipients[item_id]))
-    bar, on_token = _progress(len(work), f"transplant {job.selection} {spec.precision} shard {spec.shard}")
-    for donor, recipient in work:
-        for row in (donor, recipient):
-            if row["model_fingerprint"] != record["fingerprint"]:
-                raise LedgerError(
-                    f"item {row['item_id']}: donor and recipient must come from checkpoint {record['fingerprint']} — transplant only within one checkpoint"
-                )
-        donor_state = KVState.from_named_tensors(source_store.get(donor["cache_object"]))
-        recipient_state = KVState.from_named_tensors(source_store.get(recipient["cache_object"]))
-        prefix = source_store.get_tokens(recipient["prefix_object"])
-        if donor["prefix_object"] != recipient["prefix_object"]:
-            raise LedgerError(f"item {donor['item_id']}: donor and recipient prefixes differ — transplant only over one prefix")
-        subsets = sweep_specs(recipient_state.num_layers, job.plan) if job.plan else [
-            TransplantSpec(tuple(range(recipient_state.num_layers)))
-        ]
-        donor_suffix, recipient_suffix = list(donor["suffix_tokens"]), list(recipient["suffix_tokens"])
-        for subset in subsets:
-            state = transplant(donor_state, recipient_state, subset)
-            fingerprint = fingerprint_cache(state)
-            if recipient["boundary_reason"] == "eos":
-                suffix = Decoded((), (), "eos")
-            elif job.selection == "cross_precision":
-                # Decoded to the full budget: the cast live and cast prefill continuations are compared
-                # with each other (does the divergence survive the cast?), not only with the two suffixes.
-                suffix = continue_from(loaded.model, state, prefix[-1], suffix_tokens, eos, on_token=on_token)
-            else:
-                # Once the continuation has left both suffixes it can follow neither: stop there.
-                suffix = continue_from(loaded.model, state, prefix[-1], suffix_tokens, eos, on_token=on_token,
-                                       stop_after=left_both(donor_suffix, recipient_suffix), stop_reason="left_both")
-            tokens = list(suffix.tokens)
-            rows.append({
-                "selection": job.selection,
-                "checkpoint": spec.checkpoint,
-                "item_id": donor["item_id"],
-                "divergent": donor_suffix != recipient_suffix,
-                "donor": _side_label(donor),
-                "recipient": _side_label(recipient),
-                "precision": spec.precision,
-                "subset": subset.label(),
-                "layers": list(subset.layers),
-                "kv": subset.kv,
-                "last_positions": subset.last_positions,
-                "outcome": outcome(tokens, donor_suffix, recipient_suffix),
-                "first_divergence_vs_donor": first_divergence(tokens, donor_suffix),
-                "first_divergence_vs_recipient": first_divergence(tokens, recipient_suffix),
-                "cache_digest": fingerprint.digest,
-                "layer_k": list(fingerprint.keys),
-                "layer_v": list(fingerprint.values),
-                "suffix_object": store.put_tokens(tokens, {"role": "transplant_suffix", "model_fingerprint": record["fingerprint"]}),
-                "suffix_tokens": tokens,
-                "suffix_stop": suffix.stop,
-                "model_fingerprint": record["fingerprint"],
-                **environment,
-            })
-        bar.update()
-    bar.close()
-    return write_table(rows, TRANSPLANT_SCHEMA, out_path)
-
-
-def _side_label(row: dict) -> str:
-    from .compare import Side
-
-    return Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()

@@ -1,4 +1,9 @@
-"""From the ledger tables to the figures in summary.json: E1, E2 and E3 per checkpoint, and E5."""
+"""From the ledger tables to the figures in summary.json: E1, E2 and E3 per checkpoint, and E5.
+
+This is the one step that computes statistics: every x/N with its Wilson interval, and E1's
+paired accuracy difference by bootstrap, Newcombe and Wald beside the exact McNemar test. The
+card, its reading and the plots only render what is here.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,18 @@ import pyarrow as pa
 
 from .atomic import atomic_write_text
 from .ledger import ENVIRONMENT_COLUMNS
-from .stats import paired_difference_ci, wilson_interval
+from .stats import (
+    mcnemar_exact,
+    paired_difference_ci,
+    paired_difference_newcombe,
+    paired_difference_wald,
+    wilson_interval,
+)
 
 BOOTSTRAP = {"confidence": 0.95, "n_resamples": 10000, "seed": 0}
+NEWCOMBE = "Newcombe hybrid score 95% (1998, method 10)"
+WALD = "Wald 95% for paired proportions"
+MCNEMAR = "exact McNemar (two-sided binomial test on the discordant pairs)"
 
 
 def proportion(count: int, n: int) -> dict:
@@ -64,6 +78,10 @@ def e1_figures(rows: list[dict]) -> dict:
             "live": int(sum(not row["a_parsed"] for row in pairs)),
             "prefill": int(sum(not row["b_parsed"] for row in pairs)),
         },
+        "unparsable_proportion": {
+            "live": proportion(sum(not row["a_parsed"] for row in pairs), n),
+            "prefill": proportion(sum(not row["b_parsed"] for row in pairs), n),
+        },
         "boundary_reasons": dict(Counter(row["boundary_reason"] for row in pairs)),
         # Replicas that reproduced their side exactly; n = 0 (one replica) is "not measured", never "all exact".
         "replicas_exact": {
@@ -80,8 +98,19 @@ def e1_figures(rows: list[dict]) -> dict:
                 "live_only_correct": int(sum(a and not b for a, b in zip(live, prefill))),
                 "prefill_only_correct": int(sum(b and not a for a, b in zip(live, prefill))),
             },
+            **{key: _difference(function(live, prefill), method)
+               for key, function, method in (("newcombe", paired_difference_newcombe, NEWCOMBE),
+                                             ("wald", paired_difference_wald, WALD))},
         }
+        live_only, prefill_only, p_value = mcnemar_exact(live, prefill)
+        figures["paired_difference"]["mcnemar"] = {"live_only_correct": live_only, "prefill_only_correct": prefill_only,
+                                                   "p_value": float(p_value), "method": MCNEMAR}
     return figures
+
+
+def _difference(result: tuple[float, float, float], method: str) -> dict:
+    difference, low, high = result
+    return {"live_minus_prefill": float(difference), "ci95": [float(low), float(high)], "method": method}
 
 
 def e2_figures(rows: list[dict]) -> dict:
@@ -96,6 +125,8 @@ def e2_figures(rows: list[dict]) -> dict:
             "decoded_disagreements": proportion(sum(row["suffix_differs"] for row in group), n),
             "labels_differ": proportion(sum(row["label_differs"] for row in group), n),
             "caches_differ": proportion(sum(not row["cache_exact"] for row in group), n),
+            "accuracy": {group[0][column].split("/")[0]: proportion(sum(row[f"{column}_correct"] for row in group), n)
+                         for column in ("a", "b")},
             "median_first_divergence": _median([row["first_divergence"] for row in group if row["suffix_differs"]]),
         }
     return {"precisions": dict(by_precision)}
@@ -169,6 +200,13 @@ def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
                     direction: f"{sum(r['outcome'] == 'follows_donor' for r in group)}/{len(group)}"
                     for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
                 },
+                "follows_recipient_proportion": proportion(sum(row["outcome"] == "follows_recipient" for row in chosen),
+                                                           len(chosen)),
+                "neither_proportion": proportion(sum(row["outcome"] == "neither" for row in chosen), len(chosen)),
+                "by_direction_follows_donor": {
+                    direction: _follows_donor(group)
+                    for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
+                },
             }
     figures["all_layers"] = all_layers
     sweep_rows = [row for row in rows if row["selection"] == "selected"]
@@ -177,7 +215,7 @@ def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
         followed = sum(row["outcome"] == "follows_donor" for row in group)
         sweep.append({"subset": subset, "layers": len(group[0]["layers"]), "kv": group[0]["kv"],
                       "positions": group[0]["last_positions"], "follows_donor": followed, "n": len(group),
-                      "fraction": followed / len(group)})
+                      "fraction": followed / len(group), "wilson95": proportion(followed, len(group))["wilson95"]})
     figures["sweep"] = sweep
     sufficient = [entry for entry in sweep if entry["fraction"] == 1.0 and entry["kv"] == "kv" and entry["positions"] is None]
     figures["smallest_sufficient_layer_set"] = min(sufficient, key=lambda e: e["layers"])["subset"] if sufficient else None

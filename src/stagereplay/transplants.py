@@ -9,9 +9,71 @@ token, the recipient when it reproduces the recipient's, and neither otherwise.
 
 from __future__ import annotations
 
-from .cache import KV_PARTS, TransplantSpec
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVState
 from .compare import first_divergence
-from .plan import SweepPlan
+from .plan import SweepPlan, TransplantError
+
+KV_PARTS = ("kv", "k", "v")
+
+
+@dataclass(frozen=True)
+class TransplantSpec:
+    """Which part of the donor cache replaces the recipient's."""
+
+    layers: tuple[int, ...]
+    kv: str = "kv"  # "kv", "k" or "v"
+    last_positions: int | None = None  # None: every position; W: the last W positions
+
+    def label(self) -> str:
+        layers = list(self.layers)
+        contiguous = layers == list(range(layers[0], layers[-1] + 1)) if layers else False
+        span = f"{layers[0]}-{layers[-1]}" if contiguous and len(layers) > 1 else ",".join(map(str, layers))
+        positions = "all" if self.last_positions is None else f"last{self.last_positions}"
+        return f"layers={span} kv={self.kv} positions={positions}"
+
+
+def check_transplant(donor: KVState, recipient: KVState, spec: TransplantSpec) -> None:
+    if donor.num_layers != recipient.num_layers or any(
+        d.shape != r.shape for d, r in zip(donor.keys + donor.values, recipient.keys + recipient.values)
+    ):
+        raise TransplantError(
+            "donor and recipient caches differ in layers or shapes (different models or prefixes) — transplant only between states of one checkpoint over one prefix"
+        )
+    if not spec.layers:
+        raise TransplantError("empty layer set — name at least one layer to transplant")
+    bad = [layer for layer in spec.layers if not 0 <= layer < recipient.num_layers]
+    if bad:
+        raise TransplantError(
+            f"layer {bad[0]} out of range for a {recipient.num_layers}-layer cache — use layers 0..{recipient.num_layers - 1}"
+        )
+    if spec.kv not in KV_PARTS:
+        raise TransplantError(f"unknown cache part {spec.kv!r} — use kv, k or v")
+    if spec.last_positions is not None and not 1 <= spec.last_positions <= recipient.num_positions:
+        raise TransplantError(
+            f"window of {spec.last_positions} positions does not fit a prefix of {recipient.num_positions} cached positions — use 1..{recipient.num_positions}"
+        )
+
+
+def transplant(donor: KVState, recipient: KVState, spec: TransplantSpec) -> KVState:
+    """The recipient's cache with the chosen part replaced by the donor's (cast to the recipient's dtype)."""
+    check_transplant(donor, recipient, spec)
+    start = 0 if spec.last_positions is None else recipient.num_positions - spec.last_positions
+    keys = [tensor.clone() for tensor in recipient.keys]
+    values = [tensor.clone() for tensor in recipient.values]
+    for layer in spec.layers:
+        if "k" in spec.kv:
+            keys[layer][..., start:, :] = donor.keys[layer][..., start:, :].to(keys[layer].dtype)
+        if "v" in spec.kv:
+            values[layer][..., start:, :] = donor.values[layer][..., start:, :].to(values[layer].dtype)
+    return KVState(tuple(keys), tuple(values))
+
+
+def cast_state(state: KVState, dtype: torch.dtype) -> KVState:
+    return KVState(tuple(key.to(dtype) for key in state.keys), tuple(value.to(dtype) for value in state.values))
 
 
 def sweep_specs(num_layers: int, plan: SweepPlan) -> list[TransplantSpec]:

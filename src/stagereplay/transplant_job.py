@@ -1,0 +1,116 @@
+"""One E5 job: load the model once, transplant donor caches into recipient states, continue, record.
+
+The job reads saved trajectories (their caches and prefixes from the object
+store), so it rebuilds nothing; the transplant maths is in transplants.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache import KVState
+from .checkpoints import read_model_record
+from .compare import Side, first_divergence
+from .decode import Decoded, continue_from
+from .fingerprint import fingerprint_cache
+from .ledger import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, ObjectStore, read_table, write_table
+from .model import Runtime, load_model
+from .plan import check_plan
+from .shards import ShardSpec, environment_columns, eos_ids, progress_bar
+from .transplants import TransplantSpec, left_both, outcome, sweep_specs, transplant
+
+
+@dataclass(frozen=True)
+class TransplantJob:
+    """One E5 shard: which items, which pairs of saved trajectories, which subsets."""
+
+    selection: str  # "selected", "outcome_blind" or "cross_precision"
+    item_ids: frozenset[str]
+    pairs: tuple[tuple[str, str], ...]  # (donor table, recipient table) shard paths, both directions listed
+    plan: object  # transplants.SweepPlan; only the all-layer transplant when None
+
+
+def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: ShardSpec, runtime: Runtime,
+                         suffix_tokens: int, store_root: str | Path, out_path: str | Path,
+                         source_store_root: str | Path | None = None) -> Path:
+    """Transplant donor caches into recipient states and continue in the recipient's precision.
+
+    Caches and prefixes are read from ``source_store_root`` (default: the store written to).
+    """
+    record = read_model_record(model_record)
+    store = ObjectStore(store_root)
+    source_store = ObjectStore(source_store_root or store_root)
+    loaded = load_model(record["folder"], runtime)
+    if job.plan:
+        check_plan(job.plan, loaded.model.config.get_text_config().num_hidden_layers)
+    environment = environment_columns(loaded.environment)
+    eos = eos_ids(loaded)
+    rows = []
+    work = []
+    for donor_path, recipient_path in job.pairs:
+        donors = {row["item_id"]: row for row in read_table(donor_path, TRAJECTORY_SCHEMA).to_pylist()}
+        recipients = {row["item_id"]: row for row in read_table(recipient_path, TRAJECTORY_SCHEMA).to_pylist()}
+        for item_id in sorted(job.item_ids & donors.keys()):
+            work.append((donors[item_id], recipients[item_id]))
+    bar, on_token = progress_bar(len(work), f"transplant {job.selection} {spec.precision} shard {spec.shard}")
+    for donor, recipient in work:
+        for row in (donor, recipient):
+            if row["model_fingerprint"] != record["fingerprint"]:
+                raise LedgerError(
+                    f"item {row['item_id']}: donor and recipient must come from checkpoint {record['fingerprint']} — transplant only within one checkpoint"
+                )
+        donor_state = KVState.from_named_tensors(source_store.get(donor["cache_object"]))
+        recipient_state = KVState.from_named_tensors(source_store.get(recipient["cache_object"]))
+        prefix = source_store.get_tokens(recipient["prefix_object"])
+        if donor["prefix_object"] != recipient["prefix_object"]:
+            raise LedgerError(f"item {donor['item_id']}: donor and recipient prefixes differ — transplant only over one prefix")
+        subsets = sweep_specs(recipient_state.num_layers, job.plan) if job.plan else [
+            TransplantSpec(tuple(range(recipient_state.num_layers)))
+        ]
+        donor_suffix, recipient_suffix = list(donor["suffix_tokens"]), list(recipient["suffix_tokens"])
+        for subset in subsets:
+            state = transplant(donor_state, recipient_state, subset)
+            fingerprint = fingerprint_cache(state)
+            if recipient["boundary_reason"] == "eos":
+                suffix = Decoded((), (), "eos")
+            elif job.selection == "cross_precision":
+                # Decoded to the full budget: the cast live and cast prefill continuations are compared
+                # with each other (does the divergence survive the cast?), not only with the two suffixes.
+                suffix = continue_from(loaded.model, state, prefix[-1], suffix_tokens, eos, on_token=on_token)
+            else:
+                # Once the continuation has left both suffixes it can follow neither: stop there.
+                suffix = continue_from(loaded.model, state, prefix[-1], suffix_tokens, eos, on_token=on_token,
+                                       stop_after=left_both(donor_suffix, recipient_suffix), stop_reason="left_both")
+            tokens = list(suffix.tokens)
+            rows.append({
+                "selection": job.selection,
+                "checkpoint": spec.checkpoint,
+                "item_id": donor["item_id"],
+                "divergent": donor_suffix != recipient_suffix,
+                "donor": _side_label(donor),
+                "recipient": _side_label(recipient),
+                "precision": spec.precision,
+                "subset": subset.label(),
+                "layers": list(subset.layers),
+                "kv": subset.kv,
+                "last_positions": subset.last_positions,
+                "outcome": outcome(tokens, donor_suffix, recipient_suffix),
+                "first_divergence_vs_donor": first_divergence(tokens, donor_suffix),
+                "first_divergence_vs_recipient": first_divergence(tokens, recipient_suffix),
+                "cache_digest": fingerprint.digest,
+                "layer_k": list(fingerprint.keys),
+                "layer_v": list(fingerprint.values),
+                "suffix_object": store.put_tokens(tokens, {"role": "transplant_suffix", "model_fingerprint": record["fingerprint"]}),
+                "suffix_tokens": tokens,
+                "suffix_stop": suffix.stop,
+                "model_fingerprint": record["fingerprint"],
+                **environment,
+            })
+        bar.update()
+    bar.close()
+    return write_table(rows, TRANSPLANT_SCHEMA, out_path)
+
+
+def _side_label(row: dict) -> str:
+    return Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
