@@ -153,8 +153,7 @@ def fingerprints(rows_: list[dict], keys=("prefix_object", "cache_object", "suff
 def section_a(ledger: Ledger) -> None:
     from stagereplay.constructions import StageBoundary
     from stagereplay.ledger import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
-    from stagereplay.shards import (Budgets, TransplantJob, run_construction_shard, run_live_shard,
-                                    run_transplant_shard)
+    from stagereplay.shards import Budgets, TransplantJob, run_construction_shard, run_live_shard, run_transplant_shard
 
     trajectories = read_table(ledger.root / "tables/trajectories.parquet", TRAJECTORY_SCHEMA).to_pylist()
     transplants_path = ledger.root / "tables/transplants.parquet"
@@ -179,7 +178,7 @@ def section_a(ledger: Ledger) -> None:
         f"{shared} trajectories serve more than one of E1/E2/E3 and are computed once: "
         f"{1 - total / standalone:.0%} of the work saved")
 
-    config, stage = ledger.config, ledger.config["stage"]
+    stage = ledger.config["stage"]
     budgets = Budgets(StageBoundary(stage["max_new_tokens"], stage["marker"]), stage["suffix_tokens"])
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -317,12 +316,12 @@ def section_c(ledger: Ledger) -> None:
         state = build_boundary_state(model, prefix, "prefill", row["prompt_length"])
 
         def ours():
-            return list(continue_from(model, state, prefix[-1], steps, frozenset()).tokens)
+            return list(continue_from(model, state, prefix[-1], steps, frozenset()).tokens)  # noqa: B023 (called in this iteration)
 
         def generate():
             ids = torch.tensor([prefix])
             # The cache holds prefix[:-1]; generate feeds only the uncached pending token first.
-            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=kv.to_cache(state, model),
+            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=kv.to_cache(state, model),  # noqa: B023
                                     max_new_tokens=steps, min_new_tokens=steps, do_sample=False, top_k=None, top_p=None,
                                     temperature=None)
             return output[0, len(prefix):].tolist()

@@ -110,8 +110,8 @@ def cmd_select_transplants(args) -> None:
 
 
 def cmd_transplant(args) -> None:
-    from .shards import TransplantJob, run_transplant_shard
     from .plan import SweepPlan, parse_layers
+    from .shards import TransplantJob, run_transplant_shard
 
     selection = json.loads(Path(args.selection_file).read_text())
     item_ids = selection["selected" if args.selection == "cross_precision" else args.selection]["item_ids"]
@@ -135,8 +135,8 @@ def cmd_gather(args) -> None:
 
 def cmd_compare(args) -> None:
     from .compare import comparison_table, pair_specs, replication_specs
-    from .plan import parse_construction
     from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
+    from .plan import parse_construction
 
     for construction in args.constructions:
         parse_construction(construction)
