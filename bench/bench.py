@@ -63,25 +63,26 @@ def load_config(path: Path) -> dict:
 
 
 class Ledger:
-    """Paths inside a completed ledger of one config (mirrors workflow/rules/constructions.smk)."""
+    """A completed ledger of one config: its paths come from stagereplay.layout, as the workflow's do."""
 
     def __init__(self, root: Path, config: dict):
-        self.root, self.config = root, config
+        from stagereplay.layout import Ledger as Layout
+
+        self.root, self.config, self.layout = root, config, Layout(root)
         self.checkpoint = next(iter(config["checkpoints"]))
         self.e1 = config["matched"]["precision"]
         if not (root / "summary.json").is_file():
             sys.exit(f"bench: {root}/summary.json not found — run the workflow to the end first (snakemake --cores 2)")
 
     def live(self, precision: str, shard: str = "000", replica: int = 0) -> Path:
-        return self.root / "runs/live" / self.checkpoint / precision / f"rep{replica}" / f"shard-{shard}.parquet"
+        return Path(self.layout.live_table(self.checkpoint, precision, replica, shard))
 
     def rebuilt(self, precision: str, construction: str, shard: str = "000", replica: int = 0) -> Path:
-        return (self.root / "runs/rebuild" / self.checkpoint / f"{self.e1}-prefix" / precision / construction
-                / f"rep{replica}" / f"shard-{shard}.parquet")
+        return Path(self.layout.rebuilt_table(self.checkpoint, self.e1, precision, construction, replica, shard))
 
     @property
     def model_record(self) -> Path:
-        return self.root / "models" / self.checkpoint / "model.json"
+        return Path(self.layout.model_record(self.checkpoint))
 
     def folder(self) -> str:
         return json.loads(self.model_record.read_text())["folder"]
