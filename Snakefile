@@ -15,10 +15,8 @@ report: "workflow/report/workflow.rst"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/items.smk"
-include: "workflow/rules/constructions.smk"
 include: "workflow/rules/matched.smk"
 include: "workflow/rules/fixed_prefix.smk"
-include: "workflow/rules/bridge.smk"
 include: "workflow/rules/transplant.smk"
 include: "workflow/rules/ledger.smk"
 include: "workflow/rules/audit.smk"
@@ -27,5 +25,5 @@ include: "workflow/rules/report.smk"
 
 rule all:
     input:
-        ledger("summary.json"),
+        LAYOUT.summary,
         rules.report.output,

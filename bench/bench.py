@@ -63,25 +63,26 @@ def load_config(path: Path) -> dict:
 
 
 class Ledger:
-    """Paths inside a completed ledger of one config (mirrors workflow/rules/constructions.smk)."""
+    """A completed ledger of one config: its paths come from stagereplay.layout, as the workflow's do."""
 
     def __init__(self, root: Path, config: dict):
-        self.root, self.config = root, config
+        from stagereplay.layout import Ledger as Layout
+
+        self.root, self.config, self.layout = root, config, Layout(root)
         self.checkpoint = next(iter(config["checkpoints"]))
         self.e1 = config["matched"]["precision"]
         if not (root / "summary.json").is_file():
             sys.exit(f"bench: {root}/summary.json not found — run the workflow to the end first (snakemake --cores 2)")
 
     def live(self, precision: str, shard: str = "000", replica: int = 0) -> Path:
-        return self.root / "runs/live" / self.checkpoint / precision / f"rep{replica}" / f"shard-{shard}.parquet"
+        return Path(self.layout.live_table(self.checkpoint, precision, replica, shard))
 
     def rebuilt(self, precision: str, construction: str, shard: str = "000", replica: int = 0) -> Path:
-        return (self.root / "runs/rebuild" / self.checkpoint / f"{self.e1}-prefix" / precision / construction
-                / f"rep{replica}" / f"shard-{shard}.parquet")
+        return Path(self.layout.rebuilt_table(self.checkpoint, self.e1, precision, construction, replica, shard))
 
     @property
     def model_record(self) -> Path:
-        return self.root / "models" / self.checkpoint / "model.json"
+        return Path(self.layout.model_record(self.checkpoint))
 
     def folder(self) -> str:
         return json.loads(self.model_record.read_text())["folder"]
@@ -179,7 +180,7 @@ def section_a(ledger: Ledger) -> None:
         f"{shared} trajectories serve more than one of E1/E2/E3 and are computed once: "
         f"{1 - total / standalone:.0%} of the work saved")
 
-    config, stage = ledger.config, ledger.config["stage"]
+    stage = ledger.config["stage"]
     budgets = Budgets(StageBoundary(stage["max_new_tokens"], stage["marker"]), stage["suffix_tokens"])
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -318,12 +319,12 @@ def section_c(ledger: Ledger) -> None:
         state = build_boundary_state(model, prefix, "prefill", row["prompt_length"])
 
         def ours():
-            return list(continue_from(model, state, prefix[-1], steps, frozenset()).tokens)
+            return list(continue_from(model, state, prefix[-1], steps, frozenset()).tokens)  # noqa: B023 (called in this iteration)
 
         def generate():
             ids = torch.tensor([prefix])
             # The cache holds prefix[:-1]; generate feeds only the uncached pending token first.
-            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=kv.to_cache(state, model),
+            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=kv.to_cache(state, model),  # noqa: B023
                                     max_new_tokens=steps, min_new_tokens=steps, do_sample=False, top_k=None, top_p=None,
                                     temperature=None)
             return output[0, len(prefix):].tolist()

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from workflow_helpers import snakemake, write_config
 
 from stagereplay.checkpoints import build_random_qwen2
 from stagereplay.model import Runtime, load_model
-from workflow_helpers import snakemake, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 

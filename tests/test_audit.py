@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from workflow_helpers import (
     copy_run,
-    job_counts,
     ledger_snapshot,
     rewrite_live_suffix,
     snakemake,
@@ -25,7 +25,6 @@ from stagereplay.audit import (
     e4_figures,
     verdict,
 )
-from stagereplay.reading import e4_reading
 from stagereplay.compare import Side
 from stagereplay.ledger import (
     AUDIT_SCHEMA,
@@ -35,14 +34,16 @@ from stagereplay.ledger import (
     ObjectStore,
     read_table,
 )
+from stagereplay.reading import e4_reading
 
 pytestmark = pytest.mark.slow
 
 
 def saved_files(ledger):
-    """The saved ledger, without what the audit adds (its tree, its table, logs) or updates (summary.json)."""
+    """The saved ledger, without what the audit adds (its tree with e4.json, its table, logs): summary.json included,
+    since the audit writes only its own files."""
     return {path: digest for path, digest in ledger_snapshot(ledger).items()
-            if path.split("/")[0] not in ("audit", "logs", "benchmarks") and path not in ("summary.json", "tables/audit.parquet")}
+            if path.split("/")[0] not in ("audit", "logs", "benchmarks") and path != "tables/audit.parquet"}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def audited(test_run, tmp_path_factory):
 
 def test_the_audit_reproduces_every_fingerprint(audited):
     _, ledger, _, _, result = audited
-    e4 = json.loads((ledger / "summary.json").read_text())["E4"]
+    e4 = json.loads((ledger / "audit" / "e4.json").read_text())
     assert e4["status"] == "reproduced" and e4["mismatches"] == [] and e4["environment_differences"] == []
     trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet").num_rows
     assert e4["trajectories"] == {"reproduced": trajectories, "n": trajectories}
@@ -79,13 +80,37 @@ def test_the_audit_never_writes_over_the_saved_ledger(audited):
     assert list((ledger / "audit" / "objects").rglob("*.safetensors"))
 
 
+def test_verify_recomputes_e4_from_the_audit_table(audited, tmp_path):
+    _, ledger, _, _, _ = audited
+    assert stagereplay("verify", ledger).returncode == 0
+    copy = tmp_path / "ledger"
+    shutil.copytree(ledger, copy)
+    path = copy / "audit" / "e4.json"
+    e4 = json.loads(path.read_text())
+    n = e4["trajectories"]["n"]
+    e4["trajectories"]["reproduced"] = n - 1
+    path.write_text(json.dumps(e4, indent=2) + "\n")
+    result = stagereplay("verify", copy)
+    assert result.returncode == 1
+    assert (f"stagereplay: fault: audit/e4.json: trajectories.reproduced is {n - 1}, but the audit table's rows give {n}"
+            in result.stderr), result.stderr
+    (copy / "tables" / "audit.parquet").unlink()
+    result = stagereplay("verify", copy)
+    assert "tables/audit.parquet: missing, though audit/e4.json was computed from it" in result.stderr, result.stderr
+
+
 def test_a_complete_audit_is_not_rerun(audited):
     workdir, ledger, config, _, _ = audited
     result = snakemake(workdir, config, "--dry-run", "audit")
     assert result.returncode == 0 and "Nothing to be done" in result.stdout + result.stderr
-    # The main target only redraws the card, which now shows E4.
+    # The main target never runs the audit. On a run with its own snakemake metadata it redraws the card with E4
+    # (e4.json's digest is a parameter of the report rule: test_two_checkpoints); this copy has none for the card.
     result = snakemake(workdir, config, "--dry-run")
-    assert result.returncode == 0 and job_counts(result) == {"report": 1, "all": 1}
+    assert result.returncode == 0 and "Nothing to be done" in result.stdout + result.stderr
+    result = snakemake(workdir, config, "--forcerun", "report")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| E4 audit | trajectories reproduced from the saved ledger |" in (ledger / "results.md").read_text()
+    assert stagereplay("verify", ledger).returncode == 0
 
 
 def test_another_runtime_is_reported_as_environment(audited, tmp_path):
@@ -96,7 +121,7 @@ def test_another_runtime_is_reported_as_environment(audited, tmp_path):
     # A copy carries no snakemake metadata for its paths, so the changed params cannot trigger the rerun: force it.
     result = snakemake(tmp_path / "eager", config, "audit", "--forcerun", "audit_register_model")
     assert result.returncode == 0, result.stderr[-3000:]
-    e4 = json.loads((copy_ledger / "summary.json").read_text())["E4"]
+    e4 = json.loads((copy_ledger / "audit" / "e4.json").read_text())
     assert e4["audit_runtime"]["attn_implementation"] == "eager"
     assert [entry["difference"] for entry in e4["environment_differences"]] == ["attn_implementation sdpa -> eager"]
     rows = read_table(copy_ledger / "tables" / "audit.parquet", AUDIT_SCHEMA).to_pylist()
@@ -156,7 +181,7 @@ def test_a_recomputed_difference_that_verify_cannot_see_is_found_by_the_audit(te
 
     result = snakemake(tmp_path / "copy", config, "audit")
     assert result.returncode == 0, result.stderr[-3000:]
-    e4 = json.loads((ledger / "summary.json").read_text())["E4"]
+    e4 = json.loads((ledger / "audit" / "e4.json").read_text())
     side = Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
     assert e4["status"] == "differences found"
     assert [(m["kind"], m["artifact"], m["item_id"], m["side"]) for m in e4["mismatches"]] == [

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from stagereplay.cache import KVState
-from stagereplay.compare import comparison_table, compare_pair, first_divergence, pair_specs, replication_specs
+from stagereplay.compare import compare_pair, comparison_table, first_divergence, pair_specs, replication_specs
 from stagereplay.difference import cache_difference, tensor_difference
 from stagereplay.ledger import TRAJECTORY_SCHEMA, LedgerError, ObjectStore
 

@@ -7,7 +7,6 @@ import json
 import pyarrow.parquet as pq
 import pytest
 from safetensors import safe_open
-
 from workflow_helpers import snakemake, write_config
 
 pytestmark = pytest.mark.slow

@@ -23,13 +23,13 @@ from stagereplay.card import provenance, write_results_card
 from stagereplay.checkpoints import read_model_record
 from stagereplay.ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, read_table
 from stagereplay.plots import PLOT_FILES, plot_transplant_follow_donor
-from stagereplay.summary import summary as summarize
 from stagereplay.stats import (
     mcnemar_exact,
     paired_difference_ci,
     paired_difference_newcombe,
     paired_difference_wald,
 )
+from stagereplay.summary import summary as summarize
 
 pytestmark = pytest.mark.slow
 
@@ -343,7 +343,7 @@ def test_snakemake_report_bundles_the_card_and_plots_with_captions(completed):
 def test_report_without_a_summary_stops_with_one_line_naming_the_fix(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "stagereplay", "report", "--summary", str(tmp_path / "summary.json"),
-         "--trajectories", "t.parquet", "--comparisons", "c.parquet", "--models", "m.json", "--items", "i.jsonl",
+         "--trajectories", "t.parquet", "--comparisons", "c.parquet", "--model", "m", "m.json", "--items", "i.jsonl",
          "--item-source", "data/items.jsonl", "--card", str(tmp_path / "results.md"), "--plots-dir", str(tmp_path)],
         capture_output=True, text=True,
     )

@@ -21,7 +21,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-
 from workflow_helpers import REPO, snakemake, write_config
 
 pytestmark = pytest.mark.slow

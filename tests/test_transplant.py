@@ -8,8 +8,15 @@ from stagereplay.constructions import StageBoundary, build_live
 from stagereplay.decode import continue_from
 from stagereplay.fingerprint import fingerprint_cache
 from stagereplay.plan import SweepPlan, TransplantError, outcome_blind_sample
-from stagereplay.transplants import (TransplantSpec, cast_state, left_both, outcome, select_divergent, sweep_specs,
-                                     transplant)
+from stagereplay.transplants import (
+    TransplantSpec,
+    cast_state,
+    left_both,
+    outcome,
+    select_divergent,
+    sweep_specs,
+    transplant,
+)
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 

@@ -21,16 +21,23 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from .atomic import atomic_write_text
 from .compare import Side, first_divergence
+from .layout import Ledger
 from .ledger import (
+    COMPARISON_KEY,
     COMPARISON_SCHEMA,
     ENVIRONMENT_COLUMNS,
+    TRAJECTORY_KEY,
     TRAJECTORY_SCHEMA,
+    TRANSPLANT_KEY,
     TRANSPLANT_SCHEMA,
-    LedgerError,
     ObjectStore,
     read_table,
+    row_key,
+    stored_rows_digest,
 )
+from .summary import proportion
 
 MISMATCHES_LISTED = 50
 NOT_MEASURED = "not measured"
@@ -111,9 +118,12 @@ def _duplicates(kind: str, rows: list[dict], key, where, place: str) -> tuple[se
     return shared, checks
 
 
-def _paired(kind: str, saved: pa.Table, audited: pa.Table, key, label) -> tuple[list[tuple], list[Check]]:
-    """Each saved row with its recomputed twin, where it is and how its environment differs;
-    a failed check for every row of either side without a twin, and for every key shared by several rows."""
+def _paired(kind: str, saved: pa.Table, audited: pa.Table, columns: tuple[str, ...], label) -> tuple[list[tuple], list[Check]]:
+    """Each saved row with its recomputed twin (the same key ``columns``), where it is and how its environment
+    differs; a failed check for every row of either side without a twin, and for every key shared by several rows."""
+
+    def key(row: dict) -> tuple:
+        return row_key(row, columns)
 
     def where(row: dict) -> dict:
         return {"checkpoint": row["checkpoint"], "item_id": row["item_id"], "side": label(row)}
@@ -142,12 +152,8 @@ def _side_label(row: dict) -> str:
     return Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
 
 
-def _trajectory_key(row: dict) -> tuple:
-    return (row["checkpoint"], row["construction"], row["precision"], row["prefix_precision"], row["replica"], row["item_id"])
-
-
 def audit_trajectories(saved: pa.Table, audited: pa.Table, saved_store: ObjectStore, audit_store: ObjectStore) -> list[Check]:
-    pairs, checks = _paired("trajectory", saved, audited, _trajectory_key, _side_label)
+    pairs, checks = _paired("trajectory", saved, audited, TRAJECTORY_KEY, _side_label)
     for old, new, where, extra_fields in pairs:
         checks.append(_same("trajectory", "model_fingerprint", where, old["model_fingerprint"], new["model_fingerprint"],
                             **extra_fields))
@@ -172,12 +178,8 @@ def audit_trajectories(saved: pa.Table, audited: pa.Table, saved_store: ObjectSt
     return checks
 
 
-def _comparison_key(row: dict) -> tuple:
-    return (row["experiment"], row["relation"], row["checkpoint"], row["precision"], row["item_id"], row["a"], row["b"])
-
-
 def audit_comparisons(saved: pa.Table, audited: pa.Table) -> list[Check]:
-    pairs, checks = _paired("comparison", saved, audited, _comparison_key,
+    pairs, checks = _paired("comparison", saved, audited, COMPARISON_KEY,
                             lambda row: f"{row['experiment']}: {row['a']} vs {row['b']}")
     for old, new, where, _ in pairs:
         differing = [name for name in old if old[name] != new[name]]
@@ -194,13 +196,8 @@ def audit_comparisons(saved: pa.Table, audited: pa.Table) -> list[Check]:
     return checks
 
 
-def _transplant_key(row: dict) -> tuple:
-    return (row["selection"], row["checkpoint"], row["item_id"], row["donor"], row["recipient"], row["precision"],
-            row["subset"])
-
-
 def audit_transplants(saved: pa.Table, audited: pa.Table) -> list[Check]:
-    pairs, checks = _paired("transplant", saved, audited, _transplant_key,
+    pairs, checks = _paired("transplant", saved, audited, TRANSPLANT_KEY,
                             lambda row: f"{row['selection']}: {row['donor']} -> {row['recipient']} {row['subset']}")
     for old, new, where, extra_fields in pairs:
         checks += [
@@ -230,25 +227,27 @@ def audit_models(saved_records: dict[str, dict], audited_records: dict[str, dict
     ]
 
 
-def _records(root: Path) -> dict[str, dict]:
-    return {path.parent.name: json.loads(path.read_text()) for path in sorted(root.glob("models/*/model.json"))}
+def _records(ledger: Ledger, checkpoints: list[str]) -> dict[str, dict]:
+    records = {name: Path(ledger.model_record(name)) for name in checkpoints}
+    return {name: json.loads(path.read_text()) for name, path in records.items() if path.is_file()}
 
 
-def audit_ledger(ledger: str | Path, audit_dir: str | Path) -> list[Check]:
-    """Every check of the saved ledger at ``ledger`` against its recomputation in ``audit_dir``."""
-    ledger, audit_dir = Path(ledger), Path(audit_dir)
-    saved_store, audit_store = ObjectStore(ledger / "objects"), ObjectStore(audit_dir / "objects")
-    checks = audit_models(_records(ledger), _records(audit_dir))
-    checks += audit_trajectories(read_table(ledger / "tables/trajectories.parquet", TRAJECTORY_SCHEMA),
-                                 read_table(audit_dir / "tables/trajectories.parquet", TRAJECTORY_SCHEMA),
+def audit_ledger(ledger: str | Path, checkpoints: list[str]) -> list[Check]:
+    """Every check of the saved ledger at ``ledger`` against its recomputation in its audit tree
+    (``ledger.audit``), for the model records of ``checkpoints`` (those the run used)."""
+    saved, audit = Ledger(ledger), Ledger(ledger).audit
+    saved_store, audit_store = ObjectStore(saved.objects), ObjectStore(audit.objects)
+    checks = audit_models(_records(saved, checkpoints), _records(audit, checkpoints))
+    checks += audit_trajectories(read_table(saved.table("trajectories"), TRAJECTORY_SCHEMA),
+                                 read_table(audit.table("trajectories"), TRAJECTORY_SCHEMA),
                                  saved_store, audit_store)
-    checks += audit_comparisons(read_table(ledger / "tables/comparisons.parquet", COMPARISON_SCHEMA),
-                                read_table(audit_dir / "tables/comparisons.parquet", COMPARISON_SCHEMA))
-    if (ledger / "tables/transplants.parquet").exists():
-        checks += audit_transplants(read_table(ledger / "tables/transplants.parquet", TRANSPLANT_SCHEMA),
-                                    read_table(audit_dir / "tables/transplants.parquet", TRANSPLANT_SCHEMA))
-        checks += audit_selection(json.loads((ledger / "transplants/selection.json").read_text()),
-                                  json.loads((audit_dir / "transplants/selection.json").read_text()))
+    checks += audit_comparisons(read_table(saved.table("comparisons"), COMPARISON_SCHEMA),
+                                read_table(audit.table("comparisons"), COMPARISON_SCHEMA))
+    if Path(saved.table("transplants")).exists():
+        checks += audit_transplants(read_table(saved.table("transplants"), TRANSPLANT_SCHEMA),
+                                    read_table(audit.table("transplants"), TRANSPLANT_SCHEMA))
+        checks += audit_selection(json.loads(Path(saved.selection).read_text()),
+                                  json.loads(Path(audit.selection).read_text()))
     return checks
 
 
@@ -269,8 +268,8 @@ def _describe(check: dict) -> str:
 def _reproduced(values: list[bool]) -> dict:
     """x/N; with nothing audited there is no count, only the statement that nothing was measured."""
     if not values:
-        return {"reproduced": None, "n": 0, "status": NOT_MEASURED}
-    return {"reproduced": sum(values), "n": len(values)}
+        return {"reproduced": None, **proportion(0, 0), "status": NOT_MEASURED}
+    return {"reproduced": sum(values), **proportion(sum(values), len(values))}
 
 
 def e4_figures(rows: list[dict], audit_runtime: dict | None = None) -> dict:
@@ -328,14 +327,38 @@ def verdict(figures: dict) -> str:
     return line
 
 
-def add_to_summary(summary_path: str | Path, figures: dict) -> None:
-    """Put E4 into summary.json (the summary rule drops it again whenever the ledger changes)."""
-    from .summary import write_json
+# --- e4.json: the audit's own output, beside tables/audit.parquet ---------------------------------
+# It holds the E4 figures and the row digests of the saved tables they were audited against, so a
+# reader (the results card) can tell whether they still describe the ledger: after the ledger changes,
+# the card says "not run" until the next audit, as summary.json used to when it held E4.
 
-    path = Path(summary_path)
-    if not path.exists():
-        raise LedgerError(f"{path} not found — run snakemake on the same config before the audit")
-    summary = json.loads(path.read_text())
-    summary["E4"] = figures
-    write_json(summary, path)
+SAVED_TABLES = ("trajectories", "comparisons", "transplants")
 
+
+def saved_table_digests(tables: dict[str, pa.Table | None]) -> dict[str, str | None]:
+    """The stored row digest of each saved table the audit compared (absent tables left out)."""
+    return {name: stored_rows_digest(table) for name, table in tables.items() if table is not None}
+
+
+def ledger_table_digests(ledger: str | Path) -> dict[str, str | None]:
+    saved = Ledger(ledger)
+    return saved_table_digests({name: read_table(saved.table(name)) for name in SAVED_TABLES
+                                if Path(saved.table(name)).exists()})
+
+
+def e4_document(figures: dict, digests: dict[str, str | None]) -> dict:
+    return {**figures, "saved_tables": digests}
+
+
+def e4_figures_of(document: dict) -> dict:
+    """The figures of an e4.json document (what the card shows and verify recomputes)."""
+    return {key: value for key, value in document.items() if key != "saved_tables"}
+
+
+def e4_describes(document: dict, digests: dict[str, str | None]) -> bool:
+    """Whether an e4.json document was audited against exactly these saved tables."""
+    return document.get("saved_tables") == digests
+
+
+def write_e4(document: dict, path: str | Path) -> Path:
+    return atomic_write_text(path, json.dumps(document, indent=2) + "\n")

@@ -17,7 +17,6 @@ from .atomic import atomic_write_text
 from .reading import AUDIT_HOW, reading
 from .render import experiment_name, percent, points, to_html, to_markdown
 from .stamp import stamp
-from .summary import proportion as counted_proportion
 
 WILSON = "Wilson score 95%"
 NOT_RUN = "not run"
@@ -140,19 +139,13 @@ def e3_figures(summary: dict) -> list[Figure]:
 
 # --- E4, E5 (optional: present only when their rules ran) --------------------------------
 
-def _reproduced(entry: dict) -> dict:
-    # E4's x/N are written by the audit as {reproduced, n}, without an interval: summary.proportion,
-    # which makes every other x/N of summary.json, gives them theirs.
-    return counted_proportion(entry["reproduced"] or 0, entry["n"])
-
-
 def e4_figures(e4: dict | None) -> list[Figure]:
     if e4 is None:
         return [not_run("E4 audit", AUDIT_HOW)]
     name = "E4 audit"
-    figures = [proportion(name, "trajectories reproduced from the saved ledger", _reproduced(e4["trajectories"]))]
+    figures = [proportion(name, "trajectories reproduced from the saved ledger", e4["trajectories"])]
     for kind, counted in sorted(e4.get("artifacts", {}).items()):
-        figures.append(proportion(name, f"{kind} fingerprints reproduced", _reproduced(counted)))
+        figures.append(proportion(name, f"{kind} fingerprints reproduced", counted))
     return figures
 
 

@@ -136,8 +136,8 @@ def cmd_gather(args) -> None:
 
 def cmd_compare(args) -> None:
     from .compare import comparison_table, pair_specs, replication_specs
-    from .plan import parse_construction
     from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
+    from .plan import parse_construction
 
     for construction in args.constructions:
         parse_construction(construction)
@@ -174,16 +174,31 @@ def cmd_verify(args) -> int:
 
 
 def cmd_audit(args) -> None:
-    from .audit import add_to_summary, audit_ledger, audit_rows, e4_figures, verdict
+    from .audit import audit_ledger, audit_rows, e4_document, e4_figures, ledger_table_digests, verdict, write_e4
     from .ledger import AUDIT_SCHEMA, write_table
 
-    rows = audit_rows(audit_ledger(args.ledger, args.audit_dir))
+    rows = audit_rows(audit_ledger(args.ledger, args.checkpoints))
     runtime = json.loads(args.audit_runtime) if args.audit_runtime else None
     figures = e4_figures(rows, runtime)
-    # summary.json first: the audit table, written last, stays newer than its inputs.
-    add_to_summary(args.summary, figures)
     write_table(rows, AUDIT_SCHEMA, args.out)
+    # e4.json last: it is computed from the audit table (verify recomputes it from there).
+    write_e4(e4_document(figures, ledger_table_digests(args.ledger)), args.e4)
     print(verdict(figures))
+
+
+def _current_e4(path: str | None, tables: dict) -> dict | None:
+    """The E4 figures of e4.json when it was audited against these very tables; None otherwise (the card
+    then says "not run", as it did before any audit): a changed ledger is not described by an older audit."""
+    from .audit import e4_describes, e4_figures_of, saved_table_digests
+
+    if not path or not Path(path).is_file():
+        return None
+    document = json.loads(Path(path).read_bytes())
+    if not e4_describes(document, saved_table_digests(tables)):
+        print(f"{path} describes an older ledger: E4 is shown as not run until the next audit", file=sys.stderr)
+        return None
+    return e4_figures_of(document)
+
 
 def cmd_report(args) -> None:
     from .card import provenance, write_results_card
@@ -199,8 +214,11 @@ def cmd_report(args) -> None:
     comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
-    records = {Path(path).parent.name: read_model_record(path) for path in args.models}
-    write_results_card(summary, provenance(summary, args.item_source, args.items, records), args.card,
+    records = {name: read_model_record(path) for name, path in args.model}
+    e4 = _current_e4(args.e4, {"trajectories": trajectories, "comparisons": comparisons, "transplants": transplants})
+    # The card draws E4 from the "E4" entry of the figures it is given; summary.json itself never holds it.
+    shown = summary if e4 is None else {**summary, "E4": e4}
+    write_results_card(shown, provenance(summary, args.item_source, args.items, records), args.card,
                        args.card_html, summary_bytes=summary_bytes)
     write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)
 
@@ -354,10 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("audit", help="E4: compare the saved ledger with its recomputation in the audit tree")
     p.add_argument("--ledger", required=True, help="the saved ledger directory")
-    p.add_argument("--audit-dir", required=True, help="the audit tree the workflow recomputed (ledger/audit)")
-    p.add_argument("--summary", required=True, help="summary.json to add E4 to")
+    p.add_argument("--checkpoints", nargs="+", required=True, help="the checkpoints the run used (their model records)")
     p.add_argument("--audit-runtime", default=None, help="JSON of the audit's runtime overrides (recorded)")
     p.add_argument("--out", required=True, help="audit table to write (Parquet)")
+    p.add_argument("--e4", required=True, help="E4 figures to write (JSON, beside the audit table: audit/e4.json)")
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("report", help="write the results card (results.md) and the findings plots from the ledger")
@@ -365,7 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trajectories", required=True)
     p.add_argument("--comparisons", required=True)
     p.add_argument("--transplants", default=None, help="transplants table (absent when E5 is not run)")
-    p.add_argument("--models", nargs="+", required=True, help="model.json of every checkpoint (models/<name>/model.json)")
+    p.add_argument("--model", nargs=2, action="append", required=True, metavar=("NAME", "RECORD"),
+                   help="a checkpoint's name and its model.json (repeat for every checkpoint the run used)")
+    p.add_argument("--e4", default=None,
+                   help="audit/e4.json, when the audit has run: shown on the card if it describes these tables")
     p.add_argument("--items", required=True, help="normalised items.jsonl of the run")
     p.add_argument("--item-source", required=True, help="where the items came from, as configured (recorded)")
     p.add_argument("--card", required=True, help="results card to write (Markdown)")

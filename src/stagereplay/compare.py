@@ -12,13 +12,13 @@ replication's) has only the E1 live and prefill sides of replica 0, so only that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 
 from .cache import KVState
 from .difference import cache_difference
-from .ledger import COMPARISON_SCHEMA, LedgerError, ObjectStore
+from .ledger import COMPARISON_SCHEMA, TRAJECTORY_KEY, LedgerError, ObjectStore, row_key
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Side:
         return f"{self.construction}/{self.precision}/rep{self.replica}{source}"
 
     def key(self, checkpoint: str, item_id: str) -> tuple:
-        return (checkpoint, self.construction, self.precision, self.prefix_precision, self.replica, item_id)
+        """The TRAJECTORY_KEY of this side's row for one item."""
+        return row_key({**asdict(self), "checkpoint": checkpoint, "item_id": item_id}, TRAJECTORY_KEY)
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,7 @@ def replication_specs(matched_precision: str) -> list[PairSpec]:
 
 
 def index_trajectories(trajectories: pa.Table) -> dict[tuple, dict]:
-    return {
-        (row["checkpoint"], row["construction"], row["precision"], row["prefix_precision"], row["replica"], row["item_id"]): row
-        for row in trajectories.to_pylist()
-    }
+    return {row_key(row, TRAJECTORY_KEY): row for row in trajectories.to_pylist()}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

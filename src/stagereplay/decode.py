@@ -18,7 +18,7 @@ from . import cache as kv
 class Decoded:
     tokens: tuple[int, ...]
     margins: tuple[float, ...]  # top1 - top2 logit at each emitted token
-    stop: str  # "eos", "budget" or "marker"
+    stop: str  # "eos", "budget", or the caller's stop_reason: "marker" (the stage), "left_both" (a transplant), "stopped"
 
 
 def greedy_choice(logits: torch.Tensor) -> tuple[int, float]:

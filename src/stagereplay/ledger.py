@@ -230,6 +230,17 @@ AUDIT_SCHEMA = pa.schema([
     ("environment", pa.string()),  # e.g. "threads 1 -> 2"
 ])
 
+# The columns that identify a row: no two rows of a table share them (verify, the audit and the
+# comparisons look rows up by them).
+TRAJECTORY_KEY = ("checkpoint", "construction", "precision", "prefix_precision", "replica", "item_id")
+COMPARISON_KEY = ("experiment", "relation", "checkpoint", "precision", "item_id", "a", "b")
+TRANSPLANT_KEY = ("selection", "checkpoint", "item_id", "donor", "recipient", "precision", "subset")
+
+
+def row_key(row: dict, columns: tuple[str, ...]) -> tuple:
+    return tuple(row[name] for name in columns)
+
+
 SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "comparisons": COMPARISON_SCHEMA, "transplants": TRANSPLANT_SCHEMA,
            "prompts": PROMPT_SCHEMA, "audit": AUDIT_SCHEMA}
 

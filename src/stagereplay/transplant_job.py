@@ -28,7 +28,7 @@ class TransplantJob:
     selection: str  # "selected", "outcome_blind" or "cross_precision"
     item_ids: frozenset[str]
     pairs: tuple[tuple[str, str], ...]  # (donor table, recipient table) shard paths, both directions listed
-    plan: object  # transplants.SweepPlan; only the all-layer transplant when None
+    plan: object  # plan.SweepPlan; only the all-layer transplant when None
 
 
 def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: ShardSpec, runtime: Runtime,

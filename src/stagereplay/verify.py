@@ -12,20 +12,21 @@ an interrupted run (which verifies clean) simply has not got that far yet:
 - tables/trajectories.parquet, when tables/comparisons.parquet or summary.json exists;
 - tables/comparisons.parquet, when summary.json exists (E1-E3 are computed from it);
 - tables/transplants.parquet, when summary.json holds E5;
-- tables/audit.parquet, when summary.json holds E4 (the audit writes both);
+- tables/audit.parquet, when audit/e4.json exists (computed from it);
 - summary.json, when results.md or report/results.html exists (drawn from it).
 
 summary.json must equal the figures recomputed from the tables it was computed
-from (E4 apart, which the audit adds): an edited figure and a summary left
-behind by regenerated tables are both named by their first differing key. E5 is
+from: an edited figure and a summary left behind by regenerated tables are both
+named by their first differing key. audit/e4.json must equal the E4 figures
+recomputed from tables/audit.parquet, in the same way. E5 is
 recomputed when summary.json holds it: a run that turns transplants off keeps
 the old transplant table but summarises without it. The results card
 (results.md, report/results.html) must carry the stamp of the summary.json
 bytes it was rendered from and of its own text (stamp.py).
 
 ``documents=False`` (``verify --audit-inputs``) leaves out summary.json, the
-card and the audit table: the audit reads none of them, and verifies before the
-workflow has rewritten them.
+card, the audit table and e4.json: the audit reads none of them, and verifies
+before the workflow has rewritten them.
 """
 
 from __future__ import annotations
@@ -38,17 +39,22 @@ from pathlib import Path
 import pyarrow as pa
 
 from .fingerprint import fingerprint_tensor, fingerprint_tensors
+from .layout import RELATIVE, Ledger
 from .ledger import (
     AUDIT_SCHEMA,
+    COMPARISON_KEY,
     COMPARISON_SCHEMA,
     OBJECT_SUFFIX,
     PROMPT_SCHEMA,
+    TRAJECTORY_KEY,
     TRAJECTORY_SCHEMA,
+    TRANSPLANT_KEY,
     TRANSPLANT_SCHEMA,
     LedgerError,
     ObjectStore,
     is_object_id,
     read_table,
+    row_key,
     rows_digest,
     stored_rows_digest,
 )
@@ -204,8 +210,7 @@ def verify_rows(tables: dict[str, pa.Table], known: dict[str, StoredObject], rep
         schema = table.schema
         rows = table.to_pylist()
         if schema.equals(TRAJECTORY_SCHEMA):
-            keys = Counter((r["checkpoint"], r["construction"], r["precision"], r["prefix_precision"], r["replica"],
-                            r["item_id"]) for r in rows)
+            keys = Counter(row_key(r, TRAJECTORY_KEY) for r in rows)
             for row in rows:
                 where = _row_where(relative, row)
                 _check_tokens(where, "prefix", row["prefix_object"], known, faults, length=row["prefix_length"])
@@ -215,14 +220,12 @@ def verify_rows(tables: dict[str, pa.Table], known: dict[str, StoredObject], rep
                 if stored is not None and stored.shapes.get("layer.000.k", (0, 0, -1))[-2] != row["cache_positions"]:
                     faults.append(Fault(where, f"cache_positions {row['cache_positions']} differs from the cache object"))
         elif schema.equals(TRANSPLANT_SCHEMA):
-            keys = Counter((r["selection"], r["checkpoint"], r["item_id"], r["donor"], r["recipient"], r["precision"],
-                            r["subset"]) for r in rows)
+            keys = Counter(row_key(r, TRANSPLANT_KEY) for r in rows)
             for row in rows:
                 _check_tokens(_row_where(relative, row), "transplant suffix", row["suffix_object"], known, faults,
                               expected=row["suffix_tokens"])
         elif schema.equals(COMPARISON_SCHEMA):
-            keys = Counter((r["experiment"], r["relation"], r["checkpoint"], r["precision"], r["item_id"], r["a"], r["b"])
-                           for r in rows)
+            keys = Counter(row_key(r, COMPARISON_KEY) for r in rows)
             for row in rows:
                 # Every construction is rebuilt from the saved live prefix: two prefixes mean a broken ledger.
                 if row["relation"] == "construction" and not row["prefix_equal"]:
@@ -239,8 +242,7 @@ def verify_rows(tables: dict[str, pa.Table], known: dict[str, StoredObject], rep
 
 def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
     """The gathered tables hold exactly rows of the shard tables (row counts and contents)."""
-    for gathered, folders in (("tables/trajectories.parquet", ("runs/live", "runs/rebuild")),
-                              ("tables/transplants.parquet", ("runs/transplant",))):
+    for gathered, folders in ((TRAJECTORIES, ("runs/live", "runs/rebuild")), (TRANSPLANTS, ("runs/transplant",))):
         if gathered not in tables:
             continue
         shard_rows = {
@@ -258,15 +260,15 @@ def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
 
 def verify_counts(root: Path, tables: dict[str, pa.Table], report: Report) -> None:
     """Each gathered trajectory group (checkpoint, construction, precision, replica) covers every item."""
-    if "tables/trajectories.parquet" not in tables or not (root / "items.jsonl").is_file():
+    if TRAJECTORIES not in tables or not (root / RELATIVE.items).is_file():
         return
-    items = sum(1 for line in (root / "items.jsonl").read_text().splitlines() if line.strip())
-    groups = Counter((row["checkpoint"], row["construction"], row["precision"], row["prefix_precision"], row["replica"])
-                     for row in tables["tables/trajectories.parquet"].to_pylist())
+    items = sum(1 for line in (root / RELATIVE.items).read_text().splitlines() if line.strip())
+    group_key = tuple(name for name in TRAJECTORY_KEY if name != "item_id")
+    groups = Counter(row_key(row, group_key) for row in tables[TRAJECTORIES].to_pylist())
     for group, count in sorted(groups.items()):
         if count != items:
             report.faults.append(Fault(
-                "tables/trajectories.parquet",
+                TRAJECTORIES,
                 f"{count} rows for {'/'.join(map(str, group))}, but items.jsonl holds {items} items",
                 "rerun snakemake --forcerun gather to regather"))
 
@@ -275,8 +277,11 @@ def _canonical(row: dict) -> str:
     return json.dumps(row, sort_keys=True)
 
 
-CARDS = ("results.md", "report/results.html")
-SUMMARY = "summary.json"
+TRAJECTORIES, COMPARISONS, TRANSPLANTS, AUDIT = (RELATIVE.table(name) for name in ("trajectories", "comparisons",
+                                                                                   "transplants", "audit"))
+CARDS = (RELATIVE.card, RELATIVE.card_html)
+SUMMARY = RELATIVE.summary
+E4 = RELATIVE.e4
 REWRITE_SUMMARY = "rerun snakemake --forcerun summary to rewrite it from the tables"
 
 
@@ -298,16 +303,16 @@ def verify_produced(root: Path, summary: dict | None, documents: bool, report: R
         return [name for name in names if (root / name).is_file()]
 
     evidence = {
-        "tables/trajectories.parquet": present("tables/comparisons.parquet", SUMMARY),
-        "tables/comparisons.parquet": present(SUMMARY),
-        "tables/transplants.parquet": ["summary.json (its E5 figures)"] if summary and "E5" in summary else [],
+        TRAJECTORIES: present(COMPARISONS, SUMMARY),
+        COMPARISONS: present(SUMMARY),
+        TRANSPLANTS: ["summary.json (its E5 figures)"] if summary and "E5" in summary else [],
     }
     if documents:
-        evidence["tables/audit.parquet"] = ["summary.json (its E4 figures)"] if summary and "E4" in summary else []
+        evidence[AUDIT] = present(E4)
         evidence[SUMMARY] = present(*CARDS)
     for relative, found in evidence.items():
         if found and not (root / relative).is_file():
-            fix = ("rerun snakemake --cores N audit" if relative == "tables/audit.parquet" else
+            fix = ("rerun snakemake --cores N audit" if relative == AUDIT else
                    "rerun snakemake (it rebuilds what is missing)")
             report.faults.append(Fault(relative, f"missing, though {found[0]} was computed from it", fix))
 
@@ -348,26 +353,45 @@ def _value_text(data, path: tuple) -> str:
 
 
 def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Report) -> None:
-    """summary.json equals the figures recomputed from the gathered tables, E4 apart."""
+    """summary.json equals the figures recomputed from the gathered tables."""
     from .summary import summary as compute_summary
 
-    needed = ("tables/comparisons.parquet", "tables/trajectories.parquet")
+    needed = (COMPARISONS, TRAJECTORIES)
     if summary is None or not all(name in tables for name in needed):
         return  # missing or unreadable: already a fault
-    transplants = tables.get("tables/transplants.parquet") if "E5" in summary else None
+    transplants = tables.get(TRANSPLANTS) if "E5" in summary else None
     if "E5" in summary and transplants is None:
         return  # the transplant table is missing or unreadable: already a fault
-    recomputed = compute_summary(comparisons=tables["tables/comparisons.parquet"],
-                                 trajectories=tables["tables/trajectories.parquet"],
+    recomputed = compute_summary(comparisons=tables[COMPARISONS], trajectories=tables[TRAJECTORIES],
                                  version=summary.get("stagereplay_version"), transplants=transplants)
-    saved = {key: value for key, value in summary.items() if key != "E4"}
-    recomputed = json.loads(json.dumps({key: value for key, value in recomputed.items() if key != "E4"}))
+    _compare_figures(SUMMARY, summary, json.loads(json.dumps(recomputed)), "the tables", REWRITE_SUMMARY, report)
+
+
+def _compare_figures(where: str, saved: dict, recomputed: dict, source: str, fix: str, report: Report) -> None:
     path = first_difference(saved, recomputed)
     if path is not None:
         report.faults.append(Fault(
-            SUMMARY, f"{_path_text(path)} is {_value_text(saved, path)}, but the tables give"
-                     f" {_value_text(recomputed, path)} (edited, or not rewritten when the tables changed)",
-            REWRITE_SUMMARY))
+            where, f"{_path_text(path)} is {_value_text(saved, path)}, but {source} give"
+                   f" {_value_text(recomputed, path)} (edited, or not rewritten when {source} changed)", fix))
+
+
+REWRITE_E4 = "rerun snakemake --cores N audit --forcerun audit_ledger to rewrite it from the audit table"
+
+
+def verify_e4(root: Path, tables: dict[str, pa.Table], report: Report) -> None:
+    """audit/e4.json equals the E4 figures recomputed from tables/audit.parquet."""
+    from .audit import e4_figures, e4_figures_of
+
+    path = root / E4
+    if not path.is_file() or AUDIT not in tables:
+        return  # no audit yet, or its table is missing or unreadable: already a fault
+    try:
+        saved = e4_figures_of(json.loads(path.read_bytes()))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        report.faults.append(Fault(E4, f"not valid JSON ({error})", REWRITE_E4))
+        return
+    recomputed = e4_figures(tables[AUDIT].to_pylist(), saved.get("audit_runtime"))
+    _compare_figures(E4, saved, json.loads(json.dumps(recomputed)), "the audit table's rows", REWRITE_E4, report)
 
 
 def verify_cards(root: Path, report: Report) -> None:
@@ -389,13 +413,13 @@ def verify_cards(root: Path, report: Report) -> None:
 
 
 def verify_ledger(root: str | Path, documents: bool = True) -> Report:
-    """Every check of the ledger at ``root``; ``documents=False`` leaves out summary.json, the card and the
-    audit table (what the audit reads nothing of, and verifies before they are rewritten)."""
+    """Every check of the ledger at ``root``; ``documents=False`` leaves out summary.json, the card, the
+    audit table and e4.json (what the audit reads nothing of, and verifies before they are rewritten)."""
     root = Path(root)
     if not root.is_dir() or not any((root / part).exists() for part in ("objects", "tables", "runs")):
         raise LedgerError(f"no ledger at {root} (no objects/, tables/ or runs/) — pass the ledger_dir of a run, e.g. ledger")
     report = Report()
-    known = verify_objects(ObjectStore(root / "objects"), report)
+    known = verify_objects(ObjectStore(Ledger(root).objects), report)
     tables = verify_tables(root, report)
     verify_rows(tables, known, report)
     verify_gathered(tables, report)
@@ -404,6 +428,7 @@ def verify_ledger(root: str | Path, documents: bool = True) -> Report:
     verify_produced(root, summary if documents else _peek_summary(root), documents, report)
     if documents:
         verify_summary(summary, tables, report)
+        verify_e4(root, tables, report)
         verify_cards(root, report)
     return report
 

@@ -1,3 +1,7 @@
+# Everything the rule files share (and nothing else) — the checked config, the ledger
+# layout (stagereplay.layout), parse-time checks, and the input functions and path
+# lists of every experiment. Rule files hold only rules and read only what is here.
+
 import json
 import shlex
 import sys
@@ -5,8 +9,9 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-REPO = Path(workflow.basedir)
+from stagereplay.layout import Ledger, construction_token
 
+REPO = Path(workflow.basedir)
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 
 
@@ -21,27 +26,47 @@ def _check_config():
 
 _check_config()
 
-# Rules call the CLI through this interpreter, so it works without an activated venv.
-STAGEREPLAY = f"{sys.executable} -m stagereplay"
-LEDGER = Path(config["ledger_dir"])
-if LEDGER.exists() and not LEDGER.is_dir():
-    raise WorkflowError(f"ledger_dir {LEDGER} is a file, not a directory — point ledger_dir at a directory (new or of an earlier run)")
+# Rules call the CLI as the command `stagereplay`: a shell function running it on the interpreter
+# snakemake runs on, so rules work without an activated venv (and on a cluster node, which parses
+# this file again). It comes after snakemake's own default prefix, bash strict mode.
+shell.prefix(f'set -euo pipefail; stagereplay() {{{{ {shlex.quote(sys.executable)} -m stagereplay "$@"; }}}}; ')
+
+LAYOUT = Ledger(config["ledger_dir"])
+if LAYOUT.root.exists() and not LAYOUT.root.is_dir():
+    raise WorkflowError(
+        f"ledger_dir {LAYOUT.root} is a file, not a directory — point ledger_dir at a directory (new or of an earlier run)"
+    )
 CHECKPOINTS = config["checkpoints"]
 PRIMARY = next(iter(CHECKPOINTS))
 RUNTIME = config["runtime"]
 STAGE = config["stage"]
 MATCHED = config["matched"]
+E1 = MATCHED["precision"]
 FIXED = config["fixed_prefix"]
-
-
-def ledger(*parts):
-    return str(LEDGER.joinpath(*parts))
+TRANSPLANT = config["transplant"]
+SWEEP = TRANSPLANT["sweep"]
+BLIND = TRANSPLANT["outcome_blind"]
+BLIND_CHECKPOINT = BLIND["checkpoint"] or PRIMARY
+CROSS = TRANSPLANT["cross_precision"]
+AUDIT_RUNTIME = {
+    **RUNTIME,
+    **{key: value for key, value in config["audit"]["runtime"].items() if value is not None},
+}
+# Checkpoints other than the primary one: only the outcome-blind replication's, with E1 live and prefill (rep0).
+REPLICATIONS = [BLIND_CHECKPOINT] if TRANSPLANT["enabled"] and BLIND_CHECKPOINT != PRIMARY else []
+# The checkpoints the run uses (a configured but unused checkpoint is never registered).
+USED_CHECKPOINTS = sorted({PRIMARY} | ({BLIND_CHECKPOINT} if TRANSPLANT["enabled"] else set()))
+# The model records the audit compares (as before: the outcome-blind checkpoint's even without E5).
+AUDITED_CHECKPOINTS = sorted({PRIMARY, BLIND_CHECKPOINT})
 
 
 def repo_path(path):
     """Config paths are relative to the repository, not to where snakemake was started."""
     path = Path(path).expanduser()
     return str(path if path.is_absolute() else REPO / path)
+
+
+# --- parse-time checks: a bad config or item file fails here, before any job ------------------
 
 
 def parse_time_items():
@@ -69,52 +94,17 @@ def parse_time_constructions():
     except ConstructionError as error:
         raise WorkflowError(f"fixed_prefix.constructions: {error}") from None
     if "live" in kinds:
-        raise WorkflowError("fixed_prefix.constructions: live is generated, not rebuilt — list only incremental, prefill or chunked:N")
+        raise WorkflowError(
+            "fixed_prefix.constructions: live is generated, not rebuilt — list only incremental, prefill or chunked:N"
+        )
     if "incremental" not in names:
-        raise WorkflowError("fixed_prefix.constructions must include incremental (every E2 comparison is against it) — add it")
+        raise WorkflowError(
+            "fixed_prefix.constructions must include incremental (every E2 comparison is against it) — add it"
+        )
     return names
 
 
 CONSTRUCTIONS = parse_time_constructions()
-
-
-def construction_token(name):
-    """'chunked:16' -> 'chunked-16': a path component without a colon."""
-    return name.replace(":", "-")
-
-
-wildcard_constraints:
-    checkpoint="[A-Za-z0-9][A-Za-z0-9._-]*",
-    precision="bf16|fp16|fp32",
-    prefix_precision="bf16|fp16|fp32",
-    construction=r"incremental|prefill|chunked-[1-9][0-9]*",
-    replica=r"\d+",
-    shard=r"\d{3}",
-
-
-def runtime_args(wildcards, replica=None, runtime=RUNTIME):
-    args = [
-        f"--checkpoint {wildcards.checkpoint}",
-        f"--precision {wildcards.precision}",
-        f"--device {runtime['device']}",
-        f"--threads {runtime['threads']}",
-        f"--attn-implementation {runtime['attn_implementation']}",
-        f"--shard {int(wildcards.shard)}",
-        f"--shard-size {config['shard_size']}",
-        f"--replica {int(wildcards.replica) if replica is None else replica}",
-        f"--suffix-tokens {STAGE['suffix_tokens']}",
-    ]
-    if runtime["trust_remote_code"]:
-        args.append("--trust-remote-code")
-    return " ".join(args)
-
-
-MODEL_RESOURCES = dict(
-    mem_mb=RUNTIME["mem_mb"],
-    runtime=RUNTIME["runtime_minutes"],
-    gpu=1 if RUNTIME["device"] == "cuda" else 0,
-)
-
 
 SOURCES = ("embedded", "folder", "gguf", "random_qwen2")
 
@@ -149,8 +139,256 @@ def model_folder(name):
     if source == "folder":
         return repo_path(CHECKPOINTS[name]["folder"])
     if source == "random_qwen2":
-        return ledger("models", name, "random")
-    return ledger("models", name, "converted")
+        return LAYOUT.path("models", name, "random")
+    return LAYOUT.path("models", name, "converted")
 
-# Every shell command below ends with `|| { tail -n 1 LOG >&2; exit 1; }`: the CLI's
+
+def outcome_blind_ids():
+    from stagereplay.plan import outcome_blind_sample
+
+    try:
+        return outcome_blind_sample([item.item_id for item in ITEMS], BLIND["sample"], BLIND["seed"])
+    except ValueError as error:
+        raise WorkflowError(str(error)) from None
+
+
+def check_transplant_plan():
+    """The sweep is checked now when the model is known already (a folder, or converted by an earlier
+    run), so a bad layer choice fails before any job and the existing ledger stays as it was."""
+    from stagereplay.plan import SweepPlan, TransplantError, check_plan
+
+    if BLIND_CHECKPOINT not in CHECKPOINTS:
+        raise WorkflowError(
+            f"transplant.outcome_blind.checkpoint {BLIND_CHECKPOINT!r} is not in checkpoints — add it there or fix the name"
+        )
+    if CROSS and CROSS == E1:
+        raise WorkflowError(
+            "transplant.cross_precision must differ from matched.precision — use e.g. fp32 with a bf16 E1"
+        )
+    blind_ids = outcome_blind_ids()
+    layers_file = Path(model_folder(PRIMARY), "config.json")
+    if layers_file.is_file():
+        try:
+            check_plan(
+                SweepPlan(
+                    SWEEP["single_layers"], tuple(SWEEP["block_sizes"]), SWEEP["kv_only"], tuple(SWEEP["windows"])
+                ),
+                json.loads(layers_file.read_text()).get("num_hidden_layers", 0),
+            )
+        except TransplantError as error:
+            raise WorkflowError(str(error)) from None
+    return blind_ids
+
+
+BLIND_IDS = check_transplant_plan() if TRANSPLANT["enabled"] else []
+
+
+wildcard_constraints:
+    checkpoint="[A-Za-z0-9][A-Za-z0-9._-]*",
+    precision="bf16|fp16|fp32",
+    prefix_precision="bf16|fp16|fp32",
+    construction=r"incremental|prefill|chunked-[1-9][0-9]*",
+    replica=r"\d+",
+    shard=r"\d{3}",
+    selection="selected|outcome_blind|cross_precision",
+
+
+# --- model jobs' arguments and resources ---------------------------------------------------------
+
+
+def runtime_args(wildcards, replica=None, runtime=RUNTIME):
+    args = [
+        f"--checkpoint {wildcards.checkpoint}",
+        f"--precision {wildcards.precision}",
+        f"--device {runtime['device']}",
+        f"--threads {runtime['threads']}",
+        f"--attn-implementation {runtime['attn_implementation']}",
+        f"--shard {int(wildcards.shard)}",
+        f"--shard-size {config['shard_size']}",
+        f"--replica {int(wildcards.replica) if replica is None else replica}",
+        f"--suffix-tokens {STAGE['suffix_tokens']}",
+    ]
+    if runtime["trust_remote_code"]:
+        args.append("--trust-remote-code")
+    return " ".join(args)
+
+
+def audit_runtime_args(wildcards, replica=None):
+    return runtime_args(wildcards, replica, AUDIT_RUNTIME)
+
+
+MODEL_RESOURCES = dict(
+    mem_mb=RUNTIME["mem_mb"],
+    runtime=RUNTIME["runtime_minutes"],
+    gpu=1 if RUNTIME["device"] == "cuda" else 0,
+)
+AUDIT_MODEL_RESOURCES = {**MODEL_RESOURCES, "gpu": 1 if AUDIT_RUNTIME["device"] == "cuda" else 0}
+
+
+# --- models (model.smk) --------------------------------------------------------------------------
+
+
+def gguf_for(wildcards):
+    spec = CHECKPOINTS[wildcards.checkpoint]
+    return repo_path(spec["gguf"]) if "gguf" in spec else LAYOUT.path("downloads", "embedded.gguf")
+
+
+def gguf_sha256(wildcards):
+    spec = CHECKPOINTS[wildcards.checkpoint]
+    return spec.get("sha256") or ("" if "gguf" in spec else config["embedded_model"]["sha256"])
+
+
+def registered_folder_input(wildcards):
+    folder = model_folder(wildcards.checkpoint)
+    if checkpoint_source(wildcards.checkpoint) == "folder":
+        # A user folder is not ours to track as a directory; its config and weights are.
+        return sorted(str(path) for path in Path(folder).glob("*") if path.suffix in (".json", ".safetensors"))
+    return folder
+
+
+# --- E1, E2, E3: which shard tables each experiment needs -----------------------------------------
+
+
+def matched_tables():
+    """E1: live and prefill at the E1 precision, each with its replicas."""
+    return [
+        table
+        for replica in range(MATCHED["replicas"])
+        for shard in SHARDS
+        for table in (
+            LAYOUT.live_table(PRIMARY, E1, replica, shard),
+            LAYOUT.rebuilt_table(PRIMARY, E1, E1, "prefill", replica, shard),
+        )
+    ]
+
+
+def fixed_prefix_tables():
+    """E2: every construction rebuilt from the E1 live prefix at every precision (a table shared
+    with E1, prefill at the E1 precision, is one job)."""
+    return [
+        LAYOUT.rebuilt_table(PRIMARY, E1, precision, construction, 0, shard)
+        for precision in FIXED["precisions"]
+        for construction in CONSTRUCTIONS
+        for shard in SHARDS
+    ]
+
+
+def bridge_tables():
+    """E3: at each precision, the live run and incremental over its own prefix (at the E1 precision
+    both exist already: E1 live, E2 incremental)."""
+    return [
+        table
+        for precision in FIXED["precisions"]
+        for shard in SHARDS
+        for table in (
+            LAYOUT.live_table(PRIMARY, precision, 0, shard),
+            LAYOUT.rebuilt_table(PRIMARY, precision, precision, "incremental", 0, shard),
+        )
+    ]
+
+
+def all_shard_tables():
+    """Every trajectory table; transplant jobs add the outcome-blind checkpoint's E1 tables."""
+    tables = matched_tables() + fixed_prefix_tables() + bridge_tables()
+    tables += [
+        table
+        for checkpoint in REPLICATIONS
+        for shard in SHARDS
+        for table in (
+            LAYOUT.live_table(checkpoint, E1, 0, shard),
+            LAYOUT.rebuilt_table(checkpoint, E1, E1, "prefill", 0, shard),
+        )
+    ]
+    return sorted(set(tables))
+
+
+# --- E5 (transplant.smk) -------------------------------------------------------------------------
+
+
+def sweep_args():
+    single = SWEEP["single_layers"]
+    args = ["--sweep", f"--single-layers {','.join(map(str, single)) if isinstance(single, list) else single}"]
+    if SWEEP["block_sizes"]:
+        args.append("--block-sizes " + " ".join(map(str, SWEEP["block_sizes"])))
+    if SWEEP["kv_only"]:
+        args.append("--kv-only")
+    if SWEEP["windows"]:
+        args.append("--windows " + " ".join(map(str, SWEEP["windows"])))
+    return " ".join(args)
+
+
+def transplant_pairs(wildcards):
+    """(donor, recipient) shard tables of one transplant job, both directions."""
+    name, precision, shard = wildcards.checkpoint, wildcards.precision, wildcards.shard
+    live = lambda p: LAYOUT.live_table(name, p, 0, shard)  # noqa: E731
+    rebuilt = lambda p, c: LAYOUT.rebuilt_table(name, E1, p, c, 0, shard)  # noqa: E731
+    if wildcards.selection in ("selected", "outcome_blind"):
+        pairs = [(live(E1), rebuilt(E1, "prefill"))]
+    elif precision == CROSS:  # E1-precision caches cast up into the other precision's continuation
+        pairs = [(live(E1), rebuilt(CROSS, "incremental")), (rebuilt(E1, "prefill"), rebuilt(CROSS, "prefill"))]
+    else:  # and back
+        pairs = [(rebuilt(CROSS, "incremental"), live(E1)), (rebuilt(CROSS, "prefill"), rebuilt(E1, "prefill"))]
+    if wildcards.selection != "cross_precision":
+        pairs += [(recipient, donor) for donor, recipient in pairs]
+    return pairs
+
+
+def transplant_inputs(wildcards):
+    return sorted({path for pair in transplant_pairs(wildcards) for path in pair})
+
+
+def transplant_pair_args(wildcards):
+    return " ".join(f"--pair {donor} {recipient}" for donor, recipient in transplant_pairs(wildcards))
+
+
+def transplant_tables():
+    if not TRANSPLANT["enabled"]:
+        return []
+    tables = [LAYOUT.transplant_table("selected", PRIMARY, E1, shard) for shard in SHARDS]
+    tables += [LAYOUT.transplant_table("outcome_blind", BLIND_CHECKPOINT, E1, shard) for shard in SHARDS]
+    if CROSS:
+        tables += [
+            LAYOUT.transplant_table("cross_precision", PRIMARY, precision, shard)
+            for precision in (CROSS, E1)
+            for shard in SHARDS
+        ]
+    return tables
+
+
+def selection_inputs(ledger):
+    """The E1 tables (rep0) select_transplants reads, in ``ledger`` or its audit tree."""
+    return {
+        "live": [ledger.live_table(PRIMARY, E1, 0, shard) for shard in SHARDS],
+        "prefill": [ledger.rebuilt_table(PRIMARY, E1, E1, "prefill", 0, shard) for shard in SHARDS],
+    }
+
+
+# --- E4 (audit.smk) ------------------------------------------------------------------------------
+
+
+def audit_inputs():
+    saved = [LAYOUT.table("trajectories"), LAYOUT.table("comparisons")]
+    saved += [LAYOUT.model_record(name) for name in AUDITED_CHECKPOINTS]
+    if TRANSPLANT["enabled"]:
+        saved += [LAYOUT.table("transplants"), LAYOUT.selection]
+    return saved + [LAYOUT.audited(path) for path in saved]
+
+
+# --- the report (report.smk) ---------------------------------------------------------------------
+
+
+def e4_option(wildcards):
+    """audit/e4.json for the card once the audit has written it (not an input: a plain run never
+    runs the audit; the card shows E4 only if it describes the current tables)."""
+    return f"--e4 {shlex.quote(LAYOUT.e4)}" if Path(LAYOUT.e4).is_file() else ""
+
+
+def e4_version(wildcards):
+    """A rerun trigger: after `snakemake audit` writes (or rewrites) e4.json, a plain run redraws the card."""
+    import xxhash
+
+    path = Path(LAYOUT.e4)
+    return xxhash.xxh3_128(path.read_bytes()).hexdigest() if path.is_file() else "none"
+
+# Every shell command ends with `|| { tail -n 1 LOG >&2; exit 1; }`: the CLI's
 # one-line error (the last line of the job's log) is repeated on the console.

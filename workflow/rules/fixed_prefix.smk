@@ -1,12 +1,48 @@
-# E2 (fixed_prefix): the E1 live prefix is never regenerated; each construction
-# rebuilds its boundary state at each precision (the fp32 arm upcasts the same
-# checkpoint). A table shared with E1 (prefill at the E1 precision) is one job.
+# E2 (fixed_prefix): the saved live prefix is never regenerated. `rebuild` rebuilds its
+# boundary state by another construction (prefill, incremental, chunked:N) at a precision
+# (the fp32 arm upcasts the same checkpoint) and continues. The same job makes E1's
+# prefill side and E3's incremental side. Construction and precision are path components.
 
 
-def fixed_prefix_tables():
-    return [
-        rebuilt_table(PRIMARY, MATCHED["precision"], precision, construction, 0, shard)
-        for precision in FIXED["precisions"]
-        for construction in CONSTRUCTIONS
-        for shard in SHARDS
-    ]
+rule rebuild:
+    input:
+        model=LAYOUT.model_record("{checkpoint}"),
+        item_file=LAYOUT.items,
+        source=LAYOUT.live_table("{checkpoint}", "{prefix_precision}", 0, "{shard}"),
+    output:
+        LAYOUT.rebuilt_table(
+            "{checkpoint}", "{prefix_precision}", "{precision}", "{construction}", "{replica}", "{shard}"
+        ),
+    log:
+        LAYOUT.log(
+            "rebuild",
+            "{checkpoint}",
+            "{prefix_precision}-prefix",
+            "{precision}",
+            "{construction}",
+            "rep{replica}",
+            "shard-{shard}.log",
+        ),
+    benchmark:
+        LAYOUT.benchmark(
+            "rebuild",
+            "{checkpoint}",
+            "{prefix_precision}-prefix",
+            "{precision}",
+            "{construction}",
+            "rep{replica}",
+            "shard-{shard}.tsv",
+        )
+    threads: RUNTIME["threads"]
+    resources:
+        **MODEL_RESOURCES,
+    params:
+        runtime=runtime_args,
+        construction=lambda wildcards: wildcards.construction.replace("-", ":"),
+        store=LAYOUT.objects,
+        source_store=LAYOUT.objects,
+    shell:
+        "stagereplay rebuild --model-record {input.model:q} --items {input.item_file:q} --source-shard {input.source:q}"
+        " --construction {params.construction} {params.runtime} --store {params.store:q}"
+        " --source-store {params.source_store:q} --out {output:q}"
+        " 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"

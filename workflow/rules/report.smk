@@ -1,6 +1,8 @@
 # The findings report: the results card (results.md, and as HTML for `snakemake --report`)
-# and the plots, drawn from the ledger. Light and local. It does not depend on the audit:
-# the card shows E4 once the audit has written it into summary.json, and says "not run" before.
+# and the plots, drawn from the ledger. Light and local. It does not depend on the audit
+# (a plain run never runs it): once `snakemake audit` has written audit/e4.json, the next
+# plain run redraws the card with E4 (e4_option, e4_version in common.smk); before, and
+# whenever the ledger has changed since the audit, the card says "not run".
 
 from stagereplay.plots import PLOT_FILES
 
@@ -9,37 +11,38 @@ localrules:
     report,
 
 
-# The checkpoints the run uses (a configured but unused checkpoint is never registered).
-REPORT_CHECKPOINTS = sorted({PRIMARY} | ({BLIND_CHECKPOINT} if TRANSPLANT["enabled"] else set()))
-
-
 rule report:
     input:
-        summary=ledger("summary.json"),
-        trajectories=rules.gather.output,
-        comparisons=rules.compare.output,
-        transplants=rules.gather_transplants.output if TRANSPLANT["enabled"] else [],
-        models=[ledger("models", name, "model.json") for name in REPORT_CHECKPOINTS],
-        item_file=ledger("items.jsonl"),
+        summary=LAYOUT.summary,
+        trajectories=LAYOUT.table("trajectories"),
+        comparisons=LAYOUT.table("comparisons"),
+        transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
+        models=[LAYOUT.model_record(name) for name in USED_CHECKPOINTS],
+        item_file=LAYOUT.items,
     output:
-        card=ledger("results.md"),
-        card_html=report(ledger("report", "results.html"), caption="../report/results_card.rst", category="1. Results card"),
         **{
-            name: report(ledger("report", file), caption=f"../report/{name}.rst", category="2. Plots")
+            name: report(LAYOUT.path("report", file), caption=f"../report/{name}.rst", category="2. Plots")
             for name, file in PLOT_FILES.items()
         },
-    params:
-        transplants=lambda wildcards, input: f"--transplants {input.transplants}" if TRANSPLANT["enabled"] else "",
-        item_source=config["items"]["source"],
-        plots_dir=ledger("report"),
+        card=LAYOUT.card,
+        card_html=report(LAYOUT.card_html, caption="../report/results_card.rst", category="1. Results card"),
     log:
-        ledger("logs", "report.log"),
+        LAYOUT.log("report.log"),
     threads: 1
     resources:
         mem_mb=2000,
         runtime=10,
+    params:
+        transplants=lambda wildcards, input: f"--transplants {input.transplants}" if TRANSPLANT["enabled"] else "",
+        models=lambda wildcards, input: " ".join(
+            f"--model {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.models)
+        ),
+        e4=e4_option,
+        e4_version=e4_version,
+        item_source=config["items"]["source"],
+        plots_dir=lambda wildcards, output: str(Path(output.card_html).parent),
     shell:
-        "{STAGEREPLAY} report --summary {input.summary:q} --trajectories {input.trajectories:q}"
-        " --comparisons {input.comparisons:q} {params.transplants} --models {input.models:q} --items {input.item_file:q}"
+        "stagereplay report --summary {input.summary:q} --trajectories {input.trajectories:q}"
+        " --comparisons {input.comparisons:q} {params.transplants} {params.models} {params.e4} --items {input.item_file:q}"
         " --item-source {params.item_source:q} --card {output.card:q} --card-html {output.card_html:q}"
         " --plots-dir {params.plots_dir:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
