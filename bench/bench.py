@@ -91,8 +91,12 @@ class Ledger:
         from stagereplay.model import Runtime
 
         rt = self.config["runtime"]
-        return Runtime(precision=precision, device=rt["device"], threads=rt["threads"],
-                       attn_implementation=rt["attn_implementation"])
+        return Runtime(
+            precision=precision,
+            device=rt["device"],
+            threads=rt["threads"],
+            attn_implementation=rt["attn_implementation"],
+        )
 
     def spec(self, precision: str, shard: int = 0, replica: int = 0):
         from stagereplay.shards import ShardSpec
@@ -101,6 +105,7 @@ class Ledger:
 
 
 # ---------------------------------------------------------------- (a) forward tokens
+
 
 def minimum_tokens(row: dict) -> int:
     """Forward positions a trajectory row needs: the boundary cache, the pending token, the suffix but its last token."""
@@ -160,25 +165,35 @@ def section_a(ledger: Ledger) -> None:
     trajectories = read_table(ledger.root / "tables/trajectories.parquet", TRAJECTORY_SCHEMA).to_pylist()
     transplants_path = ledger.root / "tables/transplants.parquet"
     transplants = read_table(transplants_path, TRANSPLANT_SCHEMA).to_pylist() if transplants_path.exists() else []
-    keys = Counter((r["checkpoint"], r["precision"], r["construction"], r["replica"], r["prefix_precision"], r["item_id"])
-                   for r in trajectories)
+    keys = Counter(
+        (r["checkpoint"], r["precision"], r["construction"], r["replica"], r["prefix_precision"], r["item_id"])
+        for r in trajectories
+    )
     duplicates = sum(count - 1 for count in keys.values())
     by_kind = Counter()
     for row in trajectories:
         by_kind["live" if row["construction"] == "live" else "rebuild"] += minimum_tokens(row)
     by_kind["transplant"] = sum(transplant_minimum(row) for row in transplants)
     total = sum(by_kind.values())
-    add("a", "design minimum, whole ledger", f"{total:,} forward tokens",
+    add(
+        "a",
+        "design minimum, whole ledger",
+        f"{total:,} forward tokens",
         f"{len(trajectories)} trajectories ({duplicates} duplicated), {len(transplants)} transplants; "
-        + ", ".join(f"{kind} {tokens:,}" for kind, tokens in by_kind.items()))
+        + ", ".join(f"{kind} {tokens:,}" for kind, tokens in by_kind.items()),
+    )
     uses = Counter()
     for row in trajectories:
         uses[id(row)] = len(experiments_using(row, ledger.e1))
     standalone = sum(minimum_tokens(row) * uses[id(row)] for row in trajectories) + by_kind["transplant"]
     shared = sum(1 for row in trajectories if uses[id(row)] > 1)
-    add("a", "if each experiment computed its own trajectories", f"{standalone:,} forward tokens",
+    add(
+        "a",
+        "if each experiment computed its own trajectories",
+        f"{standalone:,} forward tokens",
         f"{shared} trajectories serve more than one of E1/E2/E3 and are computed once: "
-        f"{1 - total / standalone:.0%} of the work saved")
+        f"{1 - total / standalone:.0%} of the work saved",
+    )
 
     stage = ledger.config["stage"]
     budgets = Budgets(StageBoundary(stage["max_new_tokens"], stage["marker"]), stage["suffix_tokens"])
@@ -190,23 +205,49 @@ def section_a(ledger: Ledger) -> None:
         shutil.copytree(ledger.root / "objects", store, copy_function=os.link)
         jobs = {
             "live": lambda: run_live_shard(
-                ledger.model_record, ledger.root / "items.jsonl", ledger.root / "prompts" / f"{ledger.checkpoint}.parquet",
-                ledger.spec(ledger.e1), ledger.runtime(ledger.e1), budgets, store, scratch / "live.parquet"),
+                ledger.model_record,
+                ledger.root / "items.jsonl",
+                ledger.root / "prompts" / f"{ledger.checkpoint}.parquet",
+                ledger.spec(ledger.e1),
+                ledger.runtime(ledger.e1),
+                budgets,
+                store,
+                scratch / "live.parquet",
+            ),
             "rebuild": lambda: run_construction_shard(
-                ledger.model_record, ledger.root / "items.jsonl", ledger.live(ledger.e1), "prefill",
-                ledger.spec(ledger.e1), ledger.runtime(ledger.e1), stage["suffix_tokens"], store, scratch / "rebuild.parquet"),
+                ledger.model_record,
+                ledger.root / "items.jsonl",
+                ledger.live(ledger.e1),
+                "prefill",
+                ledger.spec(ledger.e1),
+                ledger.runtime(ledger.e1),
+                stage["suffix_tokens"],
+                store,
+                scratch / "rebuild.parquet",
+            ),
         }
         reference = {"live": ledger.live(ledger.e1), "rebuild": ledger.rebuilt(ledger.e1, "prefill")}
         if transplants:
             selection = json.loads((ledger.root / "transplants/selection.json").read_text())
             live, prefill = str(ledger.live(ledger.e1)), str(ledger.rebuilt(ledger.e1, "prefill"))
-            job = TransplantJob("outcome_blind", frozenset(selection["outcome_blind"]["item_ids"]),
-                                ((live, prefill), (prefill, live)), None)
+            job = TransplantJob(
+                "outcome_blind",
+                frozenset(selection["outcome_blind"]["item_ids"]),
+                ((live, prefill), (prefill, live)),
+                None,
+            )
             jobs["transplant"] = lambda: run_transplant_shard(
-                ledger.model_record, job, ledger.spec(ledger.e1), ledger.runtime(ledger.e1), stage["suffix_tokens"],
-                store, scratch / "transplant.parquet")
-            reference["transplant"] = (ledger.root / "runs/transplant/outcome_blind" / ledger.checkpoint / ledger.e1
-                                       / "shard-000.parquet")
+                ledger.model_record,
+                job,
+                ledger.spec(ledger.e1),
+                ledger.runtime(ledger.e1),
+                stage["suffix_tokens"],
+                store,
+                scratch / "transplant.parquet",
+            )
+            reference["transplant"] = (
+                ledger.root / "runs/transplant/outcome_blind" / ledger.checkpoint / ledger.e1 / "shard-000.parquet"
+            )
         for kind, run in jobs.items():
             with ForwardCounter() as counts:
                 started = time.perf_counter()
@@ -219,18 +260,23 @@ def section_a(ledger: Ledger) -> None:
             if kind == "transplant":
                 saved = [row for row in saved if row["item_id"] in job.item_ids]
                 minimum = sum(transplant_minimum(row) for row in again)
-                same = fingerprints(again, ("item_id", "subset", "cache_digest", "suffix_object")) == \
-                    fingerprints(saved, ("item_id", "subset", "cache_digest", "suffix_object"))
+                same = fingerprints(again, ("item_id", "subset", "cache_digest", "suffix_object")) == fingerprints(
+                    saved, ("item_id", "subset", "cache_digest", "suffix_object")
+                )
             else:
                 minimum = sum(minimum_tokens(row) for row in again)
                 same = fingerprints(again) == fingerprints(saved)
-            add("a", f"{kind} shard 000 re-executed", f"{counts['tokens']:,} executed / {minimum:,} minimum "
-                f"({counts['tokens'] / minimum:.3f}x)",
+            add(
+                "a",
+                f"{kind} shard 000 re-executed",
+                f"{counts['tokens']:,} executed / {minimum:,} minimum ({counts['tokens'] / minimum:.3f}x)",
                 f"{counts['calls']:,} forward calls, {len(again)} rows in {seconds:.0f} s; "
-                f"fingerprints {'match the ledger' if same else 'DIFFER from the ledger'}")
+                f"fingerprints {'match the ledger' if same else 'DIFFER from the ledger'}",
+            )
 
 
 # ---------------------------------------------------------------- (b) model work vs job
+
 
 def section_b(ledger: Ledger) -> None:
     import pyarrow.parquet as pq
@@ -251,27 +297,46 @@ def section_b(ledger: Ledger) -> None:
     wall = sum(job[1] for job in jobs)
     model = sum(job[3] for job in jobs)
     cpu = sum(job[2] for job in jobs)
-    add("b", f"model work / job wall, {len(jobs)} live+rebuild jobs", f"{model:,.0f} s / {wall:,.0f} s = {model / wall:.1%}",
+    add(
+        "b",
+        f"model work / job wall, {len(jobs)} live+rebuild jobs",
+        f"{model:,.0f} s / {wall:,.0f} s = {model / wall:.1%}",
         f"overhead {1 - model / wall:.1%} (target < 5%); job CPU time {cpu:,.0f} s = {cpu / wall:.0%} of wall "
-        "(below 100%: the job waited for a core)")
+        "(below 100%: the job waited for a core)",
+    )
     per_item = model / sum(job[4] for job in jobs)
     overhead_per_job = (wall - model) / len(jobs)
-    add("b", "per job: overhead, model work per item", f"{overhead_per_job:.1f} s, {per_item:.1f} s",
-        f"{ledger.config['shard_size']} items per job; overhead = start-up, imports, model load, hashing, I/O")
+    add(
+        "b",
+        "per job: overhead, model work per item",
+        f"{overhead_per_job:.1f} s, {per_item:.1f} s",
+        f"{ledger.config['shard_size']} items per job; overhead = start-up, imports, model load, hashing, I/O",
+    )
 
     # What the overhead is made of, measured now in a fresh interpreter each.
-    probe = ("import time; t=time.perf_counter(); import stagereplay.cli, stagereplay.shards; "
-             "print(time.perf_counter()-t)")
+    probe = (
+        "import time; t=time.perf_counter(); import stagereplay.cli, stagereplay.shards; print(time.perf_counter()-t)"
+    )
     started = time.perf_counter()
     imports = float(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
     interpreter = time.perf_counter() - started
-    add("b", "  of which: python start + imports (torch, transformers)", f"{interpreter:.1f} s", f"imports alone {imports:.1f} s")
+    add(
+        "b",
+        "  of which: python start + imports (torch, transformers)",
+        f"{interpreter:.1f} s",
+        f"imports alone {imports:.1f} s",
+    )
     from stagereplay.model import load_model
 
     seconds, _ = best_of(lambda: load_model(ledger.folder(), ledger.runtime(ledger.e1)), repeats=2)
     add("b", "  of which: model load from the converted folder", f"{seconds:.1f} s")
     seconds, stored = store_shard_again(ledger)
-    add("b", "  of which: fingerprint + store one shard's caches and tokens", f"{seconds:.2f} s", f"{stored / 1e6:.1f} MB")
+    add(
+        "b",
+        "  of which: fingerprint + store one shard's caches and tokens",
+        f"{seconds:.2f} s",
+        f"{stored / 1e6:.1f} MB",
+    )
 
 
 def store_shard_again(ledger: Ledger) -> tuple[float, int]:
@@ -300,6 +365,7 @@ def store_shard_again(ledger: Ledger) -> tuple[float, int]:
 
 # ---------------------------------------------------------------- (c) decode loop vs generate
 
+
 def section_c(ledger: Ledger) -> None:
     import pyarrow.parquet as pq
     import torch
@@ -318,25 +384,37 @@ def section_c(ledger: Ledger) -> None:
         model = loaded.model
         state = build_boundary_state(model, prefix, "prefill", row["prompt_length"])
 
-        def ours():
-            return list(continue_from(model, state, prefix[-1], steps, frozenset()).tokens)  # noqa: B023 (called in this iteration)
+        def ours(model=model, state=state):
+            return list(continue_from(model, state, prefix[-1], steps, frozenset()).tokens)
 
-        def generate():
+        def generate(model=model, state=state):
             ids = torch.tensor([prefix])
             # The cache holds prefix[:-1]; generate feeds only the uncached pending token first.
-            output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=kv.to_cache(state, model),  # noqa: B023
-                                    max_new_tokens=steps, min_new_tokens=steps, do_sample=False, top_k=None, top_p=None,
-                                    temperature=None)
-            return output[0, len(prefix):].tolist()
+            output = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=kv.to_cache(state, model),
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+            )
+            return output[0, len(prefix) :].tolist()
 
         ours_s, ours_tokens = best_of(ours)
         generate_s, generate_tokens = best_of(generate)
-        add("c", f"decode {precision}, {steps} tokens after a {len(prefix)}-token prefix",
+        add(
+            "c",
+            f"decode {precision}, {steps} tokens after a {len(prefix)}-token prefix",
             f"ours {steps / ours_s:.1f} tok/s vs generate {steps / generate_s:.1f} tok/s (ours takes {ours_s / generate_s:.2f}x)",
-            f"same tokens: {'yes' if ours_tokens == generate_tokens else 'NO'}; ours also records each margin")
+            f"same tokens: {'yes' if ours_tokens == generate_tokens else 'NO'}; ours also records each margin",
+        )
 
 
 # ---------------------------------------------------------------- (d) fingerprint throughput
+
 
 def section_d(ledger: Ledger) -> None:
     import pyarrow.parquet as pq
@@ -354,8 +432,12 @@ def section_d(ledger: Ledger) -> None:
     raw_s, _ = best_of(lambda: xxhash.xxh3_128(buffer).hexdigest(), repeats=5)
     ours_s, _ = best_of(lambda: fingerprint_tensor(big), repeats=5)
     raw_s = min(raw_s, best_of(lambda: xxhash.xxh3_128(buffer).hexdigest(), repeats=5)[0])  # both sides alike
-    add("d", "fingerprint_tensor, one 128 MiB bf16 tensor", f"{size / ours_s / 1e9:.2f} GB/s",
-        f"raw xxh3_128 over the same buffer {size / raw_s / 1e9:.2f} GB/s ({ours_s / raw_s:.2f}x its time)")
+    add(
+        "d",
+        "fingerprint_tensor, one 128 MiB bf16 tensor",
+        f"{size / ours_s / 1e9:.2f} GB/s",
+        f"raw xxh3_128 over the same buffer {size / raw_s / 1e9:.2f} GB/s ({ours_s / raw_s:.2f}x its time)",
+    )
 
     row = pq.read_table(ledger.live(ledger.e1)).to_pylist()[0]
     state = KVState.from_named_tensors(ObjectStore(ledger.root / "objects").get(row["cache_object"]))
@@ -370,12 +452,17 @@ def section_d(ledger: Ledger) -> None:
 
     raw_s, _ = best_of(raw, repeats=20)
     ours_s, _ = best_of(lambda: fingerprint_cache(state), repeats=20)
-    add("d", f"fingerprint_cache, a boundary cache ({state.num_layers} layers, {state.num_positions} positions, "
-        f"{size / 1e6:.1f} MB)", f"{size / ours_s / 1e9:.2f} GB/s",
-        f"raw xxh3_128 over the same bytes {size / raw_s / 1e9:.2f} GB/s ({ours_s / raw_s:.2f}x its time)")
+    add(
+        "d",
+        f"fingerprint_cache, a boundary cache ({state.num_layers} layers, {state.num_positions} positions, "
+        f"{size / 1e6:.1f} MB)",
+        f"{size / ours_s / 1e9:.2f} GB/s",
+        f"raw xxh3_128 over the same bytes {size / raw_s / 1e9:.2f} GB/s ({ours_s / raw_s:.2f}x its time)",
+    )
 
 
 # ---------------------------------------------------------------- (e) model load
+
 
 def section_e(ledger: Ledger) -> None:
     import torch
@@ -394,11 +481,16 @@ def section_e(ledger: Ledger) -> None:
         return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
 
     gguf_s, _ = best_of(from_gguf, repeats=1)
-    add("e", f"model load, {ledger.e1}", f"converted folder {folder_s:.1f} s vs GGUF {gguf_s:.1f} s ({gguf_s / folder_s:.0f}x)",
-        "the GGUF is dequantized once by convert_gguf; every job then loads the folder")
+    add(
+        "e",
+        f"model load, {ledger.e1}",
+        f"converted folder {folder_s:.1f} s vs GGUF {gguf_s:.1f} s ({gguf_s / folder_s:.0f}x)",
+        "the GGUF is dequantized once by convert_gguf; every job then loads the folder",
+    )
 
 
 # ---------------------------------------------------------------- (f) snakemake planning
+
 
 def snakemake(*args: str) -> tuple[float, subprocess.CompletedProcess]:
     command = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), *args]
@@ -422,33 +514,56 @@ def section_f(ledger_200: Path, config_200: Path) -> None:
         for _ in range(3):
             seconds, result = snakemake(*config, *extra)
             if result.returncode != 0 or "Nothing to be done" not in result.stdout + result.stderr:
-                sys.exit(f"bench: {label} on {ledger_200} did not report 'Nothing to be done':\n{result.stderr[-3000:]}")
+                sys.exit(
+                    f"bench: {label} on {ledger_200} did not report 'Nothing to be done':\n{result.stderr[-3000:]}"
+                )
             samples.append(seconds)
         timings[label] = statistics.median(samples)
-    add("f", f"snakemake --dry-run, complete 200-item ledger ({jobs} job outputs)", f"{timings['dry-run']:.1f} s",
-        "median of 3; includes interpreter start and config/item validation")
+    add(
+        "f",
+        f"snakemake --dry-run, complete 200-item ledger ({jobs} job outputs)",
+        f"{timings['dry-run']:.1f} s",
+        "median of 3; includes interpreter start and config/item validation",
+    )
     add("f", "no-op rerun (snakemake --cores 2), same ledger", f"{timings['no-op rerun']:.1f} s", "median of 3")
 
 
 # ---------------------------------------------------------------- table
 
+
 def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    model = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     import torch
     import transformers
 
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}; load average {load}")
+    return (
+        f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}; load average {load}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ledger", type=Path, default=REPO / "ledger", help="completed ledger of --config")
     parser.add_argument("--config", type=Path, default=REPO / "config/config.yaml", help="the config that ledger ran")
-    parser.add_argument("--ledger-200", type=Path, default=REPO / "ledger/bench-200",
-                        help="complete 200-item ledger for (f); built from --config-200 if missing")
+    parser.add_argument(
+        "--ledger-200",
+        type=Path,
+        default=REPO / "ledger/bench-200",
+        help="complete 200-item ledger for (f); built from --config-200 if missing",
+    )
     parser.add_argument("--config-200", type=Path, default=REPO / "bench/config_200.yaml")
     parser.add_argument("--only", default=SECTIONS, help="sections to run, e.g. a,c,d (default: all)")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Print the GPU check's table from a finished ledger: what the numbers depend on, and E1/E3.
 
-    python bench/gpu_report.py ledger/gpu_check
+python bench/gpu_report.py ledger/gpu_check
 """
 
 from __future__ import annotations
@@ -26,15 +26,17 @@ def rows(summary: dict) -> list[list[str]]:
             continue
         precision = entry["precision"]
         is_e1 = precision == e1_precision
-        table.append([
-            precision,
-            entry["device_name"],
-            "on" if entry["tf32"] else "off",
-            "yes" if entry["deterministic"] else "no",
-            f"{e1['suffixes_differ']['count']}/{e1['suffixes_differ']['n']}" if is_e1 else "—",
-            fraction(e3[precision]["bit_exact"], "count") if precision in e3 else "—",
-            ", ".join(f"{side} {fraction(value, 'count')}" for side, value in replicas.items()) if is_e1 else "—",
-        ])
+        table.append(
+            [
+                precision,
+                entry["device_name"],
+                "on" if entry["tf32"] else "off",
+                "yes" if entry["deterministic"] else "no",
+                f"{e1['suffixes_differ']['count']}/{e1['suffixes_differ']['n']}" if is_e1 else "—",
+                fraction(e3[precision]["bit_exact"], "count") if precision in e3 else "—",
+                ", ".join(f"{side} {fraction(value, 'count')}" for side, value in replicas.items()) if is_e1 else "—",
+            ]
+        )
     return table
 
 
@@ -52,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_report: {path} not found — run the workflow to the end first", file=sys.stderr)
         return 1
     summary = json.loads(path.read_text())
-    header = ["precision", "device", "TF32", "deterministic", "E1 suffixes differ", "E3 bridge bit-exact", "E1 replicas exact"]
+    header = [
+        "precision",
+        "device",
+        "TF32",
+        "deterministic",
+        "E1 suffixes differ",
+        "E3 bridge bit-exact",
+        "E1 replicas exact",
+    ]
     print(markdown(header, rows(summary)))
     if any(entry["device"] == "cuda" and entry["tf32"] for entry in summary["environment"]):
         print("\nTF32 was on for a CUDA run: its fp32 arm is not fp32 — report this as a bug", file=sys.stderr)

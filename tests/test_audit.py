@@ -42,8 +42,11 @@ pytestmark = pytest.mark.slow
 def saved_files(ledger):
     """The saved ledger, without what the audit adds (its tree with e4.json, its table, logs): summary.json included,
     since the audit writes only its own files."""
-    return {path: digest for path, digest in ledger_snapshot(ledger).items()
-            if path.split("/")[0] not in ("audit", "logs", "benchmarks") and path != "tables/audit.parquet"}
+    return {
+        path: digest
+        for path, digest in ledger_snapshot(ledger).items()
+        if path.split("/")[0] not in ("audit", "logs", "benchmarks") and path != "tables/audit.parquet"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +67,21 @@ def test_the_audit_reproduces_every_fingerprint(audited):
     trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet").num_rows
     assert e4["trajectories"] == {"reproduced": trajectories, "n": trajectories}
     assert e4["items"] == {"reproduced": 4, "n": 4}
-    for kind in ("prefix", "cache", "layer_k", "layer_v", "suffix", "label", "comparison", "outcome", "selection",
-                 "model_folder"):
-        assert e4["artifacts"][kind]["n"] > 0 and e4["artifacts"][kind]["reproduced"] == e4["artifacts"][kind]["n"], kind
+    for kind in (
+        "prefix",
+        "cache",
+        "layer_k",
+        "layer_v",
+        "suffix",
+        "label",
+        "comparison",
+        "outcome",
+        "selection",
+        "model_folder",
+    ):
+        assert e4["artifacts"][kind]["n"] > 0 and e4["artifacts"][kind]["reproduced"] == e4["artifacts"][kind]["n"], (
+            kind
+        )
     table = read_table(ledger / "tables" / "audit.parquet", AUDIT_SCHEMA)
     assert table.num_rows == sum(entry["n"] for entry in e4["artifacts"].values())
     assert "E4 audit:" in result.stdout + result.stderr
@@ -92,8 +107,10 @@ def test_verify_recomputes_e4_from_the_audit_table(audited, tmp_path):
     path.write_text(json.dumps(e4, indent=2) + "\n")
     result = stagereplay("verify", copy)
     assert result.returncode == 1
-    assert (f"stagereplay: fault: audit/e4.json: trajectories.reproduced is {n - 1}, but the audit table's rows give {n}"
-            in result.stderr), result.stderr
+    assert (
+        f"stagereplay: fault: audit/e4.json: trajectories.reproduced is {n - 1}, but the audit table's rows give {n}"
+        in result.stderr
+    ), result.stderr
     (copy / "tables" / "audit.parquet").unlink()
     result = stagereplay("verify", copy)
     assert "tables/audit.parquet: missing, though audit/e4.json was computed from it" in result.stderr, result.stderr
@@ -116,8 +133,9 @@ def test_a_complete_audit_is_not_rerun(audited):
 def test_another_runtime_is_reported_as_environment(audited, tmp_path):
     workdir, ledger, _, _, _ = audited
     copy_ledger, _ = copy_run(workdir, tmp_path / "eager")
-    config = write_config(tmp_path / "eager.yaml", ledger_dir=str(copy_ledger),
-                          audit={"runtime": {"attn_implementation": "eager"}})
+    config = write_config(
+        tmp_path / "eager.yaml", ledger_dir=str(copy_ledger), audit={"runtime": {"attn_implementation": "eager"}}
+    )
     # A copy carries no snakemake metadata for its paths, so the changed params cannot trigger the rerun: force it.
     result = snakemake(tmp_path / "eager", config, "audit", "--forcerun", "audit_register_model")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -136,19 +154,27 @@ def test_a_mismatch_names_item_artifact_and_first_layer_or_position(test_run, tm
     rows = saved.to_pylist()
     rows[0]["layer_v"] = [rows[0]["layer_v"][0], "0" * 32]
     rows[0]["cache_object"] = "1" * 32
-    rows[1]["suffix_tokens"] = rows[1]["suffix_tokens"][:2] + [rows[1]["suffix_tokens"][2] + 1] + rows[1]["suffix_tokens"][3:]
+    rows[1]["suffix_tokens"] = (
+        rows[1]["suffix_tokens"][:2] + [rows[1]["suffix_tokens"][2] + 1] + rows[1]["suffix_tokens"][3:]
+    )
     rows[1]["suffix_object"] = "2" * 32
     rows[2]["threads"] = rows[2]["threads"] + 1
     audited = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
     store = ObjectStore(ledger / "objects")
     checks = audit_rows(audit_trajectories(saved, audited, store, store))
-    failed = [(row["item_id"], row["artifact"], row["first_differing_layer"], row["first_differing_position"])
-              for row in checks if not row["reproduced"]]
-    assert sorted(failed, key=str) == sorted([
-        (rows[0]["item_id"], "cache", None, None),
-        (rows[0]["item_id"], "layer_v", 1, None),
-        (rows[1]["item_id"], "suffix", None, 2),
-    ], key=str)
+    failed = [
+        (row["item_id"], row["artifact"], row["first_differing_layer"], row["first_differing_position"])
+        for row in checks
+        if not row["reproduced"]
+    ]
+    assert sorted(failed, key=str) == sorted(
+        [
+            (rows[0]["item_id"], "cache", None, None),
+            (rows[0]["item_id"], "layer_v", 1, None),
+            (rows[1]["item_id"], "suffix", None, 2),
+        ],
+        key=str,
+    )
     environment = {row["environment"] for row in checks if row["environment_differs"]}
     assert environment == {f"threads {rows[2]['threads'] - 1} -> {rows[2]['threads']}"}
     figures = e4_figures(checks)
@@ -203,13 +229,15 @@ def test_a_rebuilt_prefix_is_copied_so_it_is_not_counted_as_reproduced(test_run)
     live = [row for row in rows if row["construction"] == "live"]
     rebuilt = next(index for index, row in enumerate(rows) if row["construction"] != "live")
     # A rebuilt row naming another (real) prefix object: never compared, since it is never recomputed.
-    rows[rebuilt]["prefix_object"] = next(row["prefix_object"] for row in live
-                                          if row["prefix_object"] != rows[rebuilt]["prefix_object"])
+    rows[rebuilt]["prefix_object"] = next(
+        row["prefix_object"] for row in live if row["prefix_object"] != rows[rebuilt]["prefix_object"]
+    )
     store = ObjectStore(ledger / "objects")
     checks = audit_rows(audit_trajectories(saved, pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), store, store))
     prefixes = [check for check in checks if check["artifact"] == "prefix"]
     assert sorted(check["side"] for check in prefixes) == sorted(
-        Side(r["construction"], r["precision"], r["prefix_precision"], r["replica"]).label() for r in live)
+        Side(r["construction"], r["precision"], r["prefix_precision"], r["replica"]).label() for r in live
+    )
     assert all(check["reproduced"] for check in checks)
     figures = e4_figures(checks)
     assert figures["artifacts"]["prefix"] == {"reproduced": len(live), "n": len(live)}
@@ -226,11 +254,22 @@ def test_a_duplicate_key_fails_its_trajectory(where, test_run):
     checks = audit_rows(audit_trajectories(*tables, store, store))
     failed = [check for check in checks if not check["reproduced"]]
     first = saved.to_pylist()[0]
-    key = (first["checkpoint"], first["construction"], first["precision"], first["prefix_precision"], first["replica"],
-           first["item_id"])
+    key = (
+        first["checkpoint"],
+        first["construction"],
+        first["precision"],
+        first["prefix_precision"],
+        first["replica"],
+        first["item_id"],
+    )
     place = "the saved ledger" if where == "saved" else "the audit tree"
     assert [(check["item_id"], check["artifact"], check["detail"]) for check in failed] == [
-        (first["item_id"], "trajectory", f"2 rows share the key {key} in {place} — rebuild that table (rerun snakemake)")]
+        (
+            first["item_id"],
+            "trajectory",
+            f"2 rows share the key {key} in {place} — rebuild that table (rerun snakemake)",
+        )
+    ]
     figures = e4_figures(checks)
     assert figures["status"] == "differences found"
     assert figures["trajectories"] == {"reproduced": saved.num_rows - 1, "n": saved.num_rows}
@@ -247,9 +286,13 @@ def test_a_construction_pair_over_different_prefixes_is_not_reproduced(test_run)
     rows[replica]["prefix_equal"] = False  # replicas generate their prefixes anew: they may differ
     edited = pa.Table.from_pylist(rows, schema=COMPARISON_SCHEMA)
     failed = [check for check in audit_rows(audit_comparisons(edited, edited)) if not check["reproduced"]]
-    assert [(check["item_id"], check["side"], check["detail"]) for check in failed] == [(
-        rows[construction]["item_id"], f"{rows[construction]['experiment']}: {rows[construction]['a']} vs {rows[construction]['b']}",
-        "prefixes of the construction pair differ (every construction is built over the same prefix)")]
+    assert [(check["item_id"], check["side"], check["detail"]) for check in failed] == [
+        (
+            rows[construction]["item_id"],
+            f"{rows[construction]['experiment']}: {rows[construction]['a']} vs {rows[construction]['b']}",
+            "prefixes of the construction pair differ (every construction is built over the same prefix)",
+        )
+    ]
 
 
 def test_an_audit_of_nothing_is_not_measured():
@@ -258,4 +301,5 @@ def test_an_audit_of_nothing_is_not_measured():
     assert figures["trajectories"] == figures["items"] == {"reproduced": None, "n": 0, "status": "not measured"}
     assert verdict(figures) == "E4 audit: not measured (no saved row was audited)"
     assert e4_reading(figures) == [
-        "E4 audit: not measured: the audit recomputed no trajectory, so nothing is shown to reproduce."]
+        "E4 audit: not measured: the audit recomputed no trajectory, so nothing is shown to reproduce."
+    ]

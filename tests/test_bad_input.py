@@ -101,12 +101,15 @@ CATALOGUE = {
     "unknown construction": BadInput("replay", {"fixed_prefix": {"constructions": ["incremental", "replay"]}}),
     "chunk size 0": BadInput("chunked:0", {"fixed_prefix": {"constructions": ["incremental", "chunked:0"]}}),
     "chunk size not a number": BadInput("chunked:x", {"fixed_prefix": {"constructions": ["incremental", "chunked:x"]}}),
-    "no incremental": BadInput("must include incremental", {"fixed_prefix": {"constructions": ["prefill", "chunked:4"]}}),
+    "no incremental": BadInput(
+        "must include incremental", {"fixed_prefix": {"constructions": ["prefill", "chunked:4"]}}
+    ),
     "outcome-blind sample too large": BadInput("larger than", {"transplant": {"outcome_blind": {"sample": 99}}}),
     "layer out of range": BadInput("layer 7 out of range", {"transplant": {"sweep": {"single_layers": [0, 7]}}}),
     "block larger than the model": BadInput("exceeds the model", {"transplant": {"sweep": {"block_sizes": [5]}}}),
-    "unknown outcome-blind checkpoint": BadInput("not in checkpoints",
-                                                 {"transplant": {"outcome_blind": {"checkpoint": "nope"}}}),
+    "unknown outcome-blind checkpoint": BadInput(
+        "not in checkpoints", {"transplant": {"outcome_blind": {"checkpoint": "nope"}}}
+    ),
     "cross precision equals E1's": BadInput("must differ", {"transplant": {"cross_precision": "bf16"}}),
     "audit threads 0": BadInput("audit.runtime.threads", {"audit": {"runtime": {"threads": 0}}}),
     "ledger_dir is a file": BadInput("is a file, not a directory", prepare=ledger_dir_is_a_file),
@@ -116,25 +119,33 @@ CATALOGUE = {
     "malformed row": BadInput("line 2", items=ITEM % "a" + '{"id": "b"\n'),
     "empty item file": BadInput("contains no items", items=""),
     "missing item file": BadInput("not found", prepare=missing_item_file),
-    "item file not UTF-8": BadInput("line 2: not UTF-8 text (byte 0xe9) — save the file as UTF-8",
-                                    prepare=latin1_item_file),
+    "item file not UTF-8": BadInput(
+        "line 2: not UTF-8 text (byte 0xe9) — save the file as UTF-8", prepare=latin1_item_file
+    ),
     # model
     "missing model folder": BadInput("does not exist", {"checkpoints": {"mine": {"folder": "/nonexistent/model"}}}),
-    "two model sources": BadInput("exactly one source", {"checkpoints": {"mine": {"folder": "/tmp", "embedded": True}}}),
+    "two model sources": BadInput(
+        "exactly one source", {"checkpoints": {"mine": {"folder": "/tmp", "embedded": True}}}
+    ),
     "model folder without config.json": BadInput("has no config.json", prepare=folder_without_config),
     "gguf checksum mismatch": BadInput("checksum mismatch", prepare=fake_gguf, in_job=True),
     "pickle weights only": BadInput("no .safetensors weights", prepare=pickle_only_folder, in_job=True),
     "cuda without a GPU": BadInput(
-        "no CUDA device", {"checkpoints": {"tiny-cuda": {"random_qwen2": {"seed": 0}}}, "runtime": {"device": "cuda"}},
-        in_job=True),
+        "no CUDA device",
+        {"checkpoints": {"tiny-cuda": {"random_qwen2": {"seed": 0}}}, "runtime": {"device": "cuda"}},
+        in_job=True,
+    ),
     "prompt longer than the context": BadInput(
         "exceeds the model's context",
-        {"checkpoints": {"tiny-long": {"random_qwen2": {"seed": 0}}}, "stage": {"suffix_tokens": 5000}}, in_job=True),
+        {"checkpoints": {"tiny-long": {"random_qwen2": {"seed": 0}}}, "stage": {"suffix_tokens": 5000}},
+        in_job=True,
+    ),
     # ledger
     "verify a folder that is no ledger": BadInput("no ledger at", prepare=not_a_ledger, command="verify"),
     "shard table overwritten": BadInput("unreadable Parquet", damage=overwrite_a_shard, command="verify"),
-    "object corrupt before the audit": BadInput("content hashes to", damage=flip_a_byte_of_an_object, command="audit",
-                                                in_job=True),
+    "object corrupt before the audit": BadInput(
+        "content hashes to", damage=flip_a_byte_of_an_object, command="audit", in_job=True
+    ),
 }
 
 

@@ -26,15 +26,23 @@ def edited_copy(source, destination, **changes):
     return destination
 
 
-@pytest.mark.parametrize("changes,layer", [
-    # Qwen2's own switch (layer_types derived from it): layers from max_window_layers on use the window.
-    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
-     "layer 1: sliding_attention"),
-    ({"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
-     "layer 0: sliding_attention"),
-])
-def test_a_sliding_window_model_is_refused_at_load_before_its_weights_are_read(tiny_qwen2_folder, tmp_path, changes,
-                                                                               layer):
+@pytest.mark.parametrize(
+    "changes,layer",
+    [
+        # Qwen2's own switch (layer_types derived from it): layers from max_window_layers on use the window.
+        (
+            {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "layer_types": None},
+            "layer 1: sliding_attention",
+        ),
+        (
+            {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+            "layer 0: sliding_attention",
+        ),
+    ],
+)
+def test_a_sliding_window_model_is_refused_at_load_before_its_weights_are_read(
+    tiny_qwen2_folder, tmp_path, changes, layer
+):
     folder = edited_copy(tiny_qwen2_folder, tmp_path / "sliding", **changes)
     # Unreadable weights: a refusal that came after reading them would be a safetensors error instead.
     (folder / "model.safetensors").write_bytes(b"not safetensors")
@@ -47,15 +55,28 @@ def test_a_sliding_window_model_is_refused_at_load_before_its_weights_are_read(t
 
 def test_a_window_that_covers_no_layer_is_full_attention(tiny_qwen2_folder, tmp_path):
     """Qwen2 applies the window only from max_window_layers on: with both layers below it, nothing slides."""
-    folder = edited_copy(tiny_qwen2_folder, tmp_path / "unused", use_sliding_window=True, sliding_window=8,
-                         max_window_layers=2, layer_types=None)
+    folder = edited_copy(
+        tiny_qwen2_folder,
+        tmp_path / "unused",
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=2,
+        layer_types=None,
+    )
     loaded = load_model(folder, RUNTIME)
     assert loaded.model.config.layer_types == ["full_attention", "full_attention"]
 
 
 def test_a_cache_for_a_sliding_model_built_outside_load_model_is_refused(tiny_fp32):
-    config = Qwen2Config(**{**tiny_fp32.model.config.to_dict(), "use_sliding_window": True, "sliding_window": 4,
-                            "max_window_layers": 0, "layer_types": None})
+    config = Qwen2Config(
+        **{
+            **tiny_fp32.model.config.to_dict(),
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "max_window_layers": 0,
+            "layer_types": None,
+        }
+    )
     model = Qwen2ForCausalLM(config)
     with pytest.raises(ValueError, match="2 of 2 layers are not full attention"):
         kv.empty_cache(model)

@@ -21,9 +21,18 @@ def test_help_on_every_subcommand(subcommand):
 
 def test_library_errors_are_one_line_and_exit_non_zero(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "stagereplay", "items", "--source", str(tmp_path / "missing.jsonl"),
-         "--out", str(tmp_path / "out.jsonl")],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "stagereplay",
+            "items",
+            "--source",
+            str(tmp_path / "missing.jsonl"),
+            "--out",
+            str(tmp_path / "out.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("stagereplay: error: ")

@@ -61,24 +61,42 @@ def test_pair_specs_follow_the_design():
 
 
 def _trajectory(checkpoint: str, construction: str, prefix_object: str, item_id: str = "q1") -> dict:
-    return {"checkpoint": checkpoint, "construction": construction, "precision": "bf16", "prefix_precision": "bf16",
-            "replica": 0, "item_id": item_id, "prefix_object": prefix_object, "cache_object": "0" * 32,
-            "suffix_object": "1" * 32, "suffix_tokens": [1, 2], "suffix_margins": [0.5, 0.5], "boundary_reason": "budget",
-            "prefix_length": 5, "correct": False, "parsed": False, "layer_k": [], "layer_v": []}
+    return {
+        "checkpoint": checkpoint,
+        "construction": construction,
+        "precision": "bf16",
+        "prefix_precision": "bf16",
+        "replica": 0,
+        "item_id": item_id,
+        "prefix_object": prefix_object,
+        "cache_object": "0" * 32,
+        "suffix_object": "1" * 32,
+        "suffix_tokens": [1, 2],
+        "suffix_margins": [0.5, 0.5],
+        "boundary_reason": "budget",
+        "prefix_length": 5,
+        "correct": False,
+        "parsed": False,
+        "layer_k": [],
+        "layer_v": [],
+    }
 
 
 def test_unequal_prefixes_are_recorded_not_diffed(tmp_path):
     """The audit's live side may regenerate another prefix: the row says so instead of diffing two states."""
     spec = replication_specs("bf16")[0]
-    row = compare_pair(ObjectStore(tmp_path), spec, _trajectory("m", "live", "a" * 32), _trajectory("m", "prefill", "b" * 32))
+    row = compare_pair(
+        ObjectStore(tmp_path), spec, _trajectory("m", "live", "a" * 32), _trajectory("m", "prefill", "b" * 32)
+    )
     assert row["prefix_equal"] is False and row["cache_exact"] is False
     assert row["layers_differ"] is None and row["k_max_abs"] == [] and row["v_fraction_differ"] == []
 
 
 def test_pairs_are_taken_per_checkpoint_and_must_all_exist(tmp_path):
     rows = [_trajectory("primary", "live", "a" * 32), _trajectory("other", "live", "a" * 32)]
-    table = pa.Table.from_pylist([{name: row.get(name) for name in TRAJECTORY_SCHEMA.names} for row in rows],
-                                 schema=TRAJECTORY_SCHEMA)
+    table = pa.Table.from_pylist(
+        [{name: row.get(name) for name in TRAJECTORY_SCHEMA.names} for row in rows], schema=TRAJECTORY_SCHEMA
+    )
     specs = {"primary": replication_specs("bf16"), "other": replication_specs("bf16")}
     # No prefill side exists: the first checkpoint's is named, not skipped.
     with pytest.raises(LedgerError, match="prefill/bf16/rep0<-bf16 of checkpoint primary is missing"):

@@ -120,10 +120,10 @@ def test_several_chunks(precision, request):
     chunked = build_boundary_state(model, prefix, "chunked:7", len(PROMPT))
     assert chunked.num_positions == context and context > 3 * 7
     for chunks in (1, 2, 3):
-        shorter = build_boundary_state(model, prefix[:7 * chunks + 1], "chunked:7", 1)
+        shorter = build_boundary_state(model, prefix[: 7 * chunks + 1], "chunked:7", 1)
         assert shorter.num_positions == 7 * chunks
         for a, b in zip(chunked.keys + chunked.values, shorter.keys + shorter.values):
-            assert torch.equal(a[..., :7 * chunks, :], b)
+            assert torch.equal(a[..., : 7 * chunks, :], b)
     one_by_one = build_boundary_state(model, prefix, "chunked:1", len(PROMPT))
     assert fingerprint_cache(one_by_one) == fingerprint_cache(build_boundary_state(model, prefix, "incremental", 1))
     # Several chunks are not one prefill: the cache is another computation's rounding of the same values.
@@ -152,7 +152,7 @@ def test_continuing_live_equals_uninterrupted_generation(tiny_fp32):
 
 def test_boundary_at_marker_ends_on_the_token_that_completes_it(tiny_fp32):
     free = live_run(tiny_fp32, max_new_tokens=16)
-    generated = free.prefix[len(PROMPT):]
+    generated = free.prefix[len(PROMPT) :]
     text = text_of(tiny_fp32)
     # Choose as marker the text of tokens 5..6, so the stage must end at the 7th token at the latest.
     marker = text(generated[5:7])
@@ -175,10 +175,15 @@ def test_eos_ids_include_the_tokenizer_eos(tiny_fp32):
     assert tiny_fp32.tokenizer.eos_token_id in eos_ids(tiny_fp32)
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("live", ("live", None)), ("prefill", ("prefill", None)),
-    ("incremental", ("incremental", None)), ("chunked:16", ("chunked", 16)),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("live", ("live", None)),
+        ("prefill", ("prefill", None)),
+        ("incremental", ("incremental", None)),
+        ("chunked:16", ("chunked", 16)),
+    ],
+)
 def test_parse_construction(name, expected):
     assert parse_construction(name) == expected
 

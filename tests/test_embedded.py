@@ -15,8 +15,12 @@ pytestmark = pytest.mark.slow
 def test_embedded_default_runs_end_to_end(tmp_path):
     ledger = tmp_path / "ledger"
     config = write_config(
-        tmp_path / "config.yaml", base="config/config.yaml", ledger_dir=str(ledger),
-        items={"limit": 2}, stage={"max_new_tokens": 12, "suffix_tokens": 12}, shard_size=2,
+        tmp_path / "config.yaml",
+        base="config/config.yaml",
+        ledger_dir=str(ledger),
+        items={"limit": 2},
+        stage={"max_new_tokens": 12, "suffix_tokens": 12},
+        shard_size=2,
         transplant={"outcome_blind": {"checkpoint": None, "sample": 2, "seed": 0}},
     )
     result = snakemake(tmp_path, config)

@@ -43,8 +43,13 @@ def restore_kernel_settings():
     matmul, cuda = backends.cuda.matmul, backends.cuda
     # set_float32_matmul_precision also rewrites the per-backend fp32_precision settings: restore those
     # themselves, since setting "highest" back would leave "ieee" where "none" was.
-    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction,
-             cuda.flash_sdp_enabled(), matmul.fp32_precision, backends.mkldnn.matmul.fp32_precision)
+    saved = (
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+        cuda.flash_sdp_enabled(),
+        matmul.fp32_precision,
+        backends.mkldnn.matmul.fp32_precision,
+    )
     yield
     matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved[:2]
     cuda.enable_flash_sdp(saved[2])
@@ -75,11 +80,19 @@ def test_environment_columns_are_one_list_everywhere():
     assert set(ENVIRONMENT_COLUMNS) <= fields
     for schema in (TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA):
         assert set(ENVIRONMENT_COLUMNS) <= set(schema.names)
-    assert [key for key, _ in card.ENVIRONMENT_COLUMNS] == ["checkpoint", "precision", *ENVIRONMENT_COLUMNS,
-                                                           "model_fingerprint"]
+    assert [key for key, _ in card.ENVIRONMENT_COLUMNS] == [
+        "checkpoint",
+        "precision",
+        *ENVIRONMENT_COLUMNS,
+        "model_fingerprint",
+    ]
     row = {name: None for name in TRAJECTORY_SCHEMA.names}
-    row.update(checkpoint="c", precision="bf16", model_fingerprint="m",
-               **{name: value for name, (value, _) in NEW_FIELDS.items()})
+    row.update(
+        checkpoint="c",
+        precision="bf16",
+        model_fingerprint="m",
+        **{name: value for name, (value, _) in NEW_FIELDS.items()},
+    )
     (entry,) = environment(pa.Table.from_pylist([row], schema=TRAJECTORY_SCHEMA))
     assert {name: entry[name] for name in NEW_FIELDS} == {name: value for name, (value, _) in NEW_FIELDS.items()}
 

@@ -34,11 +34,22 @@ KILL_POINTS = [
 def run_and_kill(workdir: Path, config: Path, pattern: str, allowed: int, timeout: float = 300) -> str:
     marker = workdir / "paused.txt"
     marker.unlink(missing_ok=True)
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_INJECTION), os.environ.get("PYTHONPATH")])),
-                   "STAGEREPLAY_PAUSE_AT": pattern, "STAGEREPLAY_PAUSE_AFTER": str(allowed),
-                   "STAGEREPLAY_PAUSE_MARKER": str(marker)}
-    process = subprocess.Popen(snakemake_command(workdir, config), cwd=workdir, env=environment, start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(FAULT_INJECTION), os.environ.get("PYTHONPATH")])),
+        "STAGEREPLAY_PAUSE_AT": pattern,
+        "STAGEREPLAY_PAUSE_AFTER": str(allowed),
+        "STAGEREPLAY_PAUSE_MARKER": str(marker),
+    }
+    process = subprocess.Popen(
+        snakemake_command(workdir, config),
+        cwd=workdir,
+        env=environment,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + timeout
     while not marker.exists():
         if process.poll() is not None:

@@ -20,8 +20,10 @@ def seeded(dtype=torch.float32):
 
 def test_fingerprint_is_stable_across_processes():
     here = fingerprint_tensor(seeded(torch.bfloat16))
-    outputs = {subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True).stdout.strip()
-               for _ in range(2)}
+    outputs = {
+        subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True).stdout.strip()
+        for _ in range(2)
+    }
     assert outputs == {here}
     assert len(here) == 32 and int(here, 16) >= 0
 

@@ -21,9 +21,15 @@ SHIPPED = REPO / "data" / "items.jsonl"
 _SOLVERS = [
     (r"has (\d+) boxes with (\d+) pencils in each box\. It sells (\d+) pencils", lambda a, b, c: a * b - c),
     (r"has (\d+) apples\. \w+ buys (\d+) bags with (\d+) apples", lambda a, b, c: a + b * c),
-    (r"carries (\d+) passengers\. At the first stop (\d+) people get off and (\d+) people get on", lambda a, b, c: a - b + c),
+    (
+        r"carries (\d+) passengers\. At the first stop (\d+) people get off and (\d+) people get on",
+        lambda a, b, c: a - b + c,
+    ),
     (r"^(\d+) students are split equally into (\d+) groups\. Then (\d+) more", lambda a, b, c: a // b + c),
-    (r"makes (\d+) cookies each hour for (\d+) hours\. The baker gives (\d+) cookies to each of (\d+)", lambda a, b, c, d: a * b - c * d),
+    (
+        r"makes (\d+) cookies each hour for (\d+) hours\. The baker gives (\d+) cookies to each of (\d+)",
+        lambda a, b, c, d: a * b - c * d,
+    ),
 ]
 
 
@@ -172,7 +178,11 @@ def test_empty_missing_unknown_and_bad_limit(tmp_path):
 def test_jsonl_not_utf8_names_file_line_and_fix(tmp_path):
     path = tmp_path / "latin1.jsonl"
     # Windows line endings count as one line each; the bad byte is on physical line 3.
-    lines = [json.dumps(GOOD), json.dumps(GOOD | {"id": "b"}), json.dumps(GOOD | {"id": "c", "question": "café?"}, ensure_ascii=False)]
+    lines = [
+        json.dumps(GOOD),
+        json.dumps(GOOD | {"id": "b"}),
+        json.dumps(GOOD | {"id": "c", "question": "café?"}, ensure_ascii=False),
+    ]
     path.write_bytes("\r\n".join(lines).encode("latin-1") + b"\r\n")
     with pytest.raises(ItemError) as exc:
         load_items(path)
@@ -184,13 +194,30 @@ def test_jsonl_not_utf8_names_file_line_and_fix(tmp_path):
 
 # ---------------------------------------------------------------- GPQA CSV
 
-GPQA_HEADER = ["Pre-Revision Question", "Question", "Correct Answer", "Incorrect Answer 1",
-               "Incorrect Answer 2", "Incorrect Answer 3", "Record ID", "Subdomain"]
+GPQA_HEADER = [
+    "Pre-Revision Question",
+    "Question",
+    "Correct Answer",
+    "Incorrect Answer 1",
+    "Incorrect Answer 2",
+    "Incorrect Answer 3",
+    "Record ID",
+    "Subdomain",
+]
 
 
 def _gpqa_rows(n: int) -> list[list[str]]:
     return [
-        ["old", f"Question {i}?\nSecond line.", f" right{i} ", f"wrong{i}a", f"wrong{i}b", f"wrong{i}c", f"rec{i:04d}", "Physics"]
+        [
+            "old",
+            f"Question {i}?\nSecond line.",
+            f" right{i} ",
+            f"wrong{i}a",
+            f"wrong{i}b",
+            f"wrong{i}c",
+            f"rec{i:04d}",
+            "Physics",
+        ]
         for i in range(n)
     ]
 

@@ -30,8 +30,8 @@ def choose_copy(model, generated: list[int]) -> tuple[int, int, float]:
     logits are linear in the embedding row; c is set between v's highest share of the winning logit
     before step s and its share at s, so the copy overtakes the winner first at step s."""
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([PROMPT + generated])).logits[0, len(PROMPT) - 1:].float()
-    logits = logits[:len(generated)]
+        logits = model(input_ids=torch.tensor([PROMPT + generated])).logits[0, len(PROMPT) - 1 :].float()
+    logits = logits[: len(generated)]
     best = logits.max(dim=-1).values
     assert bool((best > 0).all()), "the winning logit must be positive for a scaled copy to overtake it"
     share = logits / best[:, None]
@@ -61,8 +61,10 @@ def marker_folder(tiny_qwen2_folder, tmp_path_factory):
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # its row is set next
     with torch.no_grad():
         model.get_input_embeddings().weight[marker_id] = scale * model.get_input_embeddings().weight[copied]
-    assert model.config.tie_word_embeddings and model.get_output_embeddings().weight.data_ptr() == \
-        model.get_input_embeddings().weight.data_ptr()
+    assert (
+        model.config.tie_word_embeddings
+        and model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder, step, marker_id, generated
@@ -106,7 +108,9 @@ def test_a_marker_spanning_tokens_ends_the_stage_on_text(tiny_qwen2_folder, tiny
 def test_text_matching_decodes_a_tail_window_not_the_whole_stage(tiny_fp32, monkeypatch):
     decoded: list[int] = []
     decode = tiny_fp32.tokenizer.decode
-    monkeypatch.setattr(tiny_fp32.tokenizer, "decode", lambda tokens, **kw: decoded.append(len(tokens)) or decode(tokens, **kw))
+    monkeypatch.setattr(
+        tiny_fp32.tokenizer, "decode", lambda tokens, **kw: decoded.append(len(tokens)) or decode(tokens, **kw)
+    )
     live = build_live(tiny_fp32.model, PROMPT, StageBoundary(BUDGET, "never said"), frozenset(), tiny_fp32.tokenizer)
     window = MarkerMatcher.for_tokenizer("never said", tiny_fp32.tokenizer).window
     assert live.reasoning.stop == "budget" and live.marker_match is None
@@ -116,7 +120,7 @@ def test_text_matching_decodes_a_tail_window_not_the_whole_stage(tiny_fp32, monk
 def test_text_matching_keeps_special_tokens(marker_loaded):
     """Text is matched on a decode that keeps special tokens: a marker inside one's text is seen."""
     loaded, step, _ = marker_loaded
-    tokens = list(free_run(loaded).reasoning.tokens)[:step + 1]
+    tokens = list(free_run(loaded).reasoning.tokens)[: step + 1]
     matcher = MarkerMatcher.for_tokenizer("/thi", loaded.tokenizer)
     assert matcher.match(tokens) == "text" and matcher.match(tokens[:-1]) is None
 
@@ -126,23 +130,42 @@ def test_the_ledger_records_which_marker_match_fired_and_rebuilt_rows_copy_it(ma
     record = tmp_path / "model.json"
     write_model_record(record, folder, "test")
     items = tmp_path / "items.jsonl"
-    items.write_text(json.dumps({"id": "q1", "question": "1+1?", "choices": ["1", "2", "3", "4"], "answer": "B"}) + "\n")
-    prompts = write_table([{"item_id": "q1", "prompt_tokens": PROMPT, "prompt_fingerprint": "-"}], PROMPT_SCHEMA,
-                          tmp_path / "prompts.parquet")
+    items.write_text(
+        json.dumps({"id": "q1", "question": "1+1?", "choices": ["1", "2", "3", "4"], "answer": "B"}) + "\n"
+    )
+    prompts = write_table(
+        [{"item_id": "q1", "prompt_tokens": PROMPT, "prompt_fingerprint": "-"}],
+        PROMPT_SCHEMA,
+        tmp_path / "prompts.parquet",
+    )
     spec = ShardSpec("tiny", "fp32", replica=0, shard=0, shard_size=1)
     runtime = Runtime(precision="fp32", device="cpu", threads=1)
-    live_path = run_live_shard(record, items, prompts, spec, runtime, Budgets(StageBoundary(BUDGET, MARKER), 4),
-                               tmp_path / "objects", tmp_path / "live.parquet")
-    rebuilt_path = run_construction_shard(record, items, live_path, "prefill", spec, runtime, 4, tmp_path / "objects",
-                                          tmp_path / "prefill.parquet")
+    live_path = run_live_shard(
+        record,
+        items,
+        prompts,
+        spec,
+        runtime,
+        Budgets(StageBoundary(BUDGET, MARKER), 4),
+        tmp_path / "objects",
+        tmp_path / "live.parquet",
+    )
+    rebuilt_path = run_construction_shard(
+        record, items, live_path, "prefill", spec, runtime, 4, tmp_path / "objects", tmp_path / "prefill.parquet"
+    )
     (live,) = read_table(live_path, TRAJECTORY_SCHEMA).to_pylist()
     (rebuilt,) = read_table(rebuilt_path, TRAJECTORY_SCHEMA).to_pylist()
     assert TRAJECTORY_SCHEMA.names.index("marker_match") == TRAJECTORY_SCHEMA.names.index("boundary_reason") + 1
     assert TRAJECTORY_SCHEMA.field("marker_match").type == pa.string()
     assert (live["boundary_reason"], live["marker_match"]) == ("marker", "token_ids")
     assert live["prefix_length"] == len(PROMPT) + step + 1
-    assert (rebuilt["construction"], rebuilt["boundary_reason"], rebuilt["marker_match"]) == ("prefill", "marker", "token_ids")
+    assert (rebuilt["construction"], rebuilt["boundary_reason"], rebuilt["marker_match"]) == (
+        "prefill",
+        "marker",
+        "token_ids",
+    )
     environment = marker_loaded[0].environment
     for row in (live, rebuilt):
-        assert {name: row[name] for name in ENVIRONMENT_COLUMNS} == {name: getattr(environment, name)
-                                                                    for name in ENVIRONMENT_COLUMNS}
+        assert {name: row[name] for name in ENVIRONMENT_COLUMNS} == {
+            name: getattr(environment, name) for name in ENVIRONMENT_COLUMNS
+        }

@@ -91,8 +91,10 @@ def proportion(k: int, n: int) -> tuple[str, str, str]:
 
 
 def expected_e1(comparisons: list[dict]) -> dict:
-    rows = sorted((r for r in comparisons if r["experiment"] == "E1" and r["relation"] == "construction"),
-                  key=lambda r: r["item_id"])
+    rows = sorted(
+        (r for r in comparisons if r["experiment"] == "E1" and r["relation"] == "construction"),
+        key=lambda r: r["item_id"],
+    )
     name, n = f"E1 matched ({rows[0]['precision']})", len(rows)
     counted = {
         "suffixes that differ, live vs prefill": sum(r["suffix_differs"] for r in rows),
@@ -105,10 +107,14 @@ def expected_e1(comparisons: list[dict]) -> dict:
     }
     expected = {(name, figure, WILSON): proportion(count, n) for figure, count in counted.items()}
     for side in ("live", "prefill"):
-        replicas = [r for r in comparisons if r["experiment"] == "E1" and r["relation"] == "replica"
-                    and r["a"].startswith(side + "/")]
-        expected[(name, f"exact replicas, {side}", WILSON)] = proportion(sum(r["trajectory_exact"] for r in replicas),
-                                                                         len(replicas))
+        replicas = [
+            r
+            for r in comparisons
+            if r["experiment"] == "E1" and r["relation"] == "replica" and r["a"].startswith(side + "/")
+        ]
+        expected[(name, f"exact replicas, {side}", WILSON)] = proportion(
+            sum(r["trajectory_exact"] for r in replicas), len(replicas)
+        )
     live, prefill = [r["a_correct"] for r in rows], [r["b_correct"] for r in rows]
     counts = f"({sum(live)} − {sum(prefill)})/{n}"
     label = "accuracy difference, live − prefill"
@@ -122,9 +128,13 @@ def expected_e1(comparisons: list[dict]) -> dict:
     prefill_only = sum(b and not a for a, b in zip(live, prefill))
     p_value = stats.binomtest(live_only, live_only + prefill_only).pvalue if live_only + prefill_only else 1.0
     assert mcnemar_exact(live, prefill)[2] == pytest.approx(p_value)
-    expected[(name, "equal accuracy (discordant pairs live-only : prefill-only)",
-              "exact McNemar (two-sided binomial test on the discordant pairs)")] = (
-        f"{live_only} : {prefill_only}", f"p = {p_value:.3f}", "—")
+    expected[
+        (
+            name,
+            "equal accuracy (discordant pairs live-only : prefill-only)",
+            "exact McNemar (two-sided binomial test on the discordant pairs)",
+        )
+    ] = (f"{live_only} : {prefill_only}", f"p = {p_value:.3f}", "—")
     return expected
 
 
@@ -141,19 +151,27 @@ def expected_e2_e3(comparisons: list[dict]) -> dict:
             divergent = [r["first_divergence"] for r in rows if r["suffix_differs"]]
             expected[(name, f"decoded disagreements, incremental vs {other}", WILSON)] = proportion(len(divergent), n)
             expected[(name, f"labels that differ, incremental vs {other}", WILSON)] = proportion(
-                sum(r["label_differs"] for r in rows), n)
+                sum(r["label_differs"] for r in rows), n
+            )
             expected[(name, f"caches that differ, incremental vs {other}", WILSON)] = proportion(
-                sum(not r["cache_exact"] for r in rows), n)
+                sum(not r["cache_exact"] for r in rows), n
+            )
             if divergent:
-                expected[(name, f"median first divergent position, incremental vs {other}",
-                          "median over the divergent suffixes")] = (
-                    f"{len(divergent)} divergent", f"token {statistics.median(divergent):g}", "—")
+                expected[
+                    (
+                        name,
+                        f"median first divergent position, incremental vs {other}",
+                        "median over the divergent suffixes",
+                    )
+                ] = (f"{len(divergent)} divergent", f"token {statistics.median(divergent):g}", "—")
         else:
             name = f"E3 bridge ({precision})"
             expected[(name, "caches bit-exact, incremental vs live", WILSON)] = proportion(
-                sum(r["cache_exact"] for r in rows), n)
+                sum(r["cache_exact"] for r in rows), n
+            )
             expected[(name, "suffixes identical, incremental vs live", WILSON)] = proportion(
-                sum(not r["suffix_differs"] for r in rows), n)
+                sum(not r["suffix_differs"] for r in rows), n
+            )
     return expected
 
 
@@ -164,16 +182,28 @@ def expected_e5(transplants: list[dict]) -> dict:
     expected = {}
     for selection in ("selected", "outcome_blind"):
         for checkpoint in sorted({r["checkpoint"] for r in rows if r["selection"] == selection}):
-            chosen = [r for r in rows if r["selection"] == selection and r["checkpoint"] == checkpoint
-                      and r["kv"] == "kv" and r["last_positions"] is None and len(r["layers"]) == len(r["layer_k"])]
+            chosen = [
+                r
+                for r in rows
+                if r["selection"] == selection
+                and r["checkpoint"] == checkpoint
+                and r["kv"] == "kv"
+                and r["last_positions"] is None
+                and len(r["layers"]) == len(r["layer_k"])
+            ]
             key = f"all layers, {selection}/{checkpoint}"
-            for outcome, label in (("follows_donor", "follow the donor"), ("follows_recipient", "follow the recipient"),
-                                   ("neither", "follow neither")):
+            for outcome, label in (
+                ("follows_donor", "follow the donor"),
+                ("follows_recipient", "follow the recipient"),
+                ("neither", "follow neither"),
+            ):
                 count = sum(r["outcome"] == outcome for r in chosen)
                 expected[(name, f"{key}: {label}", WILSON)] = proportion(count, len(chosen))
             for direction in sorted({f"{r['donor']} -> {r['recipient']}" for r in chosen}):
                 group = [r for r in chosen if f"{r['donor']} -> {r['recipient']}" == direction]
-                expected[(name, f"{key}, {direction}: follow the donor", WILSON)] = proportion(follows(group), len(group))
+                expected[(name, f"{key}, {direction}: follow the donor", WILSON)] = proportion(
+                    follows(group), len(group)
+                )
     for subset in sorted({r["subset"] for r in rows if r["selection"] == "selected"}):
         group = [r for r in rows if r["selection"] == "selected" and r["subset"] == subset]
         expected[(name, f"sweep {subset}: follow the donor", WILSON)] = proportion(follows(group), len(group))
@@ -184,14 +214,33 @@ def expected_e5(transplants: list[dict]) -> dict:
             if r["precision"] == precision:
                 by_item[r["item_id"]].append(r["suffix_tokens"])
         differ = sum(a != b for a, b in by_item.values())
-        expected[(name, f"cross precision, at {precision}: continuations from the cast live and cast prefill caches"
-                        " differ (the divergence survives the cast)", WILSON)] = proportion(differ, len(by_item))
+        expected[
+            (
+                name,
+                f"cross precision, at {precision}: continuations from the cast live and cast prefill caches"
+                " differ (the divergence survives the cast)",
+                WILSON,
+            )
+        ] = proportion(differ, len(by_item))
     for direction in sorted({f"{r['donor']} -> {r['recipient']}" for r in rows if r["selection"] == "cross_precision"}):
-        group = [r for r in rows if r["selection"] == "cross_precision" and f"{r['donor']} -> {r['recipient']}" == direction]
-        expected[(name, f"cross precision {direction}: follow the donor's own suffix (decoded at the donor's precision,"
-                        " so this mixes the cache with the precision)", WILSON)] = proportion(follows(group), len(group))
-    return expected or {(name, "all layers: follow the donor",
-                         "no divergent item to transplant (counted on divergent items only)"): ("0/0", "—", "—")}
+        group = [
+            r for r in rows if r["selection"] == "cross_precision" and f"{r['donor']} -> {r['recipient']}" == direction
+        ]
+        expected[
+            (
+                name,
+                f"cross precision {direction}: follow the donor's own suffix (decoded at the donor's precision,"
+                " so this mixes the cache with the precision)",
+                WILSON,
+            )
+        ] = proportion(follows(group), len(group))
+    return expected or {
+        (name, "all layers: follow the donor", "no divergent item to transplant (counted on divergent items only)"): (
+            "0/0",
+            "—",
+            "—",
+        )
+    }
 
 
 # --- the tests ---------------------------------------------------------------------------------
@@ -201,8 +250,12 @@ def test_every_card_number_matches_the_ledger_tables(completed):
     _, ledger, _ = completed
     comparisons = pq.read_table(ledger / "tables" / "comparisons.parquet").to_pylist()
     transplants = pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
-    expected = {**expected_e1(comparisons), **expected_e2_e3(comparisons), **expected_e5(transplants),
-                ("E4 audit", "not run", "snakemake --cores N audit"): ("—", "—", "—")}
+    expected = {
+        **expected_e1(comparisons),
+        **expected_e2_e3(comparisons),
+        **expected_e5(transplants),
+        ("E4 audit", "not run", "snakemake --cores N audit"): ("—", "—", "—"),
+    }
     card = card_figures((ledger / "results.md").read_text())
     assert set(card) == set(expected)  # every row accounted for, none missing
     for key, value in expected.items():
@@ -222,16 +275,20 @@ def test_card_provenance_names_the_model_items_and_environment(completed):
     assert xxhash.xxh3_128(items).hexdigest() in provenance_lines
     assert f"precisions: {', '.join(sorted({r['precision'] for r in trajectories}))}" in provenance_lines
     for r in trajectories:
-        row = (f"| {r['checkpoint']} | {r['precision']} | {r['device']} | {r['device_name']} | {r['cpu_capability']} |"
-               f" {r['threads']} | {r['attn_implementation']} | {r['tf32']} | {r['bf16_reduced_precision_reduction']} |"
-               f" {r['fp16_reduced_precision_reduction']} | {r['sdpa_backends']} | {r['float32_matmul_precision']} |"
-               f" {r['deterministic']} | {r['torch_version']} | {r['transformers_version']} | {r['model_fingerprint']} |")
+        row = (
+            f"| {r['checkpoint']} | {r['precision']} | {r['device']} | {r['device_name']} | {r['cpu_capability']} |"
+            f" {r['threads']} | {r['attn_implementation']} | {r['tf32']} | {r['bf16_reduced_precision_reduction']} |"
+            f" {r['fp16_reduced_precision_reduction']} | {r['sdpa_backends']} | {r['float32_matmul_precision']} |"
+            f" {r['deterministic']} | {r['torch_version']} | {r['transformers_version']} | {r['model_fingerprint']} |"
+        )
         assert row in provenance_lines
 
 
 def test_card_reading_follows_the_numbers(completed):
     _, ledger, _ = completed
-    reading = "\n".join(card_sections((ledger / "results.md").read_text())["Reading: what this run shows and does not show"])
+    reading = "\n".join(
+        card_sections((ledger / "results.md").read_text())["Reading: what this run shows and does not show"]
+    )
     summary = json.loads((ledger / "summary.json").read_text())
     for precision, arms in summary["E2"]["checkpoints"]["tiny-qwen2"]["precisions"].items():
         counted = arms["incremental_vs_prefill"]["decoded_disagreements"]
@@ -239,7 +296,10 @@ def test_card_reading_follows_the_numbers(completed):
         assert f"{precision.upper()} arm: {k}/{n} decoded disagreements, incremental vs prefill" in reading
         if k == 0:
             high = percent(wilson(0, n)[1])
-            assert f"Wilson upper bound {high}: consistent with none, but {n} items cannot rule out a rate below {high}" in reading
+            assert (
+                f"Wilson upper bound {high}: consistent with none, but {n} items cannot rule out a rate below {high}"
+                in reading
+            )
     assert "E4 audit: not run (snakemake --cores N audit)" in reading
     assert "randomly initialised" in reading  # the test model's accuracy means nothing, and the card says so
 
@@ -259,7 +319,10 @@ def test_nothing_is_claimed_from_zero_replicas(completed, tmp_path):
     figures = card_figures(card)
     for side in ("live", "prefill"):
         assert figures[("E1 matched (bf16)", f"exact replicas, {side}", "no observations (n = 0)")] == (
-            "0/0", "not measured", "—")
+            "0/0",
+            "not measured",
+            "—",
+        )
     assert "deterministic, so any difference" not in card
     assert "Replicas of live and prefill: not measured (one run per side)" in card
 
@@ -286,10 +349,13 @@ def test_plots_and_card_degrade_when_an_experiment_is_missing(completed, tmp_pat
 
     summary = json.loads((ledger / "summary.json").read_text())
     del summary["E5"]
-    summary["E4"] = {"name": "audit", "trajectories": {"reproduced": 35, "n": 36},
-                     "artifacts": {"kv_cache": {"reproduced": 20, "n": 20}},
-                     "mismatches": [{"item_id": "arith-000", "artifact": "suffix", "detail": "differs"}],
-                     "environment_differences": []}
+    summary["E4"] = {
+        "name": "audit",
+        "trajectories": {"reproduced": 35, "n": 36},
+        "artifacts": {"kv_cache": {"reproduced": 20, "n": 20}},
+        "mismatches": [{"item_id": "arith-000", "artifact": "suffix", "detail": "differs"}],
+        "environment_differences": [],
+    }
     records = {"tiny-qwen2": read_model_record(ledger / "models" / "tiny-qwen2" / "model.json")}
     prov = provenance(summary, "data/items.jsonl", ledger / "items.jsonl", records)
     card = write_results_card(summary, prov, tmp_path / "results.md").read_text()
@@ -305,14 +371,20 @@ def test_long_jobs_log_a_final_progress_line_with_items_and_tokens_per_second(co
     # Only the run's own checkpoints: the shared ledger also holds the logs of jobs the
     # bad-input catalogue made fail on purpose, which end with their one-line error.
     checkpoints = set(yaml.safe_load(config.read_text())["checkpoints"])
-    logs = [path for kind in ("live", "rebuild", "transplant") for path in (ledger / "logs" / kind).rglob("*.log")
-            if checkpoints & set(path.relative_to(ledger / "logs" / kind).parts)]
+    logs = [
+        path
+        for kind in ("live", "rebuild", "transplant")
+        for path in (ledger / "logs" / kind).rglob("*.log")
+        if checkpoints & set(path.relative_to(ledger / "logs" / kind).parts)
+    ]
     assert len(logs) >= 10
     for path in logs:
         # tqdm redraws with carriage returns and closes with a newline: the last redraw is the final state.
         final = [line for line in path.read_text().replace("\r", "\n").splitlines() if line.strip()][-1]
         assert re.search(r"item/s, tok_s=\d+\.\d\]$", final), (path, final)
-        counted = re.search(r"\| (\d+)/(\d+) \[", final) or re.search(r": (\d+)item \[", final)  # all done, or nothing to do
+        counted = re.search(r"\| (\d+)/(\d+) \[", final) or re.search(
+            r": (\d+)item \[", final
+        )  # all done, or nothing to do
         assert counted and counted.group(1) == counted.groups()[-1], (path, final)
 
 
@@ -320,7 +392,7 @@ def plain_phrase(rst: str, length: int = 6) -> str:
     """The first run of words free of markup and punctuation that HTML rendering could change."""
     words = rst.split()
     for start in range(len(words) - length):
-        window = words[start:start + length]
+        window = words[start : start + length]
         if all(word.isalnum() for word in window):
             return " ".join(window)
     raise AssertionError(f"no plain phrase in {rst[:80]!r}")
@@ -342,10 +414,31 @@ def test_snakemake_report_bundles_the_card_and_plots_with_captions(completed):
 
 def test_report_without_a_summary_stops_with_one_line_naming_the_fix(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "stagereplay", "report", "--summary", str(tmp_path / "summary.json"),
-         "--trajectories", "t.parquet", "--comparisons", "c.parquet", "--model", "m", "m.json", "--items", "i.jsonl",
-         "--item-source", "data/items.jsonl", "--card", str(tmp_path / "results.md"), "--plots-dir", str(tmp_path)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "stagereplay",
+            "report",
+            "--summary",
+            str(tmp_path / "summary.json"),
+            "--trajectories",
+            "t.parquet",
+            "--comparisons",
+            "c.parquet",
+            "--model",
+            "m",
+            "m.json",
+            "--items",
+            "i.jsonl",
+            "--item-source",
+            "data/items.jsonl",
+            "--card",
+            str(tmp_path / "results.md"),
+            "--plots-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -25,7 +25,9 @@ class _RunsOnUnpickle:
 
 def test_no_pickle_loader_in_the_library():
     pattern = re.compile(r"\btorch\.load\(|\bimport pickle\b|\bpickle\.loads?\(|\bnumpy\.load\(.*allow_pickle=True")
-    offenders = [str(path.relative_to(REPO)) for path in sorted((REPO / "src").rglob("*.py")) if pattern.search(path.read_text())]
+    offenders = [
+        str(path.relative_to(REPO)) for path in sorted((REPO / "src").rglob("*.py")) if pattern.search(path.read_text())
+    ]
     assert offenders == []
 
 

@@ -50,7 +50,9 @@ def slurm_problem() -> str | None:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
         return f"sinfo failed ({last}) — start the test cluster with: bash .ci/slurm.sh start"
     if not any(state.startswith(("idle", "mix", "alloc")) for state in result.stdout.split()):
-        return f"no SLURM node is up (states: {result.stdout.split() or 'none'}) — check slurmd (bash .ci/slurm.sh start)"
+        return (
+            f"no SLURM node is up (states: {result.stdout.split() or 'none'}) — check slurmd (bash .ci/slurm.sh start)"
+        )
     return None
 
 
@@ -81,8 +83,17 @@ def ci_profile(directory: Path) -> Path:
 
 def through_slurm(workdir: Path, configfile: Path, profile: Path) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(configfile),
-        "--workflow-profile", str(profile), "--directory", str(workdir),
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "Snakefile"),
+        "--configfile",
+        str(configfile),
+        "--workflow-profile",
+        str(profile),
+        "--directory",
+        str(workdir),
     ]
     # Output to a file, not a pipe: nobody reads a pipe while the local run goes, and a full one would stall snakemake.
     with open(workdir / "snakemake.log", "w") as log:
@@ -116,8 +127,11 @@ def runs(slurm, tmp_path_factory):
     fake = bad / "model.gguf"
     fake.write_bytes(b"GGUF not really")
     # The checksum is checked inside the convert_gguf job, so this fails on the cluster, not at parse time.
-    bad_config = write_config(bad / "config.yaml", ledger_dir=str(bad / "ledger"),
-                              checkpoints={"fake": {"gguf": str(fake), "sha256": "0" * 64}})
+    bad_config = write_config(
+        bad / "config.yaml",
+        ledger_dir=str(bad / "ledger"),
+        checkpoints={"fake": {"gguf": str(fake), "sha256": "0" * 64}},
+    )
     started = time.monotonic()
     good_run = through_slurm(cluster, cluster_config, profile)
     bad_run = through_slurm(bad, bad_config, profile)
@@ -172,8 +186,15 @@ def test_a_failing_job_fails_the_run_with_its_one_line_error(runs):
 
 def model_rules(tmp_path: Path) -> set[str]:
     """Rules whose jobs declare a gpu resource (common.smk's MODEL_RESOURCES), read off a dry run."""
-    result = snakemake(tmp_path, REPO / "config/test.yaml", "--dry-run", "--workflow-profile", "none",
-                       "--config", f"ledger_dir={tmp_path / 'ledger'}")
+    result = snakemake(
+        tmp_path,
+        REPO / "config/test.yaml",
+        "--dry-run",
+        "--workflow-profile",
+        "none",
+        "--config",
+        f"ledger_dir={tmp_path / 'ledger'}",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rules, rule = set(), None
     for line in result.stdout.splitlines():
@@ -188,9 +209,19 @@ def test_profile_names_real_rules_and_requests_gpus_for_every_model_job(tmp_path
     profile = yaml.safe_load(PROFILE.read_text())
     assert profile["executor"] == "slurm"
     result = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(REPO / "config/test.yaml"),
-         "--list-rules"],
-        capture_output=True, text=True, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--configfile",
+            str(REPO / "config/test.yaml"),
+            "--list-rules",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     rules = set(result.stdout.split())

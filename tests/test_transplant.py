@@ -79,13 +79,16 @@ def test_cross_precision_transplant_casts_to_the_recipient_dtype(divergent_pair)
     assert not torch.equal(back.values[1].float(), donor.values[1])
 
 
-@pytest.mark.parametrize("spec,message", [
-    (TransplantSpec(()), "empty layer set"),
-    (TransplantSpec((2,)), "layer 2 out of range"),
-    (TransplantSpec((-1,)), "out of range"),
-    (TransplantSpec((0,), "q"), "unknown cache part"),
-    (TransplantSpec((0,), "kv", 10_000), "does not fit"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        (TransplantSpec(()), "empty layer set"),
+        (TransplantSpec((2,)), "layer 2 out of range"),
+        (TransplantSpec((-1,)), "out of range"),
+        (TransplantSpec((0,), "q"), "unknown cache part"),
+        (TransplantSpec((0,), "kv", 10_000), "does not fit"),
+    ],
+)
 def test_bad_transplants_fail_with_one_line(divergent_pair, spec, message):
     donor, recipient, *_ = divergent_pair
     with pytest.raises(TransplantError, match=message):
@@ -107,7 +110,11 @@ def test_sweep_specs_cover_the_design():
     assert "layers=0-3 kv=k positions=all" in labels and "layers=0-3 kv=v positions=all" in labels
     assert "layers=0-3 kv=kv positions=last3" in labels
     assert len(labels) == len(set(labels)) == 1 + 4 + 2 + 2 + 1
-    assert [s.label() for s in sweep_specs(4, SweepPlan("none"))] == ["layers=0-3 kv=kv positions=all", "layers=0-3 kv=k positions=all", "layers=0-3 kv=v positions=all"]
+    assert [s.label() for s in sweep_specs(4, SweepPlan("none"))] == [
+        "layers=0-3 kv=kv positions=all",
+        "layers=0-3 kv=k positions=all",
+        "layers=0-3 kv=v positions=all",
+    ]
 
 
 def test_outcomes_and_early_stop():

@@ -27,7 +27,9 @@ def two_checkpoints(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("two")
     ledger = workdir / "ledger"
     config = write_config(
-        workdir / "config.yaml", ledger_dir=str(ledger), checkpoints=CHECKPOINTS,
+        workdir / "config.yaml",
+        ledger_dir=str(ledger),
+        checkpoints=CHECKPOINTS,
         transplant={"outcome_blind": {"checkpoint": "tiny-shallow", "sample": 2, "seed": 0}},
         matched={"precision": "bf16", "replicas": 1},
         fixed_prefix={"precisions": ["bf16", "fp32"], "constructions": ["incremental", "prefill", "chunked:5"]},
@@ -50,7 +52,8 @@ def test_comparisons_stay_within_one_checkpoint(two_checkpoints):
     shallow = [row for row in rows if row["checkpoint"] == "tiny-shallow"]
     # The replication checkpoint has only E1 live vs prefill of replica 0: one row per item.
     assert [(row["experiment"], row["relation"], row["a"], row["b"]) for row in shallow] == [
-        ("E1", "construction", "live/bf16/rep0", "prefill/bf16/rep0<-bf16")] * 4
+        ("E1", "construction", "live/bf16/rep0", "prefill/bf16/rep0<-bf16")
+    ] * 4
     deep = [row["experiment"] for row in rows if row["checkpoint"] == "tiny-deep"]
     # One replica: no replica pairs. E2: prefill and chunked:5 against incremental, per precision.
     assert (deep.count("E1"), deep.count("E2"), deep.count("E3")) == (4, 16, 8)
@@ -63,8 +66,11 @@ def test_summary_reports_each_checkpoint_apart(two_checkpoints):
     rows = pq.read_table(ledger / "tables" / "comparisons.parquet").to_pylist()
     for name in ("tiny-deep", "tiny-shallow"):
         e1 = summary["E1"]["checkpoints"][name]
-        own = [row for row in rows if row["checkpoint"] == name and row["experiment"] == "E1"
-               and row["relation"] == "construction"]
+        own = [
+            row
+            for row in rows
+            if row["checkpoint"] == name and row["experiment"] == "E1" and row["relation"] == "construction"
+        ]
         assert e1["items"] == len(own) == 4
         assert e1["suffixes_differ"]["count"] == sum(row["suffix_differs"] for row in own)
     for name in ("tiny-deep", "tiny-shallow"):

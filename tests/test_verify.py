@@ -79,7 +79,9 @@ def test_verify_and_the_audit_name_the_damage(damage, test_run, tmp_path):
 
     audit = snakemake(tmp_path / "copy", config, "audit")
     assert audit.returncode != 0
-    assert any(where in line and problem in line for line in (audit.stdout + audit.stderr).splitlines()), audit.stderr[-3000:]
+    assert any(where in line and problem in line for line in (audit.stdout + audit.stderr).splitlines()), audit.stderr[
+        -3000:
+    ]
     assert not (ledger / "tables" / "audit.parquet").exists()
 
 
@@ -100,18 +102,23 @@ def fault_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("stagereplay: fault:")]
 
 
-@pytest.mark.parametrize("table, evidence", [
-    ("comparisons", "summary.json was computed from it"),
-    ("transplants", "summary.json (its E5 figures) was computed from it"),
-])
+@pytest.mark.parametrize(
+    "table, evidence",
+    [
+        ("comparisons", "summary.json was computed from it"),
+        ("transplants", "summary.json (its E5 figures) was computed from it"),
+    ],
+)
 def test_a_missing_table_is_named(table, evidence, test_run, tmp_path):
     workdir, _, _ = test_run
     ledger, _ = copy_run(workdir, tmp_path / "copy")
     (ledger / "tables" / f"{table}.parquet").unlink()
     result = stagereplay("verify", ledger)
     assert result.returncode == 1
-    assert fault_lines(result) == [f"stagereplay: fault: tables/{table}.parquet: missing, though {evidence}"
-                                   " — rerun snakemake (it rebuilds what is missing)"], result.stderr
+    assert fault_lines(result) == [
+        f"stagereplay: fault: tables/{table}.parquet: missing, though {evidence}"
+        " — rerun snakemake (it rebuilds what is missing)"
+    ], result.stderr
 
 
 def test_an_edited_summary_figure_is_named(test_run, tmp_path):
@@ -138,7 +145,9 @@ def test_an_edited_summary_figure_is_named(test_run, tmp_path):
 def test_a_summary_left_behind_by_regenerated_tables_is_named(test_run, tmp_path):
     workdir, _, _ = test_run
     ledger, config = copy_run(workdir, tmp_path / "copy")
-    before = json.loads((ledger / "summary.json").read_text())["E1"]["checkpoints"]["tiny-qwen2"]["replicas_exact"]["live"]
+    before = json.loads((ledger / "summary.json").read_text())["E1"]["checkpoints"]["tiny-qwen2"]["replicas_exact"][
+        "live"
+    ]
     row = rewrite_live_suffix(ledger)
     # Only the tables are regenerated (regather, recompare): summary.json is not asked for.
     result = snakemake(tmp_path / "copy", config, str(ledger / "tables" / "comparisons.parquet"))
@@ -161,8 +170,9 @@ def test_an_edited_results_card_is_named(test_run, tmp_path):
     path.write_text(text.replace("E1 matched", "E1 matched (checked)", 1))
     result = stagereplay("verify", ledger)
     assert result.returncode == 1
-    assert fault_lines(result) == ["stagereplay: fault: results.md: edited after it was written"
-                                   " — rerun snakemake --forcerun report to redraw it"], result.stderr
+    assert fault_lines(result) == [
+        "stagereplay: fault: results.md: edited after it was written — rerun snakemake --forcerun report to redraw it"
+    ], result.stderr
 
 
 def test_a_stamp_names_each_problem():
@@ -187,5 +197,7 @@ def test_a_construction_pair_over_different_prefixes_is_a_fault(test_run, tmp_pa
     row["prefix_equal"] = False
     write_table(rows, COMPARISON_SCHEMA, path)
     faults = [str(fault) for fault in verify_ledger(ledger, documents=False).faults]
-    assert faults == [f"tables/comparisons.parquet item {row['item_id']}: E2 {row['a']} vs {row['b']} compares different"
-                      " prefixes — delete it and rerun snakemake (the workflow rebuilds what is missing)"], faults
+    assert faults == [
+        f"tables/comparisons.parquet item {row['item_id']}: E2 {row['a']} vs {row['b']} compares different"
+        " prefixes — delete it and rerun snakemake (the workflow rebuilds what is missing)"
+    ], faults

@@ -98,7 +98,9 @@ def test_same_precision_all_layer_transplants_follow_the_donor(completed):
     """On divergent items the whole boundary cache carries the divergence: swap it and the continuation swaps."""
     _, ledger, _ = completed
     rows = pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
-    all_layers = [row for row in rows if row["selection"] == "selected" and row["subset"] == "layers=0-3 kv=kv positions=all"]
+    all_layers = [
+        row for row in rows if row["selection"] == "selected" and row["subset"] == "layers=0-3 kv=kv positions=all"
+    ]
     assert all_layers and all(row["divergent"] for row in all_layers)
     assert {row["outcome"] for row in all_layers} == {"follows_donor"}
     assert {row["donor"] for row in all_layers} == {"live/bf16/rep0", "prefill/bf16/rep0<-bf16"}
@@ -110,15 +112,22 @@ def test_same_precision_all_layer_transplants_follow_the_donor(completed):
 def test_cross_precision_compares_the_two_cast_continuations(completed):
     """At each precision, the cast live and cast prefill caches are continued in full and compared."""
     _, ledger, _ = completed
-    rows = [row for row in pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
-            if row["selection"] == "cross_precision"]
+    rows = [
+        row
+        for row in pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
+        if row["selection"] == "cross_precision"
+    ]
     selected = json.loads((ledger / "transplants" / "selection.json").read_text())["selected"]["item_ids"]
     cross = json.loads((ledger / "summary.json").read_text())["E5"]["cross_precision"]
-    for precision, donors in (("fp32", ("live/bf16/rep0", "prefill/bf16/rep0<-bf16")),
-                              ("bf16", ("incremental/fp32/rep0<-bf16", "prefill/fp32/rep0<-bf16"))):
+    for precision, donors in (
+        ("fp32", ("live/bf16/rep0", "prefill/bf16/rep0<-bf16")),
+        ("bf16", ("incremental/fp32/rep0<-bf16", "prefill/fp32/rep0<-bf16")),
+    ):
         at = {(row["item_id"], row["donor"]): row for row in rows if row["precision"] == precision}
         assert set(at) == {(item, donor) for item in selected for donor in donors}
-        differ = sum(at[(item, donors[0])]["suffix_tokens"] != at[(item, donors[1])]["suffix_tokens"] for item in selected)
+        differ = sum(
+            at[(item, donors[0])]["suffix_tokens"] != at[(item, donors[1])]["suffix_tokens"] for item in selected
+        )
         survives = cross["divergence_survives_cast"][precision]
         assert (survives["count"], survives["n"]) == (differ, len(selected))
         # Never cut short at the first token that leaves both suffixes: decoded to the budget (8) or EOS.
@@ -153,13 +162,24 @@ def test_e2_and_e3_figures(completed):
 
 def test_adding_a_precision_schedules_only_its_jobs(completed, tmp_path):
     workdir, ledger, _ = completed
-    config = write_config(tmp_path / "fp16.yaml", ledger_dir=str(ledger),
-                          fixed_prefix={"precisions": ["bf16", "fp32", "fp16"]})
+    config = write_config(
+        tmp_path / "fp16.yaml", ledger_dir=str(ledger), fixed_prefix={"precisions": ["bf16", "fp32", "fp16"]}
+    )
     result = snakemake(workdir, config, "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
     # fp16 only: E3 live; E2 incremental and prefill; E3 incremental over the fp16 live prefix.
-    assert job_counts(result) == {"live": 1, "rebuild": 3, "gather": 1, "compare": 1, "summary": 1, "report": 1, "all": 1}
-    outputs = [line.split(":", 1)[1].strip() for line in result.stdout.splitlines() if line.strip().startswith("output:")]
+    assert job_counts(result) == {
+        "live": 1,
+        "rebuild": 3,
+        "gather": 1,
+        "compare": 1,
+        "summary": 1,
+        "report": 1,
+        "all": 1,
+    }
+    outputs = [
+        line.split(":", 1)[1].strip() for line in result.stdout.splitlines() if line.strip().startswith("output:")
+    ]
     run_tables = [path for path in outputs if "/runs/" in path]
     assert len(run_tables) == 4 and all("/fp16/" in path for path in run_tables)
 

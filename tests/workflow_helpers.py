@@ -27,14 +27,25 @@ def write_config(path: Path, base: str = "config/test.yaml", **overrides) -> Pat
 
 def snakemake_command(workdir: Path, configfile: Path, *extra: str, cores: int = 2) -> list[str]:
     return [
-        sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--configfile", str(configfile),
-        "--cores", str(cores), "--directory", str(workdir), *extra,
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "Snakefile"),
+        "--configfile",
+        str(configfile),
+        "--cores",
+        str(cores),
+        "--directory",
+        str(workdir),
+        *extra,
     ]
 
 
 def snakemake(workdir: Path, configfile: Path, *extra: str, cores: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run(snakemake_command(workdir, configfile, *extra, cores=cores), capture_output=True, text=True,
-                          cwd=workdir)
+    return subprocess.run(
+        snakemake_command(workdir, configfile, *extra, cores=cores), capture_output=True, text=True, cwd=workdir
+    )
 
 
 def stagereplay(*args: str) -> subprocess.CompletedProcess:
@@ -56,10 +67,14 @@ def copy_run(workdir: Path, destination: Path) -> tuple[Path, Path]:
 
 # The fingerprints a rerun must reproduce, per row of each gathered table.
 FINGERPRINTS = {
-    "trajectories": (("checkpoint", "construction", "precision", "prefix_precision", "replica", "item_id"),
-                     ("model_fingerprint", "prefix_object", "cache_object", "layer_k", "layer_v", "suffix_object")),
-    "transplants": (("selection", "checkpoint", "item_id", "donor", "recipient", "precision", "subset"),
-                    ("cache_digest", "layer_k", "layer_v", "suffix_object", "outcome")),
+    "trajectories": (
+        ("checkpoint", "construction", "precision", "prefix_precision", "replica", "item_id"),
+        ("model_fingerprint", "prefix_object", "cache_object", "layer_k", "layer_v", "suffix_object"),
+    ),
+    "transplants": (
+        ("selection", "checkpoint", "item_id", "donor", "recipient", "precision", "subset"),
+        ("cache_digest", "layer_k", "layer_v", "suffix_object", "outcome"),
+    ),
 }
 
 
@@ -78,7 +93,8 @@ def ledger_snapshot(ledger: Path) -> dict[str, str]:
     """Content digest of every file in the ledger, by relative path."""
     return {
         str(path.relative_to(ledger)): xxhash.xxh3_128(path.read_bytes()).hexdigest()
-        for path in sorted(ledger.rglob("*")) if path.is_file()
+        for path in sorted(ledger.rglob("*"))
+        if path.is_file()
     }
 
 
@@ -110,7 +126,8 @@ def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
     row = rows[0]
     tokens = [token + 1 for token in row["suffix_tokens"]]  # as long as before: one margin per token still
     row["suffix_object"] = ObjectStore(ledger / "objects").put_tokens(
-        tokens, {"role": "suffix", "model_fingerprint": row["model_fingerprint"]})
+        tokens, {"role": "suffix", "model_fingerprint": row["model_fingerprint"]}
+    )
     row["suffix_tokens"] = tokens
     write_table(rows, TRAJECTORY_SCHEMA, shard)
     return row

@@ -63,36 +63,60 @@ class Check:
 
 
 def environment_difference(saved: dict, audited: dict) -> str | None:
-    changes = [f"{name} {saved[name]} -> {audited[name]}" for name in ENVIRONMENT_COLUMNS
-               if name in saved and saved[name] != audited[name]]
+    changes = [
+        f"{name} {saved[name]} -> {audited[name]}"
+        for name in ENVIRONMENT_COLUMNS
+        if name in saved and saved[name] != audited[name]
+    ]
     return "; ".join(changes) or None
 
 
 def _same(kind: str, artifact: str, where: dict, saved, audited, **extra) -> Check:
-    return Check(kind, artifact, **where, reproduced=saved == audited, saved=None if saved == audited else str(saved),
-                 audited=None if saved == audited else str(audited), **extra)
+    return Check(
+        kind,
+        artifact,
+        **where,
+        reproduced=saved == audited,
+        saved=None if saved == audited else str(saved),
+        audited=None if saved == audited else str(audited),
+        **extra,
+    )
 
 
 def _layers(kind: str, artifact: str, where: dict, saved: list[str], audited: list[str], **extra) -> Check:
     layer = first_divergence(list(saved), list(audited))
-    return Check(kind, artifact, **where, reproduced=layer is None,
-                 saved=None if layer is None else (saved[layer] if layer < len(saved) else f"{len(saved)} layers"),
-                 audited=None if layer is None else (audited[layer] if layer < len(audited) else f"{len(audited)} layers"),
-                 first_differing_layer=layer, **extra)
+    return Check(
+        kind,
+        artifact,
+        **where,
+        reproduced=layer is None,
+        saved=None if layer is None else (saved[layer] if layer < len(saved) else f"{len(saved)} layers"),
+        audited=None if layer is None else (audited[layer] if layer < len(audited) else f"{len(audited)} layers"),
+        first_differing_layer=layer,
+        **extra,
+    )
 
 
-def _tokens(kind: str, artifact: str, where: dict, saved_id: str, audited_id: str, saved: list[int], audited: list[int],
-            **extra) -> Check:
+def _tokens(
+    kind: str, artifact: str, where: dict, saved_id: str, audited_id: str, saved: list[int], audited: list[int], **extra
+) -> Check:
     position = None if saved_id == audited_id else first_divergence(list(saved), list(audited))
     detail = None
     if position is not None and position < min(len(saved), len(audited)):
         detail = f"token {saved[position]} saved, {audited[position]} recomputed"
     elif saved_id != audited_id:
         detail = f"{len(saved)} tokens saved, {len(audited)} recomputed"
-    return Check(kind, artifact, **where, reproduced=saved_id == audited_id,
-                 saved=None if saved_id == audited_id else saved_id,
-                 audited=None if saved_id == audited_id else audited_id,
-                 first_differing_position=position, detail=detail, **extra)
+    return Check(
+        kind,
+        artifact,
+        **where,
+        reproduced=saved_id == audited_id,
+        saved=None if saved_id == audited_id else saved_id,
+        audited=None if saved_id == audited_id else audited_id,
+        first_differing_position=position,
+        detail=detail,
+        **extra,
+    )
 
 
 def _missing(kind: str, where: dict, saved: bool) -> Check:
@@ -112,13 +136,22 @@ def _duplicates(kind: str, rows: list[dict], key, where, place: str) -> tuple[se
     for row in rows:
         first.setdefault(key(row), row)
     shared = {k for k, count in counts.items() if count > 1}
-    checks = [Check(kind, kind, **where(first[k]), reproduced=False,
-                    detail=f"{counts[k]} rows share the key {k} in {place} — rebuild that table (rerun snakemake)")
-              for k in sorted(shared, key=str)]
+    checks = [
+        Check(
+            kind,
+            kind,
+            **where(first[k]),
+            reproduced=False,
+            detail=f"{counts[k]} rows share the key {k} in {place} — rebuild that table (rerun snakemake)",
+        )
+        for k in sorted(shared, key=str)
+    ]
     return shared, checks
 
 
-def _paired(kind: str, saved: pa.Table, audited: pa.Table, columns: tuple[str, ...], label) -> tuple[list[tuple], list[Check]]:
+def _paired(
+    kind: str, saved: pa.Table, audited: pa.Table, columns: tuple[str, ...], label
+) -> tuple[list[tuple], list[Check]]:
     """Each saved row with its recomputed twin (the same key ``columns``), where it is and how its environment
     differs; a failed check for every row of either side without a twin, and for every key shared by several rows."""
 
@@ -144,7 +177,9 @@ def _paired(kind: str, saved: pa.Table, audited: pa.Table, columns: tuple[str, .
         twin = recomputed.get(key(row))
         if twin is not None:
             environment = environment_difference(row, twin)
-            pairs.append((row, twin, where(row), {"environment_differs": environment is not None, "environment": environment}))
+            pairs.append(
+                (row, twin, where(row), {"environment_differs": environment is not None, "environment": environment})
+            )
     return pairs, checks
 
 
@@ -152,11 +187,21 @@ def _side_label(row: dict) -> str:
     return Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
 
 
-def audit_trajectories(saved: pa.Table, audited: pa.Table, saved_store: ObjectStore, audit_store: ObjectStore) -> list[Check]:
+def audit_trajectories(
+    saved: pa.Table, audited: pa.Table, saved_store: ObjectStore, audit_store: ObjectStore
+) -> list[Check]:
     pairs, checks = _paired("trajectory", saved, audited, TRAJECTORY_KEY, _side_label)
     for old, new, where, extra_fields in pairs:
-        checks.append(_same("trajectory", "model_fingerprint", where, old["model_fingerprint"], new["model_fingerprint"],
-                            **extra_fields))
+        checks.append(
+            _same(
+                "trajectory",
+                "model_fingerprint",
+                where,
+                old["model_fingerprint"],
+                new["model_fingerprint"],
+                **extra_fields,
+            )
+        )
         # A rebuilt row's prefix is copied from the saved live row, not recomputed: comparing it would
         # count a copy as a reproduction. Only a live row's prefix is generated again from the prompt.
         if old["construction"] == "live":
@@ -164,47 +209,98 @@ def audit_trajectories(saved: pa.Table, audited: pa.Table, saved_store: ObjectSt
             differs = old["prefix_object"] != new["prefix_object"]
             prefix_old = saved_store.get_tokens(old["prefix_object"]) if differs else []
             prefix_new = audit_store.get_tokens(new["prefix_object"]) if differs else []
-            checks.append(_tokens("trajectory", "prefix", where, old["prefix_object"], new["prefix_object"], prefix_old,
-                                  prefix_new, **extra_fields))
+            checks.append(
+                _tokens(
+                    "trajectory",
+                    "prefix",
+                    where,
+                    old["prefix_object"],
+                    new["prefix_object"],
+                    prefix_old,
+                    prefix_new,
+                    **extra_fields,
+                )
+            )
         checks += [
             _same("trajectory", "cache", where, old["cache_object"], new["cache_object"], **extra_fields),
             _layers("trajectory", "layer_k", where, old["layer_k"], new["layer_k"], **extra_fields),
             _layers("trajectory", "layer_v", where, old["layer_v"], new["layer_v"], **extra_fields),
-            _tokens("trajectory", "suffix", where, old["suffix_object"], new["suffix_object"], old["suffix_tokens"],
-                    new["suffix_tokens"], **extra_fields),
-            _same("trajectory", "label", where, (old["answer"], old["correct"]), (new["answer"], new["correct"]),
-                  **extra_fields),
+            _tokens(
+                "trajectory",
+                "suffix",
+                where,
+                old["suffix_object"],
+                new["suffix_object"],
+                old["suffix_tokens"],
+                new["suffix_tokens"],
+                **extra_fields,
+            ),
+            _same(
+                "trajectory",
+                "label",
+                where,
+                (old["answer"], old["correct"]),
+                (new["answer"], new["correct"]),
+                **extra_fields,
+            ),
         ]
     return checks
 
 
 def audit_comparisons(saved: pa.Table, audited: pa.Table) -> list[Check]:
-    pairs, checks = _paired("comparison", saved, audited, COMPARISON_KEY,
-                            lambda row: f"{row['experiment']}: {row['a']} vs {row['b']}")
+    pairs, checks = _paired(
+        "comparison", saved, audited, COMPARISON_KEY, lambda row: f"{row['experiment']}: {row['a']} vs {row['b']}"
+    )
     for old, new, where, _ in pairs:
         differing = [name for name in old if old[name] != new[name]]
         details = [f"fields differ: {', '.join(differing)}"] if differing else []
         # Every construction of a pair is built over the same saved prefix, so unequal prefixes mean the
         # pair compared two different states, even when saved and recomputed rows agree on it.
         if old["relation"] == "construction" and not (old["prefix_equal"] and new["prefix_equal"]):
-            details.append("prefixes of the construction pair differ (every construction is built over the same prefix)")
-        checks.append(Check(
-            "comparison", "comparison", **where, reproduced=not details,
-            detail="; ".join(details) or None,
-            first_differing_layer=old["first_differing_layer"] if "cache_exact" in differing else None,
-        ))
+            details.append(
+                "prefixes of the construction pair differ (every construction is built over the same prefix)"
+            )
+        checks.append(
+            Check(
+                "comparison",
+                "comparison",
+                **where,
+                reproduced=not details,
+                detail="; ".join(details) or None,
+                first_differing_layer=old["first_differing_layer"] if "cache_exact" in differing else None,
+            )
+        )
     return checks
 
 
 def audit_transplants(saved: pa.Table, audited: pa.Table) -> list[Check]:
-    pairs, checks = _paired("transplant", saved, audited, TRANSPLANT_KEY,
-                            lambda row: f"{row['selection']}: {row['donor']} -> {row['recipient']} {row['subset']}")
+    pairs, checks = _paired(
+        "transplant",
+        saved,
+        audited,
+        TRANSPLANT_KEY,
+        lambda row: f"{row['selection']}: {row['donor']} -> {row['recipient']} {row['subset']}",
+    )
     for old, new, where, extra_fields in pairs:
         checks += [
-            _layers("transplant", "transplant_cache", where, old["layer_k"] + old["layer_v"],
-                    new["layer_k"] + new["layer_v"], **extra_fields),
-            _tokens("transplant", "transplant_suffix", where, old["suffix_object"], new["suffix_object"],
-                    old["suffix_tokens"], new["suffix_tokens"], **extra_fields),
+            _layers(
+                "transplant",
+                "transplant_cache",
+                where,
+                old["layer_k"] + old["layer_v"],
+                new["layer_k"] + new["layer_v"],
+                **extra_fields,
+            ),
+            _tokens(
+                "transplant",
+                "transplant_suffix",
+                where,
+                old["suffix_object"],
+                new["suffix_object"],
+                old["suffix_tokens"],
+                new["suffix_tokens"],
+                **extra_fields,
+            ),
             _same("transplant", "outcome", where, old["outcome"], new["outcome"], **extra_fields),
         ]
     return checks
@@ -212,8 +308,13 @@ def audit_transplants(saved: pa.Table, audited: pa.Table) -> list[Check]:
 
 def audit_selection(saved: dict, audited: dict) -> list[Check]:
     return [
-        _same("selection", "selection", {"checkpoint": saved[name].get("checkpoint"), "item_id": None, "side": name},
-              saved[name]["item_ids"], audited[name]["item_ids"])
+        _same(
+            "selection",
+            "selection",
+            {"checkpoint": saved[name].get("checkpoint"), "item_id": None, "side": name},
+            saved[name]["item_ids"],
+            audited[name]["item_ids"],
+        )
         for name in sorted(saved)
     ]
 
@@ -221,8 +322,13 @@ def audit_selection(saved: dict, audited: dict) -> list[Check]:
 def audit_models(saved_records: dict[str, dict], audited_records: dict[str, dict]) -> list[Check]:
     """The checkpoints the audit used (a ledger may also hold records of checkpoints no longer configured)."""
     return [
-        _same("model", "model_folder", {"checkpoint": name, "item_id": None, "side": record["folder"]},
-              saved_records.get(name, {}).get("fingerprint"), record["fingerprint"])
+        _same(
+            "model",
+            "model_folder",
+            {"checkpoint": name, "item_id": None, "side": record["folder"]},
+            saved_records.get(name, {}).get("fingerprint"),
+            record["fingerprint"],
+        )
         for name, record in sorted(audited_records.items())
     ]
 
@@ -238,16 +344,24 @@ def audit_ledger(ledger: str | Path, checkpoints: list[str]) -> list[Check]:
     saved, audit = Ledger(ledger), Ledger(ledger).audit
     saved_store, audit_store = ObjectStore(saved.objects), ObjectStore(audit.objects)
     checks = audit_models(_records(saved, checkpoints), _records(audit, checkpoints))
-    checks += audit_trajectories(read_table(saved.table("trajectories"), TRAJECTORY_SCHEMA),
-                                 read_table(audit.table("trajectories"), TRAJECTORY_SCHEMA),
-                                 saved_store, audit_store)
-    checks += audit_comparisons(read_table(saved.table("comparisons"), COMPARISON_SCHEMA),
-                                read_table(audit.table("comparisons"), COMPARISON_SCHEMA))
+    checks += audit_trajectories(
+        read_table(saved.table("trajectories"), TRAJECTORY_SCHEMA),
+        read_table(audit.table("trajectories"), TRAJECTORY_SCHEMA),
+        saved_store,
+        audit_store,
+    )
+    checks += audit_comparisons(
+        read_table(saved.table("comparisons"), COMPARISON_SCHEMA),
+        read_table(audit.table("comparisons"), COMPARISON_SCHEMA),
+    )
     if Path(saved.table("transplants")).exists():
-        checks += audit_transplants(read_table(saved.table("transplants"), TRANSPLANT_SCHEMA),
-                                    read_table(audit.table("transplants"), TRANSPLANT_SCHEMA))
-        checks += audit_selection(json.loads(Path(saved.selection).read_text()),
-                                  json.loads(Path(audit.selection).read_text()))
+        checks += audit_transplants(
+            read_table(saved.table("transplants"), TRANSPLANT_SCHEMA),
+            read_table(audit.table("transplants"), TRANSPLANT_SCHEMA),
+        )
+        checks += audit_selection(
+            json.loads(Path(saved.selection).read_text()), json.loads(Path(audit.selection).read_text())
+        )
     return checks
 
 
@@ -256,12 +370,22 @@ def audit_rows(checks: list[Check]) -> list[dict]:
 
 
 def _describe(check: dict) -> str:
-    where = " ".join(part for part in (
-        f"item {check['item_id']}" if check["item_id"] else None, check["side"], check["artifact"],
-        f"first differing layer {check['first_differing_layer']}" if check["first_differing_layer"] is not None else None,
-        f"first differing position {check['first_differing_position']}" if check["first_differing_position"] is not None else None,
-        check["detail"],
-    ) if part)
+    where = " ".join(
+        part
+        for part in (
+            f"item {check['item_id']}" if check["item_id"] else None,
+            check["side"],
+            check["artifact"],
+            f"first differing layer {check['first_differing_layer']}"
+            if check["first_differing_layer"] is not None
+            else None,
+            f"first differing position {check['first_differing_position']}"
+            if check["first_differing_position"] is not None
+            else None,
+            check["detail"],
+        )
+        if part
+    )
     return where
 
 
@@ -297,8 +421,21 @@ def e4_figures(rows: list[dict], audit_runtime: dict | None = None) -> dict:
         "trajectories": _reproduced(list(by_trajectory.values())),
         "artifacts": {name: _reproduced(values) for name, values in sorted(by_artifact.items())},
         "mismatches": [
-            {key: row[key] for key in ("kind", "artifact", "checkpoint", "item_id", "side", "first_differing_layer",
-                                       "first_differing_position", "detail", "saved", "audited")}
+            {
+                key: row[key]
+                for key in (
+                    "kind",
+                    "artifact",
+                    "checkpoint",
+                    "item_id",
+                    "side",
+                    "first_differing_layer",
+                    "first_differing_position",
+                    "detail",
+                    "saved",
+                    "audited",
+                )
+            }
             for row in mismatches[:MISMATCHES_LISTED]
         ],
         "mismatches_not_listed": max(len(mismatches) - MISMATCHES_LISTED, 0),
@@ -318,8 +455,10 @@ def verdict(figures: dict) -> str:
     reproduced = sum(entry["reproduced"] or 0 for entry in figures["artifacts"].values())
     if not artifacts:
         return f"E4 audit: {NOT_MEASURED} (no saved row was audited)"
-    line = (f"E4 audit: {figures['status']}; {reproduced}/{artifacts} artifacts reproduced; trajectories "
-            f"{_fraction(figures['trajectories'])}, items {_fraction(figures['items'])}")
+    line = (
+        f"E4 audit: {figures['status']}; {reproduced}/{artifacts} artifacts reproduced; trajectories "
+        f"{_fraction(figures['trajectories'])}, items {_fraction(figures['items'])}"
+    )
     if figures["mismatches"]:
         line += f"; first mismatch: {_describe(figures['mismatches'][0])}"
     if figures["environment_differences"]:
@@ -342,8 +481,9 @@ def saved_table_digests(tables: dict[str, pa.Table | None]) -> dict[str, str | N
 
 def ledger_table_digests(ledger: str | Path) -> dict[str, str | None]:
     saved = Ledger(ledger)
-    return saved_table_digests({name: read_table(saved.table(name)) for name in SAVED_TABLES
-                                if Path(saved.table(name)).exists()})
+    return saved_table_digests(
+        {name: read_table(saved.table(name)) for name in SAVED_TABLES if Path(saved.table(name)).exists()}
+    )
 
 
 def e4_document(figures: dict, digests: dict[str, str | None]) -> dict:

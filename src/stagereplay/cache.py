@@ -82,8 +82,10 @@ def unsupported_attention(config, name: str) -> str | None:
         first = other[0]
         kind = layer_types[first] if first < len(layer_types) else type(layers[first]).__name__
         found = f"{len(other)} of {len(layers)} layers are not full attention (layer {first}: {kind})"
-    return (f"model {name}: {found} — stage replay needs every position cached in every layer; use a model whose"
-            " layers are all full attention (Qwen2/Mistral-style configs: use_sliding_window false, sliding_window null)")
+    return (
+        f"model {name}: {found} — stage replay needs every position cached in every layer; use a model whose"
+        " layers are all full attention (Qwen2/Mistral-style configs: use_sliding_window false, sliding_window null)"
+    )
 
 
 def empty_cache(model) -> DynamicCache:
@@ -91,7 +93,9 @@ def empty_cache(model) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     # load_model refuses such models first; this guards a model built any other way (a test, a notebook).
     if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ValueError(unsupported_attention(model.config, getattr(model.config, "name_or_path", "") or type(model).__name__))
+        raise ValueError(
+            unsupported_attention(model.config, getattr(model.config, "name_or_path", "") or type(model).__name__)
+        )
     return cache
 
 

@@ -55,7 +55,9 @@ def proportion(experiment: str, figure: str, counted: dict) -> Figure:
     if n == 0:  # nothing was observed: never a success, never a failure
         return Figure(experiment, figure, "0/0", NOT_MEASURED, "—", "no observations (n = 0)")
     low, high = counted["wilson95"]
-    return Figure(experiment, figure, f"{count}/{n}", percent(counted["rate"]), f"[{percent(low)}, {percent(high)}]", WILSON)
+    return Figure(
+        experiment, figure, f"{count}/{n}", percent(counted["rate"]), f"[{percent(low)}, {percent(high)}]", WILSON
+    )
 
 
 def not_run(experiment: str, how: str) -> Figure:
@@ -93,12 +95,27 @@ def paired_figures(name: str, e1: dict) -> list[Figure]:
     figures = []
     for method in (paired, paired["newcombe"], paired["wald"]):
         low, high = method["ci95"]
-        figures.append(Figure(name, label, counted, f"{points(method['live_minus_prefill'])} pts",
-                              f"[{points(low)}, {points(high)}] pts", method["method"]))
+        figures.append(
+            Figure(
+                name,
+                label,
+                counted,
+                f"{points(method['live_minus_prefill'])} pts",
+                f"[{points(low)}, {points(high)}] pts",
+                method["method"],
+            )
+        )
     mcnemar = paired["mcnemar"]
-    figures.append(Figure(name, "equal accuracy (discordant pairs live-only : prefill-only)",
-                          f"{mcnemar['live_only_correct']} : {mcnemar['prefill_only_correct']}",
-                          f"p = {mcnemar['p_value']:.3f}", "—", mcnemar["method"]))
+    figures.append(
+        Figure(
+            name,
+            "equal accuracy (discordant pairs live-only : prefill-only)",
+            f"{mcnemar['live_only_correct']} : {mcnemar['prefill_only_correct']}",
+            f"p = {mcnemar['p_value']:.3f}",
+            "—",
+            mcnemar["method"],
+        )
+    )
     return figures
 
 
@@ -119,9 +136,16 @@ def e2_figures(summary: dict) -> list[Figure]:
                     proportion(name, f"caches that differ, incremental vs {other}", figure["caches_differ"]),
                 ]
                 if figure["median_first_divergence"] is not None:
-                    figures.append(Figure(name, f"median first divergent position, incremental vs {other}",
-                                          f"{counted['count']} divergent", f"token {figure['median_first_divergence']:g}",
-                                          "—", "median over the divergent suffixes"))
+                    figures.append(
+                        Figure(
+                            name,
+                            f"median first divergent position, incremental vs {other}",
+                            f"{counted['count']} divergent",
+                            f"token {figure['median_first_divergence']:g}",
+                            "—",
+                            "median over the divergent suffixes",
+                        )
+                    )
     return figures or [not_run("E2 fixed_prefix", "no fixed_prefix.precisions in the config")]
 
 
@@ -138,6 +162,7 @@ def e3_figures(summary: dict) -> list[Figure]:
 
 
 # --- E4, E5 (optional: present only when their rules ran) --------------------------------
+
 
 def e4_figures(e4: dict | None) -> list[Figure]:
     if e4 is None:
@@ -156,29 +181,59 @@ def e5_figures(e5: dict | None) -> list[Figure]:
     figures = []
     for key, figure in e5["all_layers"].items():
         figures.append(proportion(name, f"all layers, {key}: follow the donor", figure["follows_donor"]))
-        figures.append(proportion(name, f"all layers, {key}: follow the recipient", figure["follows_recipient_proportion"]))
+        figures.append(
+            proportion(name, f"all layers, {key}: follow the recipient", figure["follows_recipient_proportion"])
+        )
         figures.append(proportion(name, f"all layers, {key}: follow neither", figure["neither_proportion"]))
         for direction, counted in figure["by_direction_follows_donor"].items():
             figures.append(proportion(name, f"all layers, {key}, {direction}: follow the donor", counted))
     for entry in e5["sweep"]:
-        counted = {"count": entry["follows_donor"], "n": entry["n"], "rate": entry["fraction"], "wilson95": entry["wilson95"]}
+        counted = {
+            "count": entry["follows_donor"],
+            "n": entry["n"],
+            "rate": entry["fraction"],
+            "wilson95": entry["wilson95"],
+        }
         figures.append(proportion(name, f"sweep {entry['subset']}: follow the donor", counted))
     cross = e5["cross_precision"]
     for precision, counted in cross["divergence_survives_cast"].items():
-        figures.append(proportion(
-            name, f"cross precision, at {precision}: continuations from the cast live and cast prefill caches differ"
-                  " (the divergence survives the cast)", counted))
+        figures.append(
+            proportion(
+                name,
+                f"cross precision, at {precision}: continuations from the cast live and cast prefill caches differ"
+                " (the divergence survives the cast)",
+                counted,
+            )
+        )
     for direction, counted in cross["follows_donor"].items():
-        figures.append(proportion(
-            name, f"cross precision {direction}: follow the donor's own suffix (decoded at the donor's precision, so"
-                  " this mixes the cache with the precision)", counted))
-    return figures or [Figure(name, "all layers: follow the donor", "0/0", "—", "—",
-                              "no divergent item to transplant (counted on divergent items only)")]
+        figures.append(
+            proportion(
+                name,
+                f"cross precision {direction}: follow the donor's own suffix (decoded at the donor's precision, so"
+                " this mixes the cache with the precision)",
+                counted,
+            )
+        )
+    return figures or [
+        Figure(
+            name,
+            "all layers: follow the donor",
+            "0/0",
+            "—",
+            "—",
+            "no divergent item to transplant (counted on divergent items only)",
+        )
+    ]
 
 
 def all_figures(summary: dict) -> list[Figure]:
-    return (e1_figures(summary) + e2_figures(summary) + e3_figures(summary)
-            + e4_figures(summary.get("E4")) + e5_figures(summary.get("E5")))
+    return (
+        e1_figures(summary)
+        + e2_figures(summary)
+        + e3_figures(summary)
+        + e4_figures(summary.get("E4"))
+        + e5_figures(summary.get("E5"))
+    )
 
 
 # --- provenance and the document ----------------------------------------------------------
@@ -197,12 +252,22 @@ def provenance(summary: dict, item_source: str, items_path: str | Path, model_re
 
 
 ENVIRONMENT_COLUMNS = [
-    ("checkpoint", "checkpoint"), ("precision", "precision"), ("device", "device"), ("device_name", "device name"),
-    ("cpu_capability", "CPU kernels"), ("threads", "threads"), ("attn_implementation", "attention"), ("tf32", "TF32"),
+    ("checkpoint", "checkpoint"),
+    ("precision", "precision"),
+    ("device", "device"),
+    ("device_name", "device name"),
+    ("cpu_capability", "CPU kernels"),
+    ("threads", "threads"),
+    ("attn_implementation", "attention"),
+    ("tf32", "TF32"),
     ("bf16_reduced_precision_reduction", "bf16 reduced-precision reduction"),
-    ("fp16_reduced_precision_reduction", "fp16 reduced-precision reduction"), ("sdpa_backends", "SDPA backends"),
-    ("float32_matmul_precision", "fp32 matmul precision"), ("deterministic", "deterministic"),
-    ("torch_version", "torch"), ("transformers_version", "transformers"), ("model_fingerprint", "model fingerprint"),
+    ("fp16_reduced_precision_reduction", "fp16 reduced-precision reduction"),
+    ("sdpa_backends", "SDPA backends"),
+    ("float32_matmul_precision", "fp32 matmul precision"),
+    ("deterministic", "deterministic"),
+    ("torch_version", "torch"),
+    ("transformers_version", "transformers"),
+    ("model_fingerprint", "model fingerprint"),
 ]
 FIGURE_COLUMNS = ["Experiment", "Figure", "Count / N", "Estimate", "95% interval", "Method"]
 
@@ -211,22 +276,37 @@ FIGURE_COLUMNS = ["Experiment", "Figure", "Count / N", "Estimate", "95% interval
 def document(figures: list[Figure], prov: Provenance, lines_of_reading: list[str]) -> list[tuple]:
     return [
         ("heading", 1, "stagereplay results card"),
-        ("paragraph", "Live KV cache versus one-shot prefill of the same tokens. Every number below is computed from"
-                      " this ledger (summary.json and tables/*.parquet) by `stagereplay report`; nothing is typed in."),
+        (
+            "paragraph",
+            "Live KV cache versus one-shot prefill of the same tokens. Every number below is computed from"
+            " this ledger (summary.json and tables/*.parquet) by `stagereplay report`; nothing is typed in.",
+        ),
         ("heading", 2, "Figures"),
-        ("table", FIGURE_COLUMNS, [[f.experiment, f.figure, f.count, f.estimate, f.interval, f.method] for f in figures]),
+        (
+            "table",
+            FIGURE_COLUMNS,
+            [[f.experiment, f.figure, f.count, f.estimate, f.interval, f.method] for f in figures],
+        ),
         ("heading", 2, "Reading: what this run shows and does not show"),
         ("bullets", lines_of_reading),
         ("heading", 2, "Provenance"),
-        ("bullets", [
-            f"stagereplay {prov.version}",
-            f"items: {prov.item_count} from `{prov.item_source}` (normalised items.jsonl, xxh3-128 {prov.item_digest})",
-            *[f"model `{model['checkpoint']}`: source {model['source']}, fingerprint {model['fingerprint']}"
-              for model in prov.models],
-            f"precisions: {', '.join(sorted({entry['precision'] for entry in prov.environment}))}",
-        ]),
-        ("table", [title for _, title in ENVIRONMENT_COLUMNS],
-         [[entry[key] for key, _ in ENVIRONMENT_COLUMNS] for entry in prov.environment]),
+        (
+            "bullets",
+            [
+                f"stagereplay {prov.version}",
+                f"items: {prov.item_count} from `{prov.item_source}` (normalised items.jsonl, xxh3-128 {prov.item_digest})",
+                *[
+                    f"model `{model['checkpoint']}`: source {model['source']}, fingerprint {model['fingerprint']}"
+                    for model in prov.models
+                ],
+                f"precisions: {', '.join(sorted({entry['precision'] for entry in prov.environment}))}",
+            ],
+        ),
+        (
+            "table",
+            [title for _, title in ENVIRONMENT_COLUMNS],
+            [[entry[key] for key, _ in ENVIRONMENT_COLUMNS] for entry in prov.environment],
+        ),
     ]
 
 
@@ -234,8 +314,13 @@ def results_card(summary: dict, prov: Provenance) -> list[tuple]:
     return document(all_figures(summary), prov, reading(summary, prov))
 
 
-def write_results_card(summary: dict, prov: Provenance, markdown_path: str | Path,
-                       html_path: str | Path | None = None, summary_bytes: bytes | None = None) -> Path:
+def write_results_card(
+    summary: dict,
+    prov: Provenance,
+    markdown_path: str | Path,
+    html_path: str | Path | None = None,
+    summary_bytes: bytes | None = None,
+) -> Path:
     """Both cards, stamped with the summary.json bytes they come from (unstamped without them:
     `stagereplay verify` then says so), so an edited or outdated card is caught."""
     blocks = results_card(summary, prov)

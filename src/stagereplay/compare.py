@@ -49,19 +49,25 @@ def live(precision: str, replica: int = 0) -> Side:
     return Side("live", precision, precision, replica)
 
 
-def pair_specs(matched_precision: str, replicas: int, precisions: list[str], constructions: list[str]) -> list[PairSpec]:
+def pair_specs(
+    matched_precision: str, replicas: int, precisions: list[str], constructions: list[str]
+) -> list[PairSpec]:
     """The pairs of the primary checkpoint: E1 with its replicas, E2 and E3."""
     rebuilt = lambda construction, precision, replica=0: Side(construction, precision, matched_precision, replica)  # noqa: E731
     specs = [PairSpec("E1", "construction", live(matched_precision), rebuilt("prefill", matched_precision))]
     for replica in range(1, replicas):
         specs.append(PairSpec("E1", "replica", live(matched_precision), live(matched_precision, replica)))
-        specs.append(PairSpec("E1", "replica", rebuilt("prefill", matched_precision),
-                              rebuilt("prefill", matched_precision, replica)))
+        specs.append(
+            PairSpec(
+                "E1", "replica", rebuilt("prefill", matched_precision), rebuilt("prefill", matched_precision, replica)
+            )
+        )
     for precision in precisions:
         for construction in constructions:
             if construction != "incremental":
-                specs.append(PairSpec("E2", "construction", rebuilt("incremental", precision),
-                                      rebuilt(construction, precision)))
+                specs.append(
+                    PairSpec("E2", "construction", rebuilt("incremental", precision), rebuilt(construction, precision))
+                )
     for precision in precisions:
         specs.append(PairSpec("E3", "construction", live(precision), Side("incremental", precision, precision)))
     return specs
@@ -102,7 +108,8 @@ def compare_pair(store: ObjectStore, spec: PairSpec, a: dict, b: dict) -> dict:
         keys = values = ()
     differing = [
         (layer, "k" if k.fraction_differ else "v")
-        for layer, (k, v) in enumerate(zip(keys, values)) if k.fraction_differ or v.fraction_differ
+        for layer, (k, v) in enumerate(zip(keys, values))
+        if k.fraction_differ or v.fraction_differ
     ]
     divergence = first_divergence(a["suffix_tokens"], b["suffix_tokens"])
     return {
@@ -149,7 +156,9 @@ def comparison_table(trajectories: pa.Table, store: ObjectStore, specs: dict[str
     items = sorted({row["item_id"] for row in trajectories.select(["item_id"]).to_pylist()})
     strays = sorted({row["checkpoint"] for row in trajectories.select(["checkpoint"]).to_pylist()} - specs.keys())
     if strays:
-        raise LedgerError(f"trajectories of checkpoint {strays[0]} are not part of this run's design — rerun snakemake to regather")
+        raise LedgerError(
+            f"trajectories of checkpoint {strays[0]} are not part of this run's design — rerun snakemake to regather"
+        )
     rows = []
     for checkpoint, checkpoint_specs in specs.items():
         for spec in checkpoint_specs:

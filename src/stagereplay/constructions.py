@@ -62,10 +62,10 @@ class MarkerMatcher:
         return cls(marker, token_ids, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=False), window)
 
     def match(self, tokens: list[int]) -> str | None:
-        """"token_ids", "text" or None: how the marker ends ``tokens``, checked after each new token."""
-        if self.token_ids and tuple(tokens[-len(self.token_ids):]) == self.token_ids:
+        """ "token_ids", "text" or None: how the marker ends ``tokens``, checked after each new token."""
+        if self.token_ids and tuple(tokens[-len(self.token_ids) :]) == self.token_ids:
             return "token_ids"
-        if self.marker in self.decode(list(tokens[-self.window:])):
+        if self.marker in self.decode(list(tokens[-self.window :])):
             return "text"
         return None
 
@@ -100,8 +100,9 @@ def build_live(
     marker_match = matcher.match(list(reasoning.tokens)) if reasoning.stop == "marker" else None
     # The last generated token was chosen but never fed: it is the pending input,
     # and the cache covers exactly the prompt and the generated tokens before it.
-    return LiveRun(state=kv.snapshot(cache), prefix=(*prompt, *reasoning.tokens), reasoning=reasoning,
-                   marker_match=marker_match)
+    return LiveRun(
+        state=kv.snapshot(cache), prefix=(*prompt, *reasoning.tokens), reasoning=reasoning, marker_match=marker_match
+    )
 
 
 def build_boundary_state(model, prefix: list[int], construction: str, prompt_length: int) -> kv.KVState:
@@ -118,7 +119,7 @@ def build_boundary_state(model, prefix: list[int], construction: str, prompt_len
     elif kind == "incremental":
         pieces = [context[:prompt_length]] + [[token] for token in context[prompt_length:]]
     else:
-        pieces = [context[start:start + chunk] for start in range(0, len(context), chunk)]
+        pieces = [context[start : start + chunk] for start in range(0, len(context), chunk)]
     cache = kv.empty_cache(model)
     with torch.inference_mode():
         for piece in pieces:

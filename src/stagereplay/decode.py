@@ -18,7 +18,9 @@ from . import cache as kv
 class Decoded:
     tokens: tuple[int, ...]
     margins: tuple[float, ...]  # top1 - top2 logit at each emitted token
-    stop: str  # "eos", "budget", or the caller's stop_reason: "marker" (the stage), "left_both" (a transplant), "stopped"
+    stop: (
+        str  # "eos", "budget", or the caller's stop_reason: "marker" (the stage), "left_both" (a transplant), "stopped"
+    )
 
 
 def greedy_choice(logits: torch.Tensor) -> tuple[int, float]:
@@ -77,5 +79,6 @@ def continue_from(
     cache = kv.to_cache(state, model)
     with torch.inference_mode():
         logits = kv.forward(model, torch.tensor([[pending]], device=device), cache)
-    return decode_greedy(model, cache, logits, max_new_tokens, eos_ids, stop_after=stop_after,
-                         on_token=on_token, stop_reason=stop_reason)
+    return decode_greedy(
+        model, cache, logits, max_new_tokens, eos_ids, stop_after=stop_after, on_token=on_token, stop_reason=stop_reason
+    )

@@ -85,10 +85,11 @@ def _read_text(path: Path, encoding: str) -> str:
         return data.decode(encoding)
     except UnicodeDecodeError as error:
         # Lines as a text-mode file counts them (universal newlines).
-        lines = io.StringIO(data[:error.start].decode(encoding), newline=None).readlines()
+        lines = io.StringIO(data[: error.start].decode(encoding), newline=None).readlines()
         lineno = len(lines) + (1 if not lines or lines[-1].endswith("\n") else 0)
-        raise ItemError(f"items file {path} line {lineno}: not UTF-8 text (byte 0x{data[error.start]:02x})"
-                        " — save the file as UTF-8") from None
+        raise ItemError(
+            f"items file {path} line {lineno}: not UTF-8 text (byte 0x{data[error.start]:02x}) — save the file as UTF-8"
+        ) from None
 
 
 def _parse_jsonl(path: Path) -> list[tuple[int, Item]]:
@@ -98,7 +99,7 @@ def _parse_jsonl(path: Path) -> list[tuple[int, Item]]:
             if not line.strip():
                 continue
 
-            def bad(problem: str) -> ItemError:
+            def bad(problem: str, lineno: int = lineno) -> ItemError:
                 return ItemError(f"items file {path} line {lineno}: {problem} — fix or remove that line")
 
             try:
@@ -131,7 +132,9 @@ def _parse_jsonl(path: Path) -> list[tuple[int, Item]]:
     return rows
 
 
-def _shuffled_gpqa_choices(correct: str, incorrect: list[str], shuffle_seed: int, record_id: str) -> tuple[tuple[str, ...], str]:
+def _shuffled_gpqa_choices(
+    correct: str, incorrect: list[str], shuffle_seed: int, record_id: str
+) -> tuple[tuple[str, ...], str]:
     # A string seed goes through SHA-512 in random.Random, so the shuffle depends only on
     # (seed, record id): stable across processes and independent of the other rows.
     rng = random.Random(f"{shuffle_seed}:{record_id}")
@@ -160,7 +163,9 @@ def _parse_gpqa_csv(path: Path, shuffle_seed: int) -> list[tuple[int, Item]]:
             except StopIteration:
                 break
             except csv.Error as e:
-                raise ItemError(f"items file {path} line {lineno}: malformed CSV ({e}) — fix or remove that row") from None
+                raise ItemError(
+                    f"items file {path} line {lineno}: malformed CSV ({e}) — fix or remove that row"
+                ) from None
             cells = {c: (row.get(c) or "").strip() for c in GPQA_COLUMNS}
             for column, value in cells.items():
                 if not value:

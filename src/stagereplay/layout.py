@@ -62,10 +62,19 @@ class Ledger:
     def live_table(self, checkpoint: str, precision: str, replica: int | str, shard: str) -> str:
         return self.path("runs", "live", checkpoint, precision, f"rep{replica}", f"shard-{shard}.parquet")
 
-    def rebuilt_table(self, checkpoint: str, prefix_precision: str, precision: str, construction: str,
-                      replica: int | str, shard: str) -> str:
-        return self.path("runs", "rebuild", checkpoint, f"{prefix_precision}-prefix", precision,
-                         construction_token(construction), f"rep{replica}", f"shard-{shard}.parquet")
+    def rebuilt_table(
+        self, checkpoint: str, prefix_precision: str, precision: str, construction: str, replica: int | str, shard: str
+    ) -> str:
+        return self.path(
+            "runs",
+            "rebuild",
+            checkpoint,
+            f"{prefix_precision}-prefix",
+            precision,
+            construction_token(construction),
+            f"rep{replica}",
+            f"shard-{shard}.parquet",
+        )
 
     def transplant_table(self, selection: str, checkpoint: str, precision: str, shard: str) -> str:
         return self.path("runs", "transplant", selection, checkpoint, precision, f"shard-{shard}.parquet")

@@ -78,8 +78,11 @@ class ObjectStore:
 
     def object_ids(self) -> list[str]:
         """Every stored object, by id (temporary files of interrupted writes are not objects)."""
-        return sorted(path.name.removesuffix(OBJECT_SUFFIX) for path in self.root.glob(f"??/*{OBJECT_SUFFIX}")
-                      if not path.name.startswith("."))
+        return sorted(
+            path.name.removesuffix(OBJECT_SUFFIX)
+            for path in self.root.glob(f"??/*{OBJECT_SUFFIX}")
+            if not path.name.startswith(".")
+        )
 
     def put_tokens(self, tokens, metadata: dict[str, str]) -> str:
         return self.put({"tokens": torch.tensor(list(tokens), dtype=torch.int64)}, {"kind": "tokens", **metadata})
@@ -111,124 +114,137 @@ ENVIRONMENT_COLUMNS = tuple(name for name, _ in _ENVIRONMENT_FIELDS)
 # One row per (item, checkpoint, precision, construction, replica, prefix precision):
 # a boundary state and its continuation. ``prefix_precision`` names the live run
 # whose saved integer prefix was rebuilt (for ``live`` rows: its own precision).
-TRAJECTORY_SCHEMA = pa.schema([
-    ("checkpoint", pa.string()),
-    ("precision", pa.string()),
-    ("construction", pa.string()),
-    ("replica", pa.int32()),
-    ("prefix_precision", pa.string()),
-    ("item_id", pa.string()),
-    ("model_fingerprint", pa.string()),
-    ("prompt_length", pa.int32()),
-    ("prefix_length", pa.int32()),
-    ("boundary_reason", pa.string()),
-    ("marker_match", pa.string()),  # "token_ids" or "text" when the stage ended at the marker, else null
-    ("reasoning_text", pa.string()),
-    ("prefix_object", pa.string()),
-    ("cache_object", pa.string()),
-    ("cache_positions", pa.int32()),
-    ("layer_k", pa.list_(pa.string())),
-    ("layer_v", pa.list_(pa.string())),
-    ("suffix_object", pa.string()),
-    ("suffix_tokens", pa.list_(pa.int64())),
-    ("suffix_margins", pa.list_(pa.float32())),
-    ("suffix_stop", pa.string()),
-    ("suffix_text", pa.string()),
-    ("answer", pa.string()),
-    ("parsed", pa.bool_()),
-    ("correct", pa.bool_()),
-    *_ENVIRONMENT_FIELDS,
-    ("model_seconds", pa.float64()),
-])
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        ("checkpoint", pa.string()),
+        ("precision", pa.string()),
+        ("construction", pa.string()),
+        ("replica", pa.int32()),
+        ("prefix_precision", pa.string()),
+        ("item_id", pa.string()),
+        ("model_fingerprint", pa.string()),
+        ("prompt_length", pa.int32()),
+        ("prefix_length", pa.int32()),
+        ("boundary_reason", pa.string()),
+        ("marker_match", pa.string()),  # "token_ids" or "text" when the stage ended at the marker, else null
+        ("reasoning_text", pa.string()),
+        ("prefix_object", pa.string()),
+        ("cache_object", pa.string()),
+        ("cache_positions", pa.int32()),
+        ("layer_k", pa.list_(pa.string())),
+        ("layer_v", pa.list_(pa.string())),
+        ("suffix_object", pa.string()),
+        ("suffix_tokens", pa.list_(pa.int64())),
+        ("suffix_margins", pa.list_(pa.float32())),
+        ("suffix_stop", pa.string()),
+        ("suffix_text", pa.string()),
+        ("answer", pa.string()),
+        ("parsed", pa.bool_()),
+        ("correct", pa.bool_()),
+        *_ENVIRONMENT_FIELDS,
+        ("model_seconds", pa.float64()),
+    ]
+)
 
 _PER_LAYER = pa.list_(pa.float64())
 
 # One row per compared pair of trajectories of one item (E1 live vs prefill and
 # replicas, E2 incremental vs other constructions, E3 incremental vs live).
-COMPARISON_SCHEMA = pa.schema([
-    ("experiment", pa.string()),
-    ("relation", pa.string()),  # "construction" or "replica"
-    ("checkpoint", pa.string()),
-    ("precision", pa.string()),
-    ("item_id", pa.string()),
-    ("a", pa.string()),  # side labels, e.g. "live/bf16/rep0", "prefill/fp32/rep0<-bf16"
-    ("b", pa.string()),
-    ("boundary_reason", pa.string()),
-    ("prefix_length", pa.int32()),
-    ("prefix_equal", pa.bool_()),
-    ("cache_exact", pa.bool_()),
-    ("layers_differ", pa.int32()),
-    ("first_differing_layer", pa.int32()),
-    ("first_differing_kv", pa.string()),
-    ("k_max_abs", _PER_LAYER),
-    ("k_mean_abs", _PER_LAYER),
-    ("k_fraction_differ", _PER_LAYER),
-    ("v_max_abs", _PER_LAYER),
-    ("v_mean_abs", _PER_LAYER),
-    ("v_fraction_differ", _PER_LAYER),
-    ("suffix_differs", pa.bool_()),
-    ("first_divergence", pa.int32()),
-    ("a_margin_at_divergence", pa.float32()),
-    ("b_margin_at_divergence", pa.float32()),
-    ("a_token_at_divergence", pa.int64()),
-    ("b_token_at_divergence", pa.int64()),
-    ("a_correct", pa.bool_()),
-    ("b_correct", pa.bool_()),
-    ("a_parsed", pa.bool_()),
-    ("b_parsed", pa.bool_()),
-    ("label_differs", pa.bool_()),
-    ("trajectory_exact", pa.bool_()),  # prefix, every cache layer and suffix fingerprints agree
-])
+COMPARISON_SCHEMA = pa.schema(
+    [
+        ("experiment", pa.string()),
+        ("relation", pa.string()),  # "construction" or "replica"
+        ("checkpoint", pa.string()),
+        ("precision", pa.string()),
+        ("item_id", pa.string()),
+        ("a", pa.string()),  # side labels, e.g. "live/bf16/rep0", "prefill/fp32/rep0<-bf16"
+        ("b", pa.string()),
+        ("boundary_reason", pa.string()),
+        ("prefix_length", pa.int32()),
+        ("prefix_equal", pa.bool_()),
+        ("cache_exact", pa.bool_()),
+        ("layers_differ", pa.int32()),
+        ("first_differing_layer", pa.int32()),
+        ("first_differing_kv", pa.string()),
+        ("k_max_abs", _PER_LAYER),
+        ("k_mean_abs", _PER_LAYER),
+        ("k_fraction_differ", _PER_LAYER),
+        ("v_max_abs", _PER_LAYER),
+        ("v_mean_abs", _PER_LAYER),
+        ("v_fraction_differ", _PER_LAYER),
+        ("suffix_differs", pa.bool_()),
+        ("first_divergence", pa.int32()),
+        ("a_margin_at_divergence", pa.float32()),
+        ("b_margin_at_divergence", pa.float32()),
+        ("a_token_at_divergence", pa.int64()),
+        ("b_token_at_divergence", pa.int64()),
+        ("a_correct", pa.bool_()),
+        ("b_correct", pa.bool_()),
+        ("a_parsed", pa.bool_()),
+        ("b_parsed", pa.bool_()),
+        ("label_differs", pa.bool_()),
+        ("trajectory_exact", pa.bool_()),  # prefix, every cache layer and suffix fingerprints agree
+    ]
+)
 
 # One row per transplant: a donor's cache (part of it) in a recipient's state, continued.
-TRANSPLANT_SCHEMA = pa.schema([
-    ("selection", pa.string()),  # "selected", "outcome_blind" or "cross_precision"
-    ("checkpoint", pa.string()),
-    ("item_id", pa.string()),
-    ("divergent", pa.bool_()),  # did the donor's and the recipient's own suffixes differ?
-    ("donor", pa.string()),  # side labels as in the comparisons table
-    ("recipient", pa.string()),
-    ("precision", pa.string()),  # of the continuation (the recipient's)
-    ("subset", pa.string()),  # e.g. "layers=0-29 kv=kv positions=all"
-    ("layers", pa.list_(pa.int32())),
-    ("kv", pa.string()),
-    ("last_positions", pa.int32()),
-    ("outcome", pa.string()),  # follows_donor, follows_recipient or neither
-    ("first_divergence_vs_donor", pa.int32()),
-    ("first_divergence_vs_recipient", pa.int32()),
-    ("cache_digest", pa.string()),
-    ("layer_k", pa.list_(pa.string())),
-    ("layer_v", pa.list_(pa.string())),
-    ("suffix_object", pa.string()),
-    ("suffix_tokens", pa.list_(pa.int64())),
-    ("suffix_stop", pa.string()),
-    ("model_fingerprint", pa.string()),
-    *_ENVIRONMENT_FIELDS,
-])
+TRANSPLANT_SCHEMA = pa.schema(
+    [
+        ("selection", pa.string()),  # "selected", "outcome_blind" or "cross_precision"
+        ("checkpoint", pa.string()),
+        ("item_id", pa.string()),
+        ("divergent", pa.bool_()),  # did the donor's and the recipient's own suffixes differ?
+        ("donor", pa.string()),  # side labels as in the comparisons table
+        ("recipient", pa.string()),
+        ("precision", pa.string()),  # of the continuation (the recipient's)
+        ("subset", pa.string()),  # e.g. "layers=0-29 kv=kv positions=all"
+        ("layers", pa.list_(pa.int32())),
+        ("kv", pa.string()),
+        ("last_positions", pa.int32()),
+        ("outcome", pa.string()),  # follows_donor, follows_recipient or neither
+        ("first_divergence_vs_donor", pa.int32()),
+        ("first_divergence_vs_recipient", pa.int32()),
+        ("cache_digest", pa.string()),
+        ("layer_k", pa.list_(pa.string())),
+        ("layer_v", pa.list_(pa.string())),
+        ("suffix_object", pa.string()),
+        ("suffix_tokens", pa.list_(pa.int64())),
+        ("suffix_stop", pa.string()),
+        ("model_fingerprint", pa.string()),
+        *_ENVIRONMENT_FIELDS,
+    ]
+)
 
 # One row per checkpoint and item: the integers every stage (and the audit) starts from.
-PROMPT_SCHEMA = pa.schema([
-    ("item_id", pa.string()),
-    ("prompt_tokens", pa.list_(pa.int64())),
-    ("prompt_fingerprint", pa.string()),
-])
+PROMPT_SCHEMA = pa.schema(
+    [
+        ("item_id", pa.string()),
+        ("prompt_tokens", pa.list_(pa.int64())),
+        ("prompt_fingerprint", pa.string()),
+    ]
+)
 
 # One row per audited artifact (E4): a saved fingerprint against its recomputation.
-AUDIT_SCHEMA = pa.schema([
-    ("kind", pa.string()),  # trajectory, comparison, transplant, selection or model
-    ("artifact", pa.string()),  # prefix, cache, layer_k, layer_v, suffix, label, comparison, ...
-    ("checkpoint", pa.string()),
-    ("item_id", pa.string()),
-    ("side", pa.string()),  # the row's label, e.g. "live/bf16/rep0" or "selected: live/bf16/rep0 -> prefill/bf16/rep0<-bf16"
-    ("reproduced", pa.bool_()),
-    ("saved", pa.string()),  # the saved fingerprint (or value) of the first difference
-    ("audited", pa.string()),
-    ("first_differing_layer", pa.int32()),
-    ("first_differing_position", pa.int32()),
-    ("detail", pa.string()),
-    ("environment_differs", pa.bool_()),  # device, threads, attention or versions differ from the saved row
-    ("environment", pa.string()),  # e.g. "threads 1 -> 2"
-])
+AUDIT_SCHEMA = pa.schema(
+    [
+        ("kind", pa.string()),  # trajectory, comparison, transplant, selection or model
+        ("artifact", pa.string()),  # prefix, cache, layer_k, layer_v, suffix, label, comparison, ...
+        ("checkpoint", pa.string()),
+        ("item_id", pa.string()),
+        (
+            "side",
+            pa.string(),
+        ),  # the row's label, e.g. "live/bf16/rep0" or "selected: live/bf16/rep0 -> prefill/bf16/rep0<-bf16"
+        ("reproduced", pa.bool_()),
+        ("saved", pa.string()),  # the saved fingerprint (or value) of the first difference
+        ("audited", pa.string()),
+        ("first_differing_layer", pa.int32()),
+        ("first_differing_position", pa.int32()),
+        ("detail", pa.string()),
+        ("environment_differs", pa.bool_()),  # device, threads, attention or versions differ from the saved row
+        ("environment", pa.string()),  # e.g. "threads 1 -> 2"
+    ]
+)
 
 # The columns that identify a row: no two rows of a table share them (verify, the audit and the
 # comparisons look rows up by them).
@@ -241,8 +257,13 @@ def row_key(row: dict, columns: tuple[str, ...]) -> tuple:
     return tuple(row[name] for name in columns)
 
 
-SCHEMAS = {"trajectories": TRAJECTORY_SCHEMA, "comparisons": COMPARISON_SCHEMA, "transplants": TRANSPLANT_SCHEMA,
-           "prompts": PROMPT_SCHEMA, "audit": AUDIT_SCHEMA}
+SCHEMAS = {
+    "trajectories": TRAJECTORY_SCHEMA,
+    "comparisons": COMPARISON_SCHEMA,
+    "transplants": TRANSPLANT_SCHEMA,
+    "prompts": PROMPT_SCHEMA,
+    "audit": AUDIT_SCHEMA,
+}
 
 
 def is_object_id(text: str) -> bool:

@@ -79,7 +79,9 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ModelError("device 'cuda' requested but torch sees no CUDA device — set device: cpu (or auto) in the config")
+        raise ModelError(
+            "device 'cuda' requested but torch sees no CUDA device — set device: cpu (or auto) in the config"
+        )
     if device not in ("cpu", "cuda"):
         raise ModelError(f"unknown device {device!r} — use cpu, cuda or auto")
     return device
@@ -132,8 +134,9 @@ def cpu_model() -> str:
     """The CPU's model, not just its architecture: two x86_64 machines can run different kernels."""
     if platform.system() == "Darwin":
         try:
-            brand = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], check=False, capture_output=True, text=True,
-                                   timeout=10).stdout.strip()
+            brand = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], check=False, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             brand = ""
         if brand:
@@ -158,8 +161,12 @@ def cpu_model() -> str:
 def sdpa_backends() -> str:
     """The scaled-dot-product-attention kernels torch may choose from, read back now."""
     cuda = torch.backends.cuda
-    enabled = {"flash": cuda.flash_sdp_enabled(), "mem_efficient": cuda.mem_efficient_sdp_enabled(),
-               "math": cuda.math_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()}
+    enabled = {
+        "flash": cuda.flash_sdp_enabled(),
+        "mem_efficient": cuda.mem_efficient_sdp_enabled(),
+        "math": cuda.math_sdp_enabled(),
+        "cudnn": cuda.cudnn_sdp_enabled(),
+    }
     return ",".join(name for name, on in enabled.items() if on) or "none"
 
 
@@ -182,7 +189,11 @@ def tf32_enabled() -> bool:
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "fp32_precision"):
         # "none" inherits a default that may be TF32: only an explicit "ieee" counts as off.
-        settings = (matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision)
+        settings = (
+            matmul.fp32_precision,
+            torch.backends.cudnn.conv.fp32_precision,
+            torch.backends.cudnn.rnn.fp32_precision,
+        )
         return any(setting != "ieee" for setting in settings)
     return bool(matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
 
@@ -207,9 +218,13 @@ def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise ModelError(f"model folder {folder} has no config.json — point the checkpoint at a Hugging Face model folder")
+        raise ModelError(
+            f"model folder {folder} has no config.json — point the checkpoint at a Hugging Face model folder"
+        )
     if not any(folder.glob("*.safetensors")):
-        raise ModelError(f"model folder {folder} holds no .safetensors weights — convert it to safetensors (pickle weights are never loaded)")
+        raise ModelError(
+            f"model folder {folder} holds no .safetensors weights — convert it to safetensors (pickle weights are never loaded)"
+        )
     environment = configure_runtime(runtime)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
     refusal = unsupported_attention(config, str(folder))

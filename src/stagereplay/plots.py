@@ -38,7 +38,6 @@ def _pyplot():
     return plt
 
 
-
 def _save(figure, path: str | Path) -> Path:
     figure.tight_layout()
     # "tight" grows the canvas to hold legends placed outside the axes, where they hide no data.
@@ -85,7 +84,9 @@ def plot_first_divergence(comparisons: pa.Table, out_path: str | Path) -> Path:
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(9, 4.5))
     grouped = arms(comparisons, ("E1", "E2"))
-    positions = {arm: [row["first_divergence"] for row in rows if row["suffix_differs"]] for arm, rows in grouped.items()}
+    positions = {
+        arm: [row["first_divergence"] for row in rows if row["suffix_differs"]] for arm, rows in grouped.items()
+    }
     axes.set_title("First divergent suffix token, per arm and precision")
     if not grouped:
         _message(axes, "E1 and E2 not run in this ledger")
@@ -93,15 +94,18 @@ def plot_first_divergence(comparisons: pa.Table, out_path: str | Path) -> Path:
         counts = "\n".join(f"{arm}: 0/{len(rows)} diverged" for arm, rows in grouped.items())
         _message(axes, f"No suffix diverged in any arm, so there is no first divergence to place.\n{counts}")
     else:
-        for index, (arm, values) in enumerate(positions.items()):
+        for index, values in enumerate(positions.values()):
             seen: dict[int, int] = defaultdict(int)
             stacked = []
             for value in sorted(values):
                 stacked.append(index + 0.1 * min(seen[value], 4))  # ties stack upwards, so every item shows
                 seen[value] += 1
             axes.scatter(sorted(values), stacked, s=36, alpha=0.8)
-        axes.set_yticks(range(len(positions)),
-                        [f"{arm}\n{len(positions[arm])}/{len(rows)} diverged" for arm, rows in grouped.items()], fontsize=8)
+        axes.set_yticks(
+            range(len(positions)),
+            [f"{arm}\n{len(positions[arm])}/{len(rows)} diverged" for arm, rows in grouped.items()],
+            fontsize=8,
+        )
         axes.set_ylim(-0.5, len(positions) - 0.2)
         axes.invert_yaxis()
         axes.set_xlim(left=-1)
@@ -113,31 +117,45 @@ def plot_margin_at_divergence(comparisons: pa.Table, trajectories: pa.Table, out
     """Top-1 minus top-2 logit where the suffixes part, against every step's margin at that precision."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(8, 4.5))
-    grouped = {arm: [row for row in rows if row["suffix_differs"]] for arm, rows in arms(comparisons, ("E1", "E2")).items()}
+    grouped = {
+        arm: [row for row in rows if row["suffix_differs"]] for arm, rows in arms(comparisons, ("E1", "E2")).items()
+    }
     axes.set_title("Logit margin (top-1 minus top-2) at the first divergence")
     if not any(grouped.values()):
-        _message(axes, "No suffix diverged in E1 or E2 (or neither was run): there is no margin at a divergence to show.")
+        _message(
+            axes, "No suffix diverged in E1 or E2 (or neither was run): there is no margin at a divergence to show."
+        )
         return _save(figure, out_path)
     every_step: dict[str, list[float]] = defaultdict(list)
     for row in trajectories.to_pylist():
         every_step[row["precision"]].extend(row["suffix_margins"])
     divergent = {arm: rows for arm, rows in grouped.items() if rows}
-    for index, (arm, rows) in enumerate(divergent.items()):
+    for index, rows in enumerate(divergent.values()):
         precision = rows[0]["precision"]
         reference = every_step.get(precision, [])
         if reference:
-            axes.boxplot([reference], positions=[index], widths=0.5, showfliers=False,
-                         boxprops={"color": "0.6"}, whiskerprops={"color": "0.6"}, medianprops={"color": "0.4"})
+            axes.boxplot(
+                [reference],
+                positions=[index],
+                widths=0.5,
+                showfliers=False,
+                boxprops={"color": "0.6"},
+                whiskerprops={"color": "0.6"},
+                medianprops={"color": "0.4"},
+            )
         offsets = np.linspace(-0.12, 0.12, len(rows)) if len(rows) > 1 else np.zeros(1)
-        for column, marker, colour in (("a_margin_at_divergence", "o", "tab:blue"),
-                                       ("b_margin_at_divergence", "s", "tab:orange")):
+        for column, marker, colour in (
+            ("a_margin_at_divergence", "o", "tab:blue"),
+            ("b_margin_at_divergence", "s", "tab:orange"),
+        ):
             axes.scatter(index + offsets, [row[column] for row in rows], marker=marker, color=colour, zorder=3)
     for column, marker, colour, which in (("a", "o", "tab:blue", "first"), ("b", "s", "tab:orange", "second")):
         names = " / ".join(sorted({side(rows[0][column]) for rows in divergent.values()}))
         axes.scatter([], [], marker=marker, color=colour, label=f"at the divergence, {which}-named side ({names})")
     axes.scatter([], [], marker="s", color="0.6", label="every suffix step at that precision (box)")
-    axes.set_xticks(range(len(divergent)), [f"{arm}\n(n = {len(rows)} divergent)" for arm, rows in divergent.items()],
-                    fontsize=8)
+    axes.set_xticks(
+        range(len(divergent)), [f"{arm}\n(n = {len(rows)} divergent)" for arm, rows in divergent.items()], fontsize=8
+    )
     axes.set_yscale("symlog", linthresh=0.01)
     axes.set_ylim(bottom=-0.002)  # margins are never negative; 0 is an exact tie
     axes.set_ylabel("logit margin (symlog scale; 0 = tie)")
@@ -149,6 +167,7 @@ def plot_layer_cache_difference(comparisons: pa.Table, out_path: str | Path) -> 
     """Per layer, the largest |difference| between the two constructions' caches, over items, K and V."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
+
     figure, (k_axes, v_axes) = plt.subplots(1, 2, figsize=(10, 4.5), sharey=True)
     grouped = arms(comparisons, ("E1", "E2", "E3"))
     figure.suptitle("Per-layer boundary-cache difference between constructions (max |Δ| over items)")
@@ -156,25 +175,43 @@ def plot_layer_cache_difference(comparisons: pa.Table, out_path: str | Path) -> 
         _message(k_axes, "E1 not run in this ledger")
         _message(v_axes, "E1 not run in this ledger")
         return _save(figure, out_path)
-    smallest = min((value for rows in grouped.values() for row in rows for value in row["k_max_abs"] + row["v_max_abs"]
-                    if value > 0), default=1e-3)
+    smallest = min(
+        (
+            value
+            for rows in grouped.values()
+            for row in rows
+            for value in row["k_max_abs"] + row["v_max_abs"]
+            if value > 0
+        ),
+        default=1e-3,
+    )
     styles = {"E1": ("-", "o"), "E2": ("--", "s"), "E3": (":", "^")}
     for axes, column, name in ((k_axes, "k_max_abs", "K"), (v_axes, "v_max_abs", "V")):
         for arm, rows in grouped.items():
             per_layer = np.max(np.array([row[column] for row in rows]), axis=0)
             exact = sum(row["cache_exact"] for row in rows)
             linestyle, marker = styles.get(rows[0]["experiment"], ("-", "o"))
-            hollow = rows[0]["experiment"] == "E1"  # E1 often lies exactly under E2 (live == incremental): keep it visible
-            axes.plot(range(len(per_layer)), per_layer, linestyle=linestyle, marker=marker, alpha=0.8,
-                      markersize=10 if hollow else 5, markerfacecolor="none" if hollow else None,
-                      label=f"{arm} (n = {len(rows)}, {exact} bit-exact)")
+            hollow = (
+                rows[0]["experiment"] == "E1"
+            )  # E1 often lies exactly under E2 (live == incremental): keep it visible
+            axes.plot(
+                range(len(per_layer)),
+                per_layer,
+                linestyle=linestyle,
+                marker=marker,
+                alpha=0.8,
+                markersize=10 if hollow else 5,
+                markerfacecolor="none" if hollow else None,
+                label=f"{arm} (n = {len(rows)}, {exact} bit-exact)",
+            )
         axes.set_yscale("symlog", linthresh=smallest)
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.set_title(name)
         axes.set_xlabel("layer")
     k_axes.set_ylabel("max |Δ| (symlog; 0 = bit-exact)")
-    figure.legend(*k_axes.get_legend_handles_labels(), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.02),
-                  ncol=2)
+    figure.legend(
+        *k_axes.get_legend_handles_labels(), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.02), ncol=2
+    )
     return _save(figure, out_path)
 
 
@@ -187,17 +224,31 @@ def plot_transplant_follow_donor(e5: dict | None, out_path: str | Path, transpla
         _message(axes, "E5 not run in this ledger")
         return _save(figure, out_path)
     bars = [(f"all layers, {key}", entry["follows_donor"]) for key, entry in e5["all_layers"].items()]
-    bars += [(f"sweep {entry['subset']}", {"count": entry["follows_donor"], "n": entry["n"], "rate": entry["fraction"],
-                                           "wilson95": entry["wilson95"]}) for entry in e5["sweep"]]
+    bars += [
+        (
+            f"sweep {entry['subset']}",
+            {
+                "count": entry["follows_donor"],
+                "n": entry["n"],
+                "rate": entry["fraction"],
+                "wilson95": entry["wilson95"],
+            },
+        )
+        for entry in e5["sweep"]
+    ]
     bars += [(f"cross precision {short(key)}", entry) for key, entry in e5["cross_precision"]["follows_donor"].items()]
     bars = [bar for bar in bars if bar[1]["n"]]
     if not bars:
-        _message(axes, f"E5 ran ({transplant_rows} transplants), but no item diverged: follow-donor is counted on"
-                       " divergent items only, so there is nothing to count.")
+        _message(
+            axes,
+            f"E5 ran ({transplant_rows} transplants), but no item diverged: follow-donor is counted on"
+            " divergent items only, so there is nothing to count.",
+        )
         return _save(figure, out_path)
     fractions = [counted["rate"] for _, counted in bars]
-    errors = np.array([[counted["rate"] - counted["wilson95"][0], counted["wilson95"][1] - counted["rate"]]
-                       for _, counted in bars]).T
+    errors = np.array(
+        [[counted["rate"] - counted["wilson95"][0], counted["wilson95"][1] - counted["rate"]] for _, counted in bars]
+    ).T
     rows = range(len(bars))
     axes.barh(rows, fractions, xerr=errors, color="tab:green", alpha=0.7, capsize=3)
     for row, (_, counted) in zip(rows, bars):
@@ -217,14 +268,22 @@ def accuracy_arms(summary: dict) -> dict[str, dict]:
         if e1["items"]:
             where = f"{checkpoint}: " if several else ""
             found[f"{where}E1 live vs prefill, {e1['precision']}"] = {
-                "checkpoint": checkpoint, "experiment": "E1", "precision": e1["precision"], "sides": e1["accuracy"]}
+                "checkpoint": checkpoint,
+                "experiment": "E1",
+                "precision": e1["precision"],
+                "sides": e1["accuracy"],
+            }
     for checkpoint, e2 in summary["E2"]["checkpoints"].items():
         for precision, by_arm in e2["precisions"].items():
             for arm in by_arm.values():
                 sides = arm["accuracy"]
                 where = f"{checkpoint}: " if several else ""
                 found[f"{where}E2 {' vs '.join(sides)}, {precision}"] = {
-                    "checkpoint": checkpoint, "experiment": "E2", "precision": precision, "sides": sides}
+                    "checkpoint": checkpoint,
+                    "experiment": "E2",
+                    "precision": precision,
+                    "sides": sides,
+                }
     return dict(sorted(found.items()))
 
 
@@ -259,14 +318,18 @@ def plot_accuracy(summary: dict, out_path: str | Path) -> Path:
     return _save(figure, out_path)
 
 
-def write_plots(summary: dict, comparisons: pa.Table, trajectories: pa.Table, transplants: pa.Table | None,
-                out_dir: str | Path) -> list[Path]:
+def write_plots(
+    summary: dict, comparisons: pa.Table, trajectories: pa.Table, transplants: pa.Table | None, out_dir: str | Path
+) -> list[Path]:
     out_dir = Path(out_dir)
     return [
         plot_first_divergence(comparisons, out_dir / PLOT_FILES["first_divergence"]),
         plot_margin_at_divergence(comparisons, trajectories, out_dir / PLOT_FILES["margin_at_divergence"]),
         plot_layer_cache_difference(comparisons, out_dir / PLOT_FILES["layer_cache_difference"]),
-        plot_transplant_follow_donor(summary.get("E5"), out_dir / PLOT_FILES["transplant_follow_donor"],
-                                     transplants.num_rows if transplants is not None else 0),
+        plot_transplant_follow_donor(
+            summary.get("E5"),
+            out_dir / PLOT_FILES["transplant_follow_donor"],
+            transplants.num_rows if transplants is not None else 0,
+        ),
         plot_accuracy(summary, out_dir / PLOT_FILES["accuracy"]),
     ]

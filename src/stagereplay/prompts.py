@@ -19,7 +19,7 @@ from .model import ModelError
 
 _INSTRUCTION = (
     "Answer the following multiple-choice question. Think step by step, "
-    "then finish with a final line of the form \"Answer: X\" where X is one of A, B, C, D."
+    'then finish with a final line of the form "Answer: X" where X is one of A, B, C, D.'
 )
 
 
@@ -37,13 +37,22 @@ def encode_prompt(tokenizer, item: items_mod.Item, use_chat_template: bool) -> l
     if not use_chat_template:
         return list(tokenizer(prompt_text(item))["input_ids"])
     if not getattr(tokenizer, "chat_template", None):
-        raise ModelError("the tokenizer has no chat template — set use_chat_template: false in the config for a base model")
+        raise ModelError(
+            "the tokenizer has no chat template — set use_chat_template: false in the config for a base model"
+        )
     encoded = tokenizer.apply_chat_template(build_messages(item), add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def tokenize_prompts(model_folder: str | Path, items_path: str | Path, max_new_tokens: int, suffix_tokens: int,
-                     out_path: str | Path, use_chat_template: bool = True, trust_remote_code: bool = False) -> Path:
+def tokenize_prompts(
+    model_folder: str | Path,
+    items_path: str | Path,
+    max_new_tokens: int,
+    suffix_tokens: int,
+    out_path: str | Path,
+    use_chat_template: bool = True,
+    trust_remote_code: bool = False,
+) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
     config = AutoConfig.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
     context = int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0)
@@ -55,5 +64,7 @@ def tokenize_prompts(model_folder: str | Path, items_path: str | Path, max_new_t
             raise ModelError(
                 f"item {item.item_id}: prompt of {len(tokens)} tokens + {max_new_tokens} stage + {suffix_tokens} suffix tokens exceeds the model's context of {context} — shorten the item or lower the token budgets"
             )
-        rows.append({"item_id": item.item_id, "prompt_tokens": tokens, "prompt_fingerprint": fingerprint_tokens(tokens)})
+        rows.append(
+            {"item_id": item.item_id, "prompt_tokens": tokens, "prompt_fingerprint": fingerprint_tokens(tokens)}
+        )
     return write_table(rows, PROMPT_SCHEMA, out_path)

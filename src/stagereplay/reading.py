@@ -48,10 +48,12 @@ def e1_checkpoint_reading(name: str, e1: dict) -> list[str]:
     mcnemar = bootstrap["mcnemar"]
     live_only, prefill_only, p_value = mcnemar["live_only_correct"], mcnemar["prefill_only_correct"], mcnemar["p_value"]
     live, prefill = e1["accuracy"]["live"]["count"], e1["accuracy"]["prefill"]["count"]
-    accuracy = (f"Accuracy: live {live}/{n}, prefill {prefill}/{n}; difference"
-                f" {points(bootstrap['live_minus_prefill'])} points (bootstrap 95% [{points(boot_low)}, {points(boot_high)}],"
-                f" Newcombe [{points(new_low)}, {points(new_high)}]; exact McNemar p = {p_value:.3f} on"
-                f" {live_only} + {prefill_only} discordant pairs).")
+    accuracy = (
+        f"Accuracy: live {live}/{n}, prefill {prefill}/{n}; difference"
+        f" {points(bootstrap['live_minus_prefill'])} points (bootstrap 95% [{points(boot_low)}, {points(boot_high)}],"
+        f" Newcombe [{points(new_low)}, {points(new_high)}]; exact McNemar p = {p_value:.3f} on"
+        f" {live_only} + {prefill_only} discordant pairs)."
+    )
     includes_zero = [boot_low <= 0 <= boot_high, new_low <= 0 <= new_high]
     if all(includes_zero):
         accuracy += " Both intervals include 0: this run cannot tell the two sides' accuracy apart"
@@ -63,14 +65,18 @@ def e1_checkpoint_reading(name: str, e1: dict) -> list[str]:
     if 0 < live_only + prefill_only < 10:
         # The percentile bootstrap resamples only the discordant pairs' signs: with a handful of
         # them its interval sits on a few values (an end exactly at 0 is typical).
-        accuracy += (f" With only {live_only + prefill_only} discordant pair(s) the bootstrap interval rests on very"
-                     " few distinct resampled values; Newcombe's interval is the safer reading.")
+        accuracy += (
+            f" With only {live_only + prefill_only} discordant pair(s) the bootstrap interval rests on very"
+            " few distinct resampled values; Newcombe's interval is the safer reading."
+        )
     lines.append(accuracy)
     lines.append(replica_reading(e1["replicas_exact"]))
     unparsable = e1["unparsable"]
     if unparsable["live"] or unparsable["prefill"]:
-        lines.append(f"{unparsable['live']}/{n} live and {unparsable['prefill']}/{n} prefill answers have no parsable"
-                     " 'Answer: X' and count as wrong.")
+        lines.append(
+            f"{unparsable['live']}/{n} live and {unparsable['prefill']}/{n} prefill answers have no parsable"
+            " 'Answer: X' and count as wrong."
+        )
     return lines
 
 
@@ -79,15 +85,21 @@ def replica_reading(replicas: dict) -> str:
     unmeasured = [side for side in ("live", "prefill") if not replicas[side]["n"]]
     inexact = [side for side in ("live", "prefill") if replicas[side]["count"] < replicas[side]["n"]]
     if inexact:
-        return (f"Replicas of {' and '.join(inexact)} are not all exact: the run is not deterministic, so the"
-                " divergence figures mix replay with run-to-run noise.")
+        return (
+            f"Replicas of {' and '.join(inexact)} are not all exact: the run is not deterministic, so the"
+            " divergence figures mix replay with run-to-run noise."
+        )
     if unmeasured:
-        return (f"Replicas of {' and '.join(unmeasured)}: not measured (one run per side), so"
-                " whether the run is deterministic is untested and the divergence figures may include run-to-run"
-                " noise.")
+        return (
+            f"Replicas of {' and '.join(unmeasured)}: not measured (one run per side), so"
+            " whether the run is deterministic is untested and the divergence figures may include run-to-run"
+            " noise."
+        )
     counted = " and ".join(f"{replicas[side]['count']}/{replicas[side]['n']} {side}" for side in ("live", "prefill"))
-    return (f"Every replica reproduced its side exactly ({counted}; prefix, every cache layer, suffix): the run is"
-            " deterministic, so any difference between the sides comes from the construction, not from noise.")
+    return (
+        f"Every replica reproduced its side exactly ({counted}; prefix, every cache layer, suffix): the run is"
+        " deterministic, so any difference between the sides comes from the construction, not from noise."
+    )
 
 
 def e2_reading(summary: dict) -> list[str]:
@@ -103,14 +115,22 @@ def e2_reading(summary: dict) -> list[str]:
                     lines.append(f"{name}: incremental vs {other} not measured (no items).")
                     continue
                 (diverging if count else exact).append(precision.upper())
-                consequence = (f"with the prefix tokens held fixed, building the cache by {other} instead of token by"
-                               f" token changes the continuation at {precision.upper()}" if count else "")
-                lines.append(f"{name}: {count}/{n} decoded disagreements, incremental vs {other}"
-                             f" ({_bound(counted)}){': ' + consequence if consequence else ''}.")
+                consequence = (
+                    f"with the prefix tokens held fixed, building the cache by {other} instead of token by"
+                    f" token changes the continuation at {precision.upper()}"
+                    if count
+                    else ""
+                )
+                lines.append(
+                    f"{name}: {count}/{n} decoded disagreements, incremental vs {other}"
+                    f" ({_bound(counted)}){': ' + consequence if consequence else ''}."
+                )
     if diverging and exact:
-        lines.append(f"The construction changes continuations at {', '.join(sorted(set(diverging)))} but not at"
-                     f" {', '.join(sorted(set(exact)))} on these items: consistent with reduced-precision rounding in"
-                     " the cache, since E2 holds the tokens fixed.")
+        lines.append(
+            f"The construction changes continuations at {', '.join(sorted(set(diverging)))} but not at"
+            f" {', '.join(sorted(set(exact)))} on these items: consistent with reduced-precision rounding in"
+            " the cache, since E2 holds the tokens fixed."
+        )
     return lines
 
 
@@ -123,13 +143,17 @@ def e3_reading(summary: dict) -> list[str]:
             if not n:
                 lines.append(f"{name}: not measured (no items): whether incremental stands in for live is untested.")
             elif exact == n:
-                lines.append(f"{name}: {exact}/{n} token-by-token caches are bit-exact with the retained"
-                             " live cache, so the incremental construction stands in for live.")
+                lines.append(
+                    f"{name}: {exact}/{n} token-by-token caches are bit-exact with the retained"
+                    " live cache, so the incremental construction stands in for live."
+                )
             else:
                 first = figure["not_exact"][0]
-                lines.append(f"{name}: only {exact}/{n} token-by-token caches are bit-exact with live"
-                             f" (item {first['item_id']} first differs at layer {first['first_differing_layer']}"
-                             f" {first['kv']}): incremental is not a faithful stand-in for live here.")
+                lines.append(
+                    f"{name}: only {exact}/{n} token-by-token caches are bit-exact with live"
+                    f" (item {first['item_id']} first differs at layer {first['first_differing_layer']}"
+                    f" {first['kv']}): incremental is not a faithful stand-in for live here."
+                )
     return lines
 
 
@@ -151,18 +175,26 @@ def e4_reading(e4: dict | None) -> list[str]:
 def e5_reading(e5: dict | None) -> list[str]:
     if e5 is None:
         return ["E5 transplant: not run in this ledger."]
-    lines = [] if e5["all_layers"] else ["E5 transplant: no item diverged in E1, so there was nothing to transplant and count."]
+    lines = (
+        []
+        if e5["all_layers"]
+        else ["E5 transplant: no item diverged in E1, so there was nothing to transplant and count."]
+    )
     for key, figure in e5["all_layers"].items():
         followed, n = figure["follows_donor"]["count"], figure["follows_donor"]["n"]
         if not n:
             lines.append(f"E5 ({key}): no divergent item, so there is no transplant to count.")
         elif followed == n:
             low = figure["follows_donor"]["wilson95"][0]
-            lines.append(f"E5 ({key}): {followed}/{n} continuations given the other side's full boundary cache follow"
-                         f" that donor (Wilson lower bound {percent(low)}): the divergence is carried by the cache.")
+            lines.append(
+                f"E5 ({key}): {followed}/{n} continuations given the other side's full boundary cache follow"
+                f" that donor (Wilson lower bound {percent(low)}): the divergence is carried by the cache."
+            )
         else:
-            lines.append(f"E5 ({key}): {followed}/{n} continuations follow the donor cache, {figure['follows_recipient']}"
-                         f" their own side, {figure['neither']} neither: the cache carries only part of the difference.")
+            lines.append(
+                f"E5 ({key}): {followed}/{n} continuations follow the donor cache, {figure['follows_recipient']}"
+                f" their own side, {figure['neither']} neither: the cache carries only part of the difference."
+            )
     lines += sweep_reading(e5) + cross_precision_reading(e5["cross_precision"])
     if e5.get("outcome_blind_checkpoint"):
         lines.append(f"Note: {e5['outcome_blind_checkpoint']}.")
@@ -179,15 +211,21 @@ def sweep_reading(e5: dict) -> list[str]:
     if smallest is None:
         lines = ["No swept subset, not even all layers, makes every tested continuation follow its donor."]
     elif smallest["layers"] == full:
-        lines = [f"Only the full cache ({smallest['subset']}) makes every tested continuation follow its donor: no"
-                 " smaller swept layer set does."]
+        lines = [
+            f"Only the full cache ({smallest['subset']}) makes every tested continuation follow its donor: no"
+            " smaller swept layer set does."
+        ]
     else:
-        lines = [f"The smallest swept layer set that makes every tested continuation follow its donor:"
-                 f" {smallest['subset']} ({smallest['layers']} of {full} layers)."]
+        lines = [
+            f"The smallest swept layer set that makes every tested continuation follow its donor:"
+            f" {smallest['subset']} ({smallest['layers']} of {full} layers)."
+        ]
     if partial:
         best = max(partial, key=lambda entry: (entry["fraction"], -entry["layers"]))
-        lines.append(f"Of the partial transplants (fewer layers, K only, V only, last positions), {best['subset']} comes"
-                     f" closest: {best['follows_donor']}/{best['n']} follow the donor.")
+        lines.append(
+            f"Of the partial transplants (fewer layers, K only, V only, last positions), {best['subset']} comes"
+            f" closest: {best['follows_donor']}/{best['n']} follow the donor."
+        )
     return lines
 
 
@@ -198,13 +236,19 @@ def cross_precision_reading(cross: dict) -> list[str]:
         if not n:
             lines.append(f"Cross precision at {precision.upper()}: not measured (no selected item).")
             continue
-        verdict = ("the caches still carry the difference at this precision" if count == n
-                   else "the cast erases the difference for some items" if count else
-                   "the cast erases the difference: at this precision the two caches continue alike")
-        lines.append(f"Cross precision at {precision.upper()}: continuing from the cast live and the cast prefill caches,"
-                     f" {count}/{n} continuations differ ({_bound(counted)}): {verdict}. (Whether a cast cache follows"
-                     " its donor's own suffix is listed apart: that suffix was decoded at the donor's precision, so it"
-                     " mixes the cache with the precision.)")
+        verdict = (
+            "the caches still carry the difference at this precision"
+            if count == n
+            else "the cast erases the difference for some items"
+            if count
+            else "the cast erases the difference: at this precision the two caches continue alike"
+        )
+        lines.append(
+            f"Cross precision at {precision.upper()}: continuing from the cast live and the cast prefill caches,"
+            f" {count}/{n} continuations differ ({_bound(counted)}): {verdict}. (Whether a cast cache follows"
+            " its donor's own suffix is listed apart: that suffix was decoded at the donor's precision, so it"
+            " mixes the cache with the precision.)"
+        )
     return lines
 
 
@@ -221,11 +265,19 @@ def limits_reading(provenance: Provenance) -> list[str]:
         " the number of figures."
     ]
     if sources == ["random_qwen2"]:
-        lines.append("The model is randomly initialised (a test model): its accuracy is meaningless; the run exercises"
-                     " the mechanics of divergence only.")
+        lines.append(
+            "The model is randomly initialised (a test model): its accuracy is meaningless; the run exercises"
+            " the mechanics of divergence only."
+        )
     return lines
 
 
 def reading(summary: dict, provenance: Provenance) -> list[str]:
-    return (e1_reading(summary) + e2_reading(summary) + e3_reading(summary)
-            + e4_reading(summary.get("E4")) + e5_reading(summary.get("E5")) + limits_reading(provenance))
+    return (
+        e1_reading(summary)
+        + e2_reading(summary)
+        + e3_reading(summary)
+        + e4_reading(summary.get("E4"))
+        + e5_reading(summary.get("E5"))
+        + limits_reading(provenance)
+    )

@@ -52,9 +52,12 @@ def _html_text(value: object) -> str:
 
 
 def to_html(blocks: list[tuple]) -> str:
-    out = ["<!DOCTYPE html>", '<html><head><meta charset="utf-8"><title>stagereplay results card</title>',
-           "<style>body{font-family:sans-serif;max-width:70em;margin:1em auto}table{border-collapse:collapse}"
-           "td,th{border:1px solid #bbb;padding:2px 6px;text-align:left;font-size:90%}</style></head><body>"]
+    out = [
+        "<!DOCTYPE html>",
+        '<html><head><meta charset="utf-8"><title>stagereplay results card</title>',
+        "<style>body{font-family:sans-serif;max-width:70em;margin:1em auto}table{border-collapse:collapse}"
+        "td,th{border:1px solid #bbb;padding:2px 6px;text-align:left;font-size:90%}</style></head><body>",
+    ]
     for kind, *body in blocks:
         if kind == "heading":
             out.append(f"<h{body[0]}>{_html_text(body[1])}</h{body[0]}>")
@@ -64,8 +67,12 @@ def to_html(blocks: list[tuple]) -> str:
             out.append("<ul>" + "".join(f"<li>{_html_text(item)}</li>" for item in body[0]) + "</ul>")
         else:
             header, rows = body
-            out.append("<table><tr>" + "".join(f"<th>{_html_text(cell)}</th>" for cell in header) + "</tr>"
-                       + "".join("<tr>" + "".join(f"<td>{_html_text(cell)}</td>" for cell in row) + "</tr>"
-                                 for row in rows) + "</table>")
+            out.append(
+                "<table><tr>"
+                + "".join(f"<th>{_html_text(cell)}</th>" for cell in header)
+                + "</tr>"
+                + "".join("<tr>" + "".join(f"<td>{_html_text(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+                + "</table>"
+            )
     out.append("</body></html>")
     return "\n".join(out) + "\n"

@@ -39,9 +39,11 @@ class Budgets:
 
 
 def shard_slice(rows: list, shard: int, shard_size: int) -> list:
-    chosen = rows[shard * shard_size:(shard + 1) * shard_size]
+    chosen = rows[shard * shard_size : (shard + 1) * shard_size]
     if not chosen:
-        raise LedgerError(f"shard {shard} of size {shard_size} is empty — the item list and the shard count disagree; rerun snakemake")
+        raise LedgerError(
+            f"shard {shard} of size {shard_size} is empty — the item list and the shard count disagree; rerun snakemake"
+        )
     return chosen
 
 
@@ -55,8 +57,15 @@ def eos_ids(loaded: LoadedModel) -> frozenset[int]:
 class ShardRecorder:
     """Stores a trajectory's artifacts and builds its ledger row."""
 
-    def __init__(self, loaded: LoadedModel, record: dict, spec: ShardSpec, store: ObjectStore, construction: str,
-                 prefix_precision: str):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        record: dict,
+        spec: ShardSpec,
+        store: ObjectStore,
+        construction: str,
+        prefix_precision: str,
+    ):
         self.prefix_precision = prefix_precision
         self.loaded = loaded
         self.record = record
@@ -68,8 +77,17 @@ class ShardRecorder:
     def text(self, tokens) -> str:
         return self.loaded.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
-    def add(self, item: items_mod.Item, prompt_length: int, prefix: tuple[int, ...], boundary_reason: str,
-            marker_match: str | None, state: KVState, suffix: Decoded, seconds: float) -> None:
+    def add(
+        self,
+        item: items_mod.Item,
+        prompt_length: int,
+        prefix: tuple[int, ...],
+        boundary_reason: str,
+        marker_match: str | None,
+        state: KVState,
+        suffix: Decoded,
+        seconds: float,
+    ) -> None:
         meta = {"model_fingerprint": self.record["fingerprint"], "precision": self.spec.precision}
         # One device-to-host copy, shared by the fingerprints and the stored object (a no-op on CPU).
         state = to_host(state)
@@ -82,35 +100,37 @@ class ShardRecorder:
         reasoning_text = self.text(prefix[prompt_length:])
         suffix_text = self.text(suffix.tokens)
         answer, correct = score(item, reasoning_text + suffix_text)
-        self.rows.append({
-            "checkpoint": self.spec.checkpoint,
-            "precision": self.spec.precision,
-            "construction": self.construction,
-            "replica": self.spec.replica,
-            "prefix_precision": self.prefix_precision,
-            "item_id": item.item_id,
-            "model_fingerprint": self.record["fingerprint"],
-            "prompt_length": prompt_length,
-            "prefix_length": len(prefix),
-            "boundary_reason": boundary_reason,
-            "marker_match": marker_match,
-            "reasoning_text": reasoning_text,
-            "prefix_object": self.store.put_tokens(prefix, {"role": "prefix", **meta}),
-            "cache_object": cache_object,
-            "cache_positions": state.num_positions,
-            "layer_k": list(fingerprint.keys),
-            "layer_v": list(fingerprint.values),
-            "suffix_object": self.store.put_tokens(suffix.tokens, {"role": "suffix", **meta}),
-            "suffix_tokens": list(suffix.tokens),
-            "suffix_margins": list(suffix.margins),
-            "suffix_stop": suffix.stop,
-            "suffix_text": suffix_text,
-            "answer": answer,
-            "parsed": answer is not None,
-            "correct": correct,
-            **environment_columns(self.loaded.environment),
-            "model_seconds": seconds,
-        })
+        self.rows.append(
+            {
+                "checkpoint": self.spec.checkpoint,
+                "precision": self.spec.precision,
+                "construction": self.construction,
+                "replica": self.spec.replica,
+                "prefix_precision": self.prefix_precision,
+                "item_id": item.item_id,
+                "model_fingerprint": self.record["fingerprint"],
+                "prompt_length": prompt_length,
+                "prefix_length": len(prefix),
+                "boundary_reason": boundary_reason,
+                "marker_match": marker_match,
+                "reasoning_text": reasoning_text,
+                "prefix_object": self.store.put_tokens(prefix, {"role": "prefix", **meta}),
+                "cache_object": cache_object,
+                "cache_positions": state.num_positions,
+                "layer_k": list(fingerprint.keys),
+                "layer_v": list(fingerprint.values),
+                "suffix_object": self.store.put_tokens(suffix.tokens, {"role": "suffix", **meta}),
+                "suffix_tokens": list(suffix.tokens),
+                "suffix_margins": list(suffix.margins),
+                "suffix_stop": suffix.stop,
+                "suffix_text": suffix_text,
+                "answer": answer,
+                "parsed": answer is not None,
+                "correct": correct,
+                **environment_columns(self.loaded.environment),
+                "model_seconds": seconds,
+            }
+        )
 
 
 def environment_columns(environment: Environment) -> dict:
@@ -137,8 +157,16 @@ def progress_bar(total: int, label: str) -> tuple[tqdm, callable]:
     return bar, on_token
 
 
-def run_live_shard(model_record: str | Path, items_path: str | Path, prompts_path: str | Path, spec: ShardSpec,
-                   runtime: Runtime, budgets: Budgets, store_root: str | Path, out_path: str | Path) -> Path:
+def run_live_shard(
+    model_record: str | Path,
+    items_path: str | Path,
+    prompts_path: str | Path,
+    spec: ShardSpec,
+    runtime: Runtime,
+    budgets: Budgets,
+    store_root: str | Path,
+    out_path: str | Path,
+) -> Path:
     record = read_model_record(model_record)
     item_list = shard_slice(items_mod.load_items(items_path), spec.shard, spec.shard_size)
     prompts = prompt_tokens_by_item(prompts_path)
@@ -151,16 +179,33 @@ def run_live_shard(model_record: str | Path, items_path: str | Path, prompts_pat
         started = time.perf_counter()
         live = build_live(loaded.model, prompt, budgets.boundary, eos, loaded.tokenizer, on_token=on_token)
         suffix = _continue(loaded, live.state, live.prefix, live.reasoning.stop, budgets.suffix_tokens, eos, on_token)
-        recorder.add(item, len(prompt), live.prefix, live.reasoning.stop, live.marker_match, live.state, suffix,
-                     time.perf_counter() - started)
+        recorder.add(
+            item,
+            len(prompt),
+            live.prefix,
+            live.reasoning.stop,
+            live.marker_match,
+            live.state,
+            suffix,
+            time.perf_counter() - started,
+        )
         bar.update()
     bar.close()
     return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
 
 
-def run_construction_shard(model_record: str | Path, items_path: str | Path, source_shard: str | Path,
-                           construction: str, spec: ShardSpec, runtime: Runtime, suffix_tokens: int,
-                           store_root: str | Path, out_path: str | Path, source_store_root: str | Path | None = None) -> Path:
+def run_construction_shard(
+    model_record: str | Path,
+    items_path: str | Path,
+    source_shard: str | Path,
+    construction: str,
+    spec: ShardSpec,
+    runtime: Runtime,
+    suffix_tokens: int,
+    store_root: str | Path,
+    out_path: str | Path,
+    source_store_root: str | Path | None = None,
+) -> Path:
     """Rebuild each boundary state of a live shard from its saved integer prefix, then continue.
 
     Prefixes are read from ``source_store_root`` (default: the store written to), so the
@@ -189,8 +234,16 @@ def run_construction_shard(model_record: str | Path, items_path: str | Path, sou
         state = build_boundary_state(loaded.model, list(prefix), construction, row["prompt_length"])
         suffix = _continue(loaded, state, prefix, row["boundary_reason"], suffix_tokens, eos, on_token)
         # The stage ended where the live run ended it: boundary and marker match are the source row's.
-        recorder.add(items[row["item_id"]], row["prompt_length"], prefix, row["boundary_reason"], row["marker_match"],
-                     state, suffix, time.perf_counter() - started)
+        recorder.add(
+            items[row["item_id"]],
+            row["prompt_length"],
+            prefix,
+            row["boundary_reason"],
+            row["marker_match"],
+            state,
+            suffix,
+            time.perf_counter() - started,
+        )
         bar.update()
     bar.close()
     return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)

@@ -29,7 +29,9 @@ def _digest(data: bytes) -> str:
 def stamp(text: str, source: bytes) -> str:
     """``text`` with the stamp appended as its final line (a newline first, if the text lacks one)."""
     body = text if text.endswith("\n") or not text else text + "\n"
-    return f"{body}<!-- stagereplay stamp: source xxh3-128 {_digest(source)}; body xxh3-128 {_digest(body.encode())} -->\n"
+    return (
+        f"{body}<!-- stagereplay stamp: source xxh3-128 {_digest(source)}; body xxh3-128 {_digest(body.encode())} -->\n"
+    )
 
 
 def stamp_problem(text: str, source: bytes) -> str | None:

@@ -32,8 +32,13 @@ MCNEMAR = "exact McNemar (two-sided binomial test on the discordant pairs)"
 def proportion(count: int, n: int) -> dict:
     """x/N with its Wilson interval; with n = 0 nothing was observed, so it is marked not measured."""
     low, high = wilson_interval(count, n) if n else (None, None)
-    return {"count": int(count), "n": int(n), "rate": count / n if n else None, "wilson95": [low, high],
-            "measured": n > 0}
+    return {
+        "count": int(count),
+        "n": int(n),
+        "rate": count / n if n else None,
+        "wilson95": [low, high],
+        "measured": n > 0,
+    }
 
 
 def _rows(comparisons: pa.Table, experiment: str, relation: str = "construction") -> list[dict]:
@@ -53,7 +58,11 @@ def per_checkpoint(comparisons: pa.Table, experiment: str, figures) -> dict:
     for row in comparisons.to_pylist():
         if row["experiment"] == experiment:
             grouped[row["checkpoint"]].append(row)
-    return {checkpoint: figures(grouped[checkpoint]) for checkpoint in checkpoint_order(comparisons) if checkpoint in grouped}
+    return {
+        checkpoint: figures(grouped[checkpoint])
+        for checkpoint in checkpoint_order(comparisons)
+        if checkpoint in grouped
+    }
 
 
 def e1_figures(rows: list[dict]) -> dict:
@@ -98,13 +107,21 @@ def e1_figures(rows: list[dict]) -> dict:
                 "live_only_correct": int(sum(a and not b for a, b in zip(live, prefill))),
                 "prefill_only_correct": int(sum(b and not a for a, b in zip(live, prefill))),
             },
-            **{key: _difference(function(live, prefill), method)
-               for key, function, method in (("newcombe", paired_difference_newcombe, NEWCOMBE),
-                                             ("wald", paired_difference_wald, WALD))},
+            **{
+                key: _difference(function(live, prefill), method)
+                for key, function, method in (
+                    ("newcombe", paired_difference_newcombe, NEWCOMBE),
+                    ("wald", paired_difference_wald, WALD),
+                )
+            },
         }
         live_only, prefill_only, p_value = mcnemar_exact(live, prefill)
-        figures["paired_difference"]["mcnemar"] = {"live_only_correct": live_only, "prefill_only_correct": prefill_only,
-                                                   "p_value": float(p_value), "method": MCNEMAR}
+        figures["paired_difference"]["mcnemar"] = {
+            "live_only_correct": live_only,
+            "prefill_only_correct": prefill_only,
+            "p_value": float(p_value),
+            "method": MCNEMAR,
+        }
     return figures
 
 
@@ -125,8 +142,10 @@ def e2_figures(rows: list[dict]) -> dict:
             "decoded_disagreements": proportion(sum(row["suffix_differs"] for row in group), n),
             "labels_differ": proportion(sum(row["label_differs"] for row in group), n),
             "caches_differ": proportion(sum(not row["cache_exact"] for row in group), n),
-            "accuracy": {group[0][column].split("/")[0]: proportion(sum(row[f"{column}_correct"] for row in group), n)
-                         for column in ("a", "b")},
+            "accuracy": {
+                group[0][column].split("/")[0]: proportion(sum(row[f"{column}_correct"] for row in group), n)
+                for column in ("a", "b")
+            },
             "median_first_divergence": _median([row["first_divergence"] for row in group if row["suffix_differs"]]),
         }
     return {"precisions": dict(by_precision)}
@@ -144,8 +163,11 @@ def e3_figures(rows: list[dict]) -> dict:
             "bit_exact": proportion(len(group) - len(not_exact), len(group)),
             "suffixes_identical": proportion(sum(not row["suffix_differs"] for row in group), len(group)),
             "not_exact": [
-                {"item_id": row["item_id"], "first_differing_layer": row["first_differing_layer"],
-                 "kv": row["first_differing_kv"]}
+                {
+                    "item_id": row["item_id"],
+                    "first_differing_layer": row["first_differing_layer"],
+                    "kv": row["first_differing_kv"],
+                }
                 for row in not_exact
             ],
         }
@@ -185,13 +207,17 @@ def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
         figures["outcome_blind_checkpoint"] = (
             f"the outcome-blind replication uses the primary checkpoint {primary!r} again (no second checkpoint is"
             " configured): it repeats the test on a seeded sample, not on a later checkpoint"
-            if blind == [primary] else f"outcome-blind replication on checkpoint {', '.join(map(repr, blind))}"
+            if blind == [primary]
+            else f"outcome-blind replication on checkpoint {', '.join(map(repr, blind))}"
         )
     all_layers: dict[str, dict] = {}
     for selection in ("selected", "outcome_blind"):
         for checkpoint in sorted({row["checkpoint"] for row in rows if row["selection"] == selection}):
-            chosen = [row for row in rows if row["selection"] == selection and row["checkpoint"] == checkpoint
-                      and _is_all_layers(row)]
+            chosen = [
+                row
+                for row in rows
+                if row["selection"] == selection and row["checkpoint"] == checkpoint and _is_all_layers(row)
+            ]
             all_layers[f"{selection}/{checkpoint}"] = {
                 "follows_donor": _follows_donor(chosen),
                 "follows_recipient": int(sum(row["outcome"] == "follows_recipient" for row in chosen)),
@@ -200,8 +226,9 @@ def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
                     direction: f"{sum(r['outcome'] == 'follows_donor' for r in group)}/{len(group)}"
                     for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
                 },
-                "follows_recipient_proportion": proportion(sum(row["outcome"] == "follows_recipient" for row in chosen),
-                                                           len(chosen)),
+                "follows_recipient_proportion": proportion(
+                    sum(row["outcome"] == "follows_recipient" for row in chosen), len(chosen)
+                ),
                 "neither_proportion": proportion(sum(row["outcome"] == "neither" for row in chosen), len(chosen)),
                 "by_direction_follows_donor": {
                     direction: _follows_donor(group)
@@ -213,13 +240,28 @@ def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
     sweep = []
     for subset, group in _group(sweep_rows, lambda r: r["subset"]).items():
         followed = sum(row["outcome"] == "follows_donor" for row in group)
-        sweep.append({"subset": subset, "layers": len(group[0]["layers"]), "kv": group[0]["kv"],
-                      "positions": group[0]["last_positions"], "follows_donor": followed, "n": len(group),
-                      "fraction": followed / len(group), "wilson95": proportion(followed, len(group))["wilson95"]})
+        sweep.append(
+            {
+                "subset": subset,
+                "layers": len(group[0]["layers"]),
+                "kv": group[0]["kv"],
+                "positions": group[0]["last_positions"],
+                "follows_donor": followed,
+                "n": len(group),
+                "fraction": followed / len(group),
+                "wilson95": proportion(followed, len(group))["wilson95"],
+            }
+        )
     figures["sweep"] = sweep
-    sufficient = [entry for entry in sweep if entry["fraction"] == 1.0 and entry["kv"] == "kv" and entry["positions"] is None]
-    figures["smallest_sufficient_layer_set"] = min(sufficient, key=lambda e: e["layers"])["subset"] if sufficient else None
-    figures["cross_precision"] = cross_precision_figures([row for row in every if row["selection"] == "cross_precision"])
+    sufficient = [
+        entry for entry in sweep if entry["fraction"] == 1.0 and entry["kv"] == "kv" and entry["positions"] is None
+    ]
+    figures["smallest_sufficient_layer_set"] = (
+        min(sufficient, key=lambda e: e["layers"])["subset"] if sufficient else None
+    )
+    figures["cross_precision"] = cross_precision_figures(
+        [row for row in every if row["selection"] == "cross_precision"]
+    )
     return figures
 
 
@@ -264,8 +306,11 @@ def summary(comparisons: pa.Table, trajectories: pa.Table, version: str, transpl
         "stagereplay_version": version,
         "checkpoints": order,
         "E1": {"name": "matched", "checkpoints": per_checkpoint(comparisons, "E1", e1_figures)},
-        "E2": {"name": "fixed_prefix", "prefix": "E1 live trajectory (never regenerated)",
-               "checkpoints": per_checkpoint(comparisons, "E2", e2_figures)},
+        "E2": {
+            "name": "fixed_prefix",
+            "prefix": "E1 live trajectory (never regenerated)",
+            "checkpoints": per_checkpoint(comparisons, "E2", e2_figures),
+        },
         "E3": {"name": "bridge", "checkpoints": per_checkpoint(comparisons, "E3", e3_figures)},
     }
     if transplants is not None:

@@ -31,9 +31,16 @@ class TransplantJob:
     plan: object  # plan.SweepPlan; only the all-layer transplant when None
 
 
-def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: ShardSpec, runtime: Runtime,
-                         suffix_tokens: int, store_root: str | Path, out_path: str | Path,
-                         source_store_root: str | Path | None = None) -> Path:
+def run_transplant_shard(
+    model_record: str | Path,
+    job: TransplantJob,
+    spec: ShardSpec,
+    runtime: Runtime,
+    suffix_tokens: int,
+    store_root: str | Path,
+    out_path: str | Path,
+    source_store_root: str | Path | None = None,
+) -> Path:
     """Transplant donor caches into recipient states and continue in the recipient's precision.
 
     Caches and prefixes are read from ``source_store_root`` (default: the store written to).
@@ -64,10 +71,14 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
         recipient_state = KVState.from_named_tensors(source_store.get(recipient["cache_object"]))
         prefix = source_store.get_tokens(recipient["prefix_object"])
         if donor["prefix_object"] != recipient["prefix_object"]:
-            raise LedgerError(f"item {donor['item_id']}: donor and recipient prefixes differ — transplant only over one prefix")
-        subsets = sweep_specs(recipient_state.num_layers, job.plan) if job.plan else [
-            TransplantSpec(tuple(range(recipient_state.num_layers)))
-        ]
+            raise LedgerError(
+                f"item {donor['item_id']}: donor and recipient prefixes differ — transplant only over one prefix"
+            )
+        subsets = (
+            sweep_specs(recipient_state.num_layers, job.plan)
+            if job.plan
+            else [TransplantSpec(tuple(range(recipient_state.num_layers)))]
+        )
         donor_suffix, recipient_suffix = list(donor["suffix_tokens"]), list(recipient["suffix_tokens"])
         for subset in subsets:
             state = transplant(donor_state, recipient_state, subset)
@@ -80,33 +91,45 @@ def run_transplant_shard(model_record: str | Path, job: TransplantJob, spec: Sha
                 suffix = continue_from(loaded.model, state, prefix[-1], suffix_tokens, eos, on_token=on_token)
             else:
                 # Once the continuation has left both suffixes it can follow neither: stop there.
-                suffix = continue_from(loaded.model, state, prefix[-1], suffix_tokens, eos, on_token=on_token,
-                                       stop_after=left_both(donor_suffix, recipient_suffix), stop_reason="left_both")
+                suffix = continue_from(
+                    loaded.model,
+                    state,
+                    prefix[-1],
+                    suffix_tokens,
+                    eos,
+                    on_token=on_token,
+                    stop_after=left_both(donor_suffix, recipient_suffix),
+                    stop_reason="left_both",
+                )
             tokens = list(suffix.tokens)
-            rows.append({
-                "selection": job.selection,
-                "checkpoint": spec.checkpoint,
-                "item_id": donor["item_id"],
-                "divergent": donor_suffix != recipient_suffix,
-                "donor": _side_label(donor),
-                "recipient": _side_label(recipient),
-                "precision": spec.precision,
-                "subset": subset.label(),
-                "layers": list(subset.layers),
-                "kv": subset.kv,
-                "last_positions": subset.last_positions,
-                "outcome": outcome(tokens, donor_suffix, recipient_suffix),
-                "first_divergence_vs_donor": first_divergence(tokens, donor_suffix),
-                "first_divergence_vs_recipient": first_divergence(tokens, recipient_suffix),
-                "cache_digest": fingerprint.digest,
-                "layer_k": list(fingerprint.keys),
-                "layer_v": list(fingerprint.values),
-                "suffix_object": store.put_tokens(tokens, {"role": "transplant_suffix", "model_fingerprint": record["fingerprint"]}),
-                "suffix_tokens": tokens,
-                "suffix_stop": suffix.stop,
-                "model_fingerprint": record["fingerprint"],
-                **environment,
-            })
+            rows.append(
+                {
+                    "selection": job.selection,
+                    "checkpoint": spec.checkpoint,
+                    "item_id": donor["item_id"],
+                    "divergent": donor_suffix != recipient_suffix,
+                    "donor": _side_label(donor),
+                    "recipient": _side_label(recipient),
+                    "precision": spec.precision,
+                    "subset": subset.label(),
+                    "layers": list(subset.layers),
+                    "kv": subset.kv,
+                    "last_positions": subset.last_positions,
+                    "outcome": outcome(tokens, donor_suffix, recipient_suffix),
+                    "first_divergence_vs_donor": first_divergence(tokens, donor_suffix),
+                    "first_divergence_vs_recipient": first_divergence(tokens, recipient_suffix),
+                    "cache_digest": fingerprint.digest,
+                    "layer_k": list(fingerprint.keys),
+                    "layer_v": list(fingerprint.values),
+                    "suffix_object": store.put_tokens(
+                        tokens, {"role": "transplant_suffix", "model_fingerprint": record["fingerprint"]}
+                    ),
+                    "suffix_tokens": tokens,
+                    "suffix_stop": suffix.stop,
+                    "model_fingerprint": record["fingerprint"],
+                    **environment,
+                }
+            )
         bar.update()
     bar.close()
     return write_table(rows, TRANSPLANT_SCHEMA, out_path)

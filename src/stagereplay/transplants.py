@@ -82,7 +82,7 @@ def sweep_specs(num_layers: int, plan: SweepPlan) -> list[TransplantSpec]:
     singles = every if plan.single_layers == "all" else () if plan.single_layers == "none" else plan.single_layers
     specs += [TransplantSpec((layer,)) for layer in singles]
     for size in plan.block_sizes:
-        specs += [TransplantSpec(every[:size]), TransplantSpec(every[num_layers - size:])]
+        specs += [TransplantSpec(every[:size]), TransplantSpec(every[num_layers - size :])]
     if plan.kv_only:
         specs += [TransplantSpec(every, part) for part in KV_PARTS if part != "kv"]
     specs += [TransplantSpec(every, "kv", window) for window in plan.windows]
@@ -104,9 +104,10 @@ def left_both(donor: list[int], recipient: list[int]):
     """A stop test: once a continuation differs from both suffixes, it can follow neither."""
 
     def stop(tokens: list[int]) -> bool:
-        return first_divergence(tokens, donor[: len(tokens)]) is not None and first_divergence(
-            tokens, recipient[: len(tokens)]
-        ) is not None
+        return (
+            first_divergence(tokens, donor[: len(tokens)]) is not None
+            and first_divergence(tokens, recipient[: len(tokens)]) is not None
+        )
 
     return stop
 
@@ -114,5 +115,7 @@ def left_both(donor: list[int], recipient: list[int]):
 def select_divergent(live_rows: list[dict], prefill_rows: list[dict], first_k: int | None) -> list[str]:
     """Items whose E1 live and prefill suffixes differ, by item id; the first K if given."""
     prefill = {row["item_id"]: row["suffix_object"] for row in prefill_rows}
-    divergent = sorted(row["item_id"] for row in live_rows if prefill.get(row["item_id"]) not in (None, row["suffix_object"]))
+    divergent = sorted(
+        row["item_id"] for row in live_rows if prefill.get(row["item_id"]) not in (None, row["suffix_object"])
+    )
     return divergent if first_k is None else divergent[:first_k]

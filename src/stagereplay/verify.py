@@ -92,8 +92,11 @@ class Report:
 
     def summary_line(self) -> str:
         checked = f"{self.objects} objects, {self.tables} tables, {self.rows} rows checked"
-        leftovers = (f"; {self.leftover_temporaries} leftover temporary files of interrupted writes (harmless)"
-                     if self.leftover_temporaries else "")
+        leftovers = (
+            f"; {self.leftover_temporaries} leftover temporary files of interrupted writes (harmless)"
+            if self.leftover_temporaries
+            else ""
+        )
         if self.faults:
             return f"verify: {len(self.faults)} fault(s) — {checked}{leftovers}"
         return f"verify: ledger OK — {checked}{leftovers}"
@@ -106,8 +109,12 @@ def table_schema(relative: Path) -> pa.Schema | None:
         return TRANSPLANT_SCHEMA if parts[1] == "transplant" else TRAJECTORY_SCHEMA
     if parts[0] == "prompts":
         return PROMPT_SCHEMA
-    return {"trajectories.parquet": TRAJECTORY_SCHEMA, "comparisons.parquet": COMPARISON_SCHEMA,
-            "transplants.parquet": TRANSPLANT_SCHEMA, "audit.parquet": AUDIT_SCHEMA}.get(relative.name)
+    return {
+        "trajectories.parquet": TRAJECTORY_SCHEMA,
+        "comparisons.parquet": COMPARISON_SCHEMA,
+        "transplants.parquet": TRANSPLANT_SCHEMA,
+        "audit.parquet": AUDIT_SCHEMA,
+    }.get(relative.name)
 
 
 def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject]:
@@ -123,8 +130,13 @@ def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject
             continue
         object_id = path.name.removesuffix(OBJECT_SUFFIX)
         if not path.name.endswith(OBJECT_SUFFIX) or not is_object_id(object_id) or path.parent.name != object_id[:2]:
-            report.faults.append(Fault(where, "not an object of this store (a name must be <2 hex>/<32 hex>.safetensors)",
-                                       "move it out of the object store"))
+            report.faults.append(
+                Fault(
+                    where,
+                    "not an object of this store (a name must be <2 hex>/<32 hex>.safetensors)",
+                    "move it out of the object store",
+                )
+            )
             continue
         report.objects += 1
         try:
@@ -147,7 +159,9 @@ def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject
 
 def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
     tables: dict[str, pa.Table] = {}
-    candidates = [path for folder in ("tables", "runs", "prompts") for path in sorted((root / folder).rglob("*.parquet"))]
+    candidates = [
+        path for folder in ("tables", "runs", "prompts") for path in sorted((root / folder).rglob("*.parquet"))
+    ]
     for path in candidates:
         relative = path.relative_to(root)
         schema = table_schema(relative)
@@ -158,14 +172,18 @@ def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
         try:
             table = read_table(path, schema)
         except LedgerError:
-            report.faults.append(Fault(str(relative), "unreadable Parquet, or not the schema of its place in the ledger"))
+            report.faults.append(
+                Fault(str(relative), "unreadable Parquet, or not the schema of its place in the ledger")
+            )
             continue
         expected = stored_rows_digest(table)
         if expected is None:
             report.faults.append(Fault(str(relative), "carries no digest of its rows (not written by stagereplay)"))
             continue
         if rows_digest(table) != expected:
-            report.faults.append(Fault(str(relative), "rows differ from the digest written with them (a cell was edited)"))
+            report.faults.append(
+                Fault(str(relative), "rows differ from the digest written with them (a cell was edited)")
+            )
             continue
         report.rows += table.num_rows
         tables[str(relative)] = table
@@ -176,8 +194,15 @@ def _row_where(relative: str, row: dict) -> str:
     return f"{relative} item {row['item_id']}"
 
 
-def _check_tokens(where: str, role: str, object_id: str, known: dict[str, StoredObject], faults: list[Fault],
-                  expected: list[int] | None = None, length: int | None = None) -> None:
+def _check_tokens(
+    where: str,
+    role: str,
+    object_id: str,
+    known: dict[str, StoredObject],
+    faults: list[Fault],
+    expected: list[int] | None = None,
+    length: int | None = None,
+) -> None:
     stored = known.get(object_id)
     if stored is None:
         faults.append(Fault(where, f"{role} object {object_id} is missing or corrupt"))
@@ -186,7 +211,9 @@ def _check_tokens(where: str, role: str, object_id: str, known: dict[str, Stored
     elif expected is not None and list(stored.tokens) != list(expected):
         faults.append(Fault(where, f"{role} tokens differ from object {object_id}"))
     elif length is not None and len(stored.tokens) != length:
-        faults.append(Fault(where, f"{role} length {length} differs from object {object_id} ({len(stored.tokens)} tokens)"))
+        faults.append(
+            Fault(where, f"{role} length {length} differs from object {object_id} ({len(stored.tokens)} tokens)")
+        )
 
 
 def _check_cache(where: str, row: dict, object_key: str, known: dict[str, StoredObject], faults: list[Fault]) -> None:
@@ -198,10 +225,16 @@ def _check_cache(where: str, row: dict, object_key: str, known: dict[str, Stored
     for kv, digests in (("k", row["layer_k"]), ("v", row["layer_v"])):
         for layer, digest in enumerate(digests):
             if stored.layer_digests.get(f"layer.{layer:03d}.{kv}") != digest:
-                faults.append(Fault(where, f"layer {layer} {kv.upper()} fingerprint differs from cache object {row[object_key]}"))
+                faults.append(
+                    Fault(where, f"layer {layer} {kv.upper()} fingerprint differs from cache object {row[object_key]}")
+                )
                 return
     if len(stored.layer_digests) != 2 * layers:
-        faults.append(Fault(where, f"cache object {row[object_key]} holds {len(stored.layer_digests) // 2} layers, the row {layers}"))
+        faults.append(
+            Fault(
+                where, f"cache object {row[object_key]} holds {len(stored.layer_digests) // 2} layers, the row {layers}"
+            )
+        )
 
 
 def verify_rows(tables: dict[str, pa.Table], known: dict[str, StoredObject], report: Report) -> None:
@@ -218,19 +251,31 @@ def verify_rows(tables: dict[str, pa.Table], known: dict[str, StoredObject], rep
                 _check_cache(where, row, "cache_object", known, faults)
                 stored = known.get(row["cache_object"])
                 if stored is not None and stored.shapes.get("layer.000.k", (0, 0, -1))[-2] != row["cache_positions"]:
-                    faults.append(Fault(where, f"cache_positions {row['cache_positions']} differs from the cache object"))
+                    faults.append(
+                        Fault(where, f"cache_positions {row['cache_positions']} differs from the cache object")
+                    )
         elif schema.equals(TRANSPLANT_SCHEMA):
             keys = Counter(row_key(r, TRANSPLANT_KEY) for r in rows)
             for row in rows:
-                _check_tokens(_row_where(relative, row), "transplant suffix", row["suffix_object"], known, faults,
-                              expected=row["suffix_tokens"])
+                _check_tokens(
+                    _row_where(relative, row),
+                    "transplant suffix",
+                    row["suffix_object"],
+                    known,
+                    faults,
+                    expected=row["suffix_tokens"],
+                )
         elif schema.equals(COMPARISON_SCHEMA):
             keys = Counter(row_key(r, COMPARISON_KEY) for r in rows)
             for row in rows:
                 # Every construction is rebuilt from the saved live prefix: two prefixes mean a broken ledger.
                 if row["relation"] == "construction" and not row["prefix_equal"]:
-                    faults.append(Fault(_row_where(relative, row),
-                                        f"{row['experiment']} {row['a']} vs {row['b']} compares different prefixes"))
+                    faults.append(
+                        Fault(
+                            _row_where(relative, row),
+                            f"{row['experiment']} {row['a']} vs {row['b']} compares different prefixes",
+                        )
+                    )
         elif schema.equals(PROMPT_SCHEMA):
             keys = Counter(r["item_id"] for r in rows)
         else:
@@ -247,15 +292,20 @@ def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
             continue
         shard_rows = {
             _canonical(row)
-            for relative, table in tables.items() if relative.startswith(folders)
+            for relative, table in tables.items()
+            if relative.startswith(folders)
             for row in table.to_pylist()
         }
         rows = tables[gathered].to_pylist()
         strays = [row for row in rows if _canonical(row) not in shard_rows]
         if strays:
-            report.faults.append(Fault(
-                gathered, f"{len(strays)} of {len(rows)} rows match no shard table (first: item {strays[0]['item_id']})",
-                "rerun snakemake --forcerun gather gather_transplants to regather"))
+            report.faults.append(
+                Fault(
+                    gathered,
+                    f"{len(strays)} of {len(rows)} rows match no shard table (first: item {strays[0]['item_id']})",
+                    "rerun snakemake --forcerun gather gather_transplants to regather",
+                )
+            )
 
 
 def verify_counts(root: Path, tables: dict[str, pa.Table], report: Report) -> None:
@@ -267,18 +317,22 @@ def verify_counts(root: Path, tables: dict[str, pa.Table], report: Report) -> No
     groups = Counter(row_key(row, group_key) for row in tables[TRAJECTORIES].to_pylist())
     for group, count in sorted(groups.items()):
         if count != items:
-            report.faults.append(Fault(
-                TRAJECTORIES,
-                f"{count} rows for {'/'.join(map(str, group))}, but items.jsonl holds {items} items",
-                "rerun snakemake --forcerun gather to regather"))
+            report.faults.append(
+                Fault(
+                    TRAJECTORIES,
+                    f"{count} rows for {'/'.join(map(str, group))}, but items.jsonl holds {items} items",
+                    "rerun snakemake --forcerun gather to regather",
+                )
+            )
 
 
 def _canonical(row: dict) -> str:
     return json.dumps(row, sort_keys=True)
 
 
-TRAJECTORIES, COMPARISONS, TRANSPLANTS, AUDIT = (RELATIVE.table(name) for name in ("trajectories", "comparisons",
-                                                                                   "transplants", "audit"))
+TRAJECTORIES, COMPARISONS, TRANSPLANTS, AUDIT = (
+    RELATIVE.table(name) for name in ("trajectories", "comparisons", "transplants", "audit")
+)
 CARDS = (RELATIVE.card, RELATIVE.card_html)
 SUMMARY = RELATIVE.summary
 E4 = RELATIVE.e4
@@ -312,8 +366,11 @@ def verify_produced(root: Path, summary: dict | None, documents: bool, report: R
         evidence[SUMMARY] = present(*CARDS)
     for relative, found in evidence.items():
         if found and not (root / relative).is_file():
-            fix = ("rerun snakemake --cores N audit" if relative == AUDIT else
-                   "rerun snakemake (it rebuilds what is missing)")
+            fix = (
+                "rerun snakemake --cores N audit"
+                if relative == AUDIT
+                else "rerun snakemake (it rebuilds what is missing)"
+            )
             report.faults.append(Fault(relative, f"missing, though {found[0]} was computed from it", fix))
 
 
@@ -334,12 +391,16 @@ def first_difference(saved, recomputed, path: tuple = ()) -> tuple | None:
                 return found
         return None if len(saved) == len(recomputed) else (*path, min(len(saved), len(recomputed)))
     # NaN is a value the same computation gives twice.
-    both_nan = isinstance(saved, float) and isinstance(recomputed, float) and saved != saved and recomputed != recomputed
+    both_nan = (
+        isinstance(saved, float) and isinstance(recomputed, float) and saved != saved and recomputed != recomputed
+    )
     return None if (saved == recomputed and type(saved) is type(recomputed)) or both_nan else path
 
 
 def _path_text(path: tuple) -> str:
-    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".") or "(the whole file)"
+    return (
+        "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".") or "(the whole file)"
+    )
 
 
 def _value_text(data, path: tuple) -> str:
@@ -362,17 +423,26 @@ def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Re
     transplants = tables.get(TRANSPLANTS) if "E5" in summary else None
     if "E5" in summary and transplants is None:
         return  # the transplant table is missing or unreadable: already a fault
-    recomputed = compute_summary(comparisons=tables[COMPARISONS], trajectories=tables[TRAJECTORIES],
-                                 version=summary.get("stagereplay_version"), transplants=transplants)
+    recomputed = compute_summary(
+        comparisons=tables[COMPARISONS],
+        trajectories=tables[TRAJECTORIES],
+        version=summary.get("stagereplay_version"),
+        transplants=transplants,
+    )
     _compare_figures(SUMMARY, summary, json.loads(json.dumps(recomputed)), "the tables", REWRITE_SUMMARY, report)
 
 
 def _compare_figures(where: str, saved: dict, recomputed: dict, source: str, fix: str, report: Report) -> None:
     path = first_difference(saved, recomputed)
     if path is not None:
-        report.faults.append(Fault(
-            where, f"{_path_text(path)} is {_value_text(saved, path)}, but {source} give"
-                   f" {_value_text(recomputed, path)} (edited, or not rewritten when {source} changed)", fix))
+        report.faults.append(
+            Fault(
+                where,
+                f"{_path_text(path)} is {_value_text(saved, path)}, but {source} give"
+                f" {_value_text(recomputed, path)} (edited, or not rewritten when {source} changed)",
+                fix,
+            )
+        )
 
 
 REWRITE_E4 = "rerun snakemake --cores N audit --forcerun audit_ledger to rewrite it from the audit table"
@@ -417,7 +487,9 @@ def verify_ledger(root: str | Path, documents: bool = True) -> Report:
     audit table and e4.json (what the audit reads nothing of, and verifies before they are rewritten)."""
     root = Path(root)
     if not root.is_dir() or not any((root / part).exists() for part in ("objects", "tables", "runs")):
-        raise LedgerError(f"no ledger at {root} (no objects/, tables/ or runs/) — pass the ledger_dir of a run, e.g. ledger")
+        raise LedgerError(
+            f"no ledger at {root} (no objects/, tables/ or runs/) — pass the ledger_dir of a run, e.g. ledger"
+        )
     report = Report()
     known = verify_objects(ObjectStore(Ledger(root).objects), report)
     tables = verify_tables(root, report)
