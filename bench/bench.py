@@ -358,8 +358,8 @@ def store_shard_again(ledger: Ledger) -> tuple[float, int]:
         for state, (prefix, suffix) in zip(states, tokens):
             digest = fingerprint_cache(state).digest
             store.put(state.named_tensors(), {"kind": "kv_cache"}, object_id=digest)
-            store.put_tokens(prefix, {"role": "prefix"})
-            store.put_tokens(suffix, {"role": "suffix"})
+            store.put_tokens(prefix)
+            store.put_tokens(suffix)
         return time.perf_counter() - started, nbytes
 
 

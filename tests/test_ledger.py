@@ -67,7 +67,7 @@ def test_layer_fingerprints_locate_the_changed_layer():
 
 def test_tokens_round_trip(tmp_path):
     store = ObjectStore(tmp_path)
-    object_id = store.put_tokens([5, 4, 3], {"role": "prefix"})
+    object_id = store.put_tokens([5, 4, 3])
     assert store.get_tokens(object_id) == [5, 4, 3]
     assert object_id == fingerprint_tensors({"tokens": torch.tensor([5, 4, 3])})
 

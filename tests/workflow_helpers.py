@@ -125,9 +125,7 @@ def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
     rows = read_table(shard, TRAJECTORY_SCHEMA).to_pylist()
     row = rows[0]
     tokens = [token + 1 for token in row["suffix_tokens"]]  # as long as before: one margin per token still
-    row["suffix_object"] = ObjectStore(ledger / "objects").put_tokens(
-        tokens, {"role": "suffix", "model_fingerprint": row["model_fingerprint"]}
-    )
+    row["suffix_object"] = ObjectStore(ledger / "objects").put_tokens(tokens)
     row["suffix_tokens"] = tokens
     write_table(rows, TRAJECTORY_SCHEMA, shard)
     return row

@@ -84,8 +84,10 @@ class ObjectStore:
             if not path.name.startswith(".")
         )
 
-    def put_tokens(self, tokens, metadata: dict[str, str]) -> str:
-        return self.put({"tokens": torch.tensor(list(tokens), dtype=torch.int64)}, {"kind": "tokens", **metadata})
+    def put_tokens(self, tokens) -> str:
+        # The metadata says only what the content determines: one token list can be a prefix, a suffix
+        # and a transplant suffix at once, and whichever job stored it first must not decide its bytes.
+        return self.put({"tokens": torch.tensor(list(tokens), dtype=torch.int64)}, {"kind": "tokens"})
 
     def get_tokens(self, object_id: str) -> list[int]:
         return self.get(object_id)["tokens"].tolist()

@@ -121,9 +121,7 @@ def run_transplant_shard(
                     "cache_digest": fingerprint.digest,
                     "layer_k": list(fingerprint.keys),
                     "layer_v": list(fingerprint.values),
-                    "suffix_object": store.put_tokens(
-                        tokens, {"role": "transplant_suffix", "model_fingerprint": record["fingerprint"]}
-                    ),
+                    "suffix_object": store.put_tokens(tokens),
                     "suffix_tokens": tokens,
                     "suffix_stop": suffix.stop,
                     "model_fingerprint": record["fingerprint"],
