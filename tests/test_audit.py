@@ -60,15 +60,21 @@ def audited(test_run, tmp_path_factory):
     return copy / "run", ledger, config, before, result
 
 
+def reproduced_of(entry: dict) -> tuple:
+    """The x/N of an E4 entry (which also carries the rate and Wilson interval of summary.proportion)."""
+    return entry["reproduced"], entry["n"]
+
+
 def test_the_audit_reproduces_every_fingerprint(audited):
     _, ledger, _, _, result = audited
     e4 = json.loads((ledger / "audit" / "e4.json").read_text())
     assert e4["status"] == "reproduced" and e4["mismatches"] == [] and e4["environment_differences"] == []
     trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet").num_rows
-    assert e4["trajectories"] == {"reproduced": trajectories, "n": trajectories}
-    assert e4["items"] == {"reproduced": 4, "n": 4}
+    assert reproduced_of(e4["trajectories"]) == (trajectories, trajectories)
+    assert reproduced_of(e4["items"]) == (4, 4)
     for kind in (
         "prefix",
+        "stage_end",
         "cache",
         "layer_k",
         "layer_v",
@@ -179,7 +185,7 @@ def test_a_mismatch_names_item_artifact_and_first_layer_or_position(test_run, tm
     assert environment == {f"threads {rows[2]['threads'] - 1} -> {rows[2]['threads']}"}
     figures = e4_figures(checks)
     assert figures["status"] == "differences found"
-    assert figures["artifacts"]["layer_v"] == {"reproduced": len(rows) - 1, "n": len(rows)}
+    assert reproduced_of(figures["artifacts"]["layer_v"]) == (len(rows) - 1, len(rows))
     assert figures["environment_differences"] == [{"difference": environment.pop(), "rows": 7}]
 
 
@@ -222,6 +228,20 @@ def test_a_recomputed_difference_that_verify_cannot_see_is_found_by_the_audit(te
     assert f"item {row['item_id']} {side} suffix first differing position 0" in result.stdout + result.stderr
 
 
+def test_a_live_stage_that_ended_differently_is_a_mismatch(test_run):
+    """The same prefix, but the recomputed stage says it ended on the marker: how a stage ended is a result."""
+    _, ledger, _ = test_run
+    saved = read_table(ledger / "tables" / "trajectories.parquet", TRAJECTORY_SCHEMA)
+    rows = saved.to_pylist()
+    edited = next(index for index, row in enumerate(rows) if row["construction"] == "live")
+    rows[edited] = {**rows[edited], "boundary_reason": "marker", "marker_match": "token_ids"}
+    store = ObjectStore(ledger / "objects")
+    checks = audit_rows(audit_trajectories(saved, pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), store, store))
+    failed = [check for check in checks if not check["reproduced"]]
+    assert [check["artifact"] for check in failed] == ["stage_end"]
+    assert failed[0]["audited"] == "marker (token_ids)" and failed[0]["item_id"] == rows[edited]["item_id"]
+
+
 def test_a_rebuilt_prefix_is_copied_so_it_is_not_counted_as_reproduced(test_run):
     _, ledger, _ = test_run
     saved = read_table(ledger / "tables" / "trajectories.parquet", TRAJECTORY_SCHEMA)
@@ -240,8 +260,8 @@ def test_a_rebuilt_prefix_is_copied_so_it_is_not_counted_as_reproduced(test_run)
     )
     assert all(check["reproduced"] for check in checks)
     figures = e4_figures(checks)
-    assert figures["artifacts"]["prefix"] == {"reproduced": len(live), "n": len(live)}
-    assert figures["artifacts"]["suffix"] == {"reproduced": len(rows), "n": len(rows)}
+    assert reproduced_of(figures["artifacts"]["prefix"]) == (len(live), len(live))
+    assert reproduced_of(figures["artifacts"]["suffix"]) == (len(rows), len(rows))
 
 
 @pytest.mark.parametrize("where", ["saved", "audited"])
@@ -272,7 +292,7 @@ def test_a_duplicate_key_fails_its_trajectory(where, test_run):
     ]
     figures = e4_figures(checks)
     assert figures["status"] == "differences found"
-    assert figures["trajectories"] == {"reproduced": saved.num_rows - 1, "n": saved.num_rows}
+    assert reproduced_of(figures["trajectories"]) == (saved.num_rows - 1, saved.num_rows)
 
 
 def test_a_construction_pair_over_different_prefixes_is_not_reproduced(test_run):
@@ -298,7 +318,8 @@ def test_a_construction_pair_over_different_prefixes_is_not_reproduced(test_run)
 def test_an_audit_of_nothing_is_not_measured():
     figures = e4_figures([])
     assert figures["status"] == "not measured"
-    assert figures["trajectories"] == figures["items"] == {"reproduced": None, "n": 0, "status": "not measured"}
+    for entry in (figures["trajectories"], figures["items"]):
+        assert reproduced_of(entry) == (None, 0) and entry["status"] == "not measured" and not entry["measured"]
     assert verdict(figures) == "E4 audit: not measured (no saved row was audited)"
     assert e4_reading(figures) == [
         "E4 audit: not measured: the audit recomputed no trajectory, so nothing is shown to reproduce."

@@ -29,6 +29,7 @@ from stagereplay.stats import (
     paired_difference_newcombe,
     paired_difference_wald,
 )
+from stagereplay.summary import proportion as summary_proportion
 from stagereplay.summary import summary as summarize
 
 pytestmark = pytest.mark.slow
@@ -351,8 +352,8 @@ def test_plots_and_card_degrade_when_an_experiment_is_missing(completed, tmp_pat
     del summary["E5"]
     summary["E4"] = {
         "name": "audit",
-        "trajectories": {"reproduced": 35, "n": 36},
-        "artifacts": {"kv_cache": {"reproduced": 20, "n": 20}},
+        "trajectories": {"reproduced": 35, **summary_proportion(35, 36)},
+        "artifacts": {"kv_cache": {"reproduced": 20, **summary_proportion(20, 20)}},
         "mismatches": [{"item_id": "arith-000", "artifact": "suffix", "detail": "differs"}],
         "environment_differences": [],
     }

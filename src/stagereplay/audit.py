@@ -221,6 +221,10 @@ def audit_trajectories(
                     **extra_fields,
                 )
             )
+            # How the stage ended (budget, EOS, or the marker, matched on token ids or text) is recomputed too.
+            ended_old = f"{old['boundary_reason']} ({old['marker_match']})"
+            ended_new = f"{new['boundary_reason']} ({new['marker_match']})"
+            checks.append(_same("trajectory", "stage_end", where, ended_old, ended_new, **extra_fields))
         checks += [
             _same("trajectory", "cache", where, old["cache_object"], new["cache_object"], **extra_fields),
             _layers("trajectory", "layer_k", where, old["layer_k"], new["layer_k"], **extra_fields),
