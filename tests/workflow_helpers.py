@@ -131,3 +131,30 @@ def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
     row["suffix_tokens"] = tokens
     write_table(rows, TRAJECTORY_SCHEMA, shard)
     return row
+
+
+# Not part of the stored ledger: job logs and benchmarks, the audit's own tree, the downloaded GGUF.
+NOT_STORED = ("logs", "benchmarks", "audit", "downloads")
+
+
+def measured_storage(ledger: Path) -> dict[str, int]:
+    """A finished ledger's bytes as its files' sizes: the boundary caches its trajectories name, and
+    everything it stores (less what NOT_STORED names and hidden files)."""
+    rows = pq.read_table(ledger / "tables" / "trajectories.parquet", columns=["cache_object"]).column(0).to_pylist()
+    caches = sum((ledger / "objects" / name[:2] / f"{name}.safetensors").stat().st_size for name in set(rows))
+    total = sum(
+        path.stat().st_size
+        for path in ledger.rglob("*")
+        if path.is_file() and path.relative_to(ledger).parts[0] not in NOT_STORED and not path.name.startswith(".")
+    )
+    return {"caches": caches, "ledger": total}
+
+
+def shared_prefix_items(ledger: Path, checkpoint: str, matched_precision: str) -> set[int]:
+    """Items (indices in the prompt table's order) whose every live run reproduced the E1 prefix."""
+    prompts = pq.read_table(ledger / "prompts" / f"{checkpoint}.parquet", columns=["item_id"]).column(0).to_pylist()
+    prefixes: dict[str, set[str]] = {}
+    for row in pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist():
+        if row["construction"] == "live" and row["checkpoint"] == checkpoint:
+            prefixes.setdefault(row["item_id"], set()).add(row["prefix_object"])
+    return {index for index, item in enumerate(prompts) if len(prefixes.get(item, ())) == 1}
