@@ -19,6 +19,8 @@ def _runtime(args):
         threads=args.threads,
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
+        max_positions=args.max_positions,
+        device_memory_gb=args.device_memory_gb,
     )
 
 
@@ -282,6 +284,12 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)"
+    )
+    parser.add_argument(
+        "--max-positions", type=int, default=0, help="longest sequence a job holds (the fit check's caches)"
+    )
+    parser.add_argument(
+        "--device-memory-gb", type=float, default=None, help="device memory the job may use (default: what is free)"
     )
     parser.add_argument("--replica", type=int, default=0)
     parser.add_argument("--shard", type=int, required=True)
