@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,3 +119,15 @@ def test_a_model_that_cannot_fit_stops_at_load_with_one_line(tiny_qwen2_folder):
     # With the memory it needs, the same model loads.
     fits = Runtime(precision="fp32", device="cpu", threads=1, max_positions=400, device_memory_gb=needed * 1.01 / 1e9)
     assert load_model(tiny_qwen2_folder, fits).model.config.num_hidden_layers == shapes.layers
+
+
+def test_the_plan_imports_no_torch():
+    # It runs when snakemake parses the workflow and before any model is at hand.
+    code = (
+        "import sys; from stagereplay.storage_plan import load_config, project_config;"
+        " project_config(load_config('config/paper.yaml'), 'qwen2.5-14b-instruct');"
+        " print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

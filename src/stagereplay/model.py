@@ -257,14 +257,14 @@ def check_fits(config: dict, runtime: Runtime, device: str) -> None:
     out-of-memory error an hour in. Needed: weights at the precision plus caches and activations
     (storage_plan.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
     device's free memory (CUDA) or the host's available RAM, capped by runtime.device_memory_gb."""
-    from .storage_plan import ModelShapes, PlanError, available_memory_bytes, job_memory_bytes
+    from .storage_plan import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
 
     try:
         shapes = ModelShapes.from_config(config)
     except PlanError:
         return  # an architecture whose shapes we cannot read: nothing to check against
     needed = job_memory_bytes(shapes, runtime.precision, runtime.max_positions)
-    available = available_memory_bytes(device)
+    available = int(torch.cuda.mem_get_info()[0]) if device == "cuda" else available_host_memory_bytes()
     limit = "free"
     if runtime.device_memory_gb is not None and runtime.device_memory_gb * 1e9 < available:
         available, limit = int(runtime.device_memory_gb * 1e9), "runtime.device_memory_gb"

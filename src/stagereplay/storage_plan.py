@@ -312,11 +312,14 @@ class Projection:
 
 
 # Parquet: a file's schema, footer and row digest; a row's key, environment and scalar columns;
-# per-layer fingerprints (32 hex digits, partly shared through dictionary pages) and token lists.
-# Calibrated on config/test.yaml ledgers; small beside the caches of any real model.
+# per-layer fingerprints (32 hex digits, partly shared through dictionary pages) and token lists
+# (compressed). Calibrated on ledgers of config/test.yaml (4-row shards) and of the 50-item
+# rehearsal (25-row shards); small beside the caches of any real model.
 _PARQUET_FILE_BYTES = 12_500
-_ROW_BYTES = 120
+_ROW_BYTES = 40
 _FINGERPRINT_BYTES = 16
+_TOKEN_BYTES = 6  # a suffix token and its margin
+_AUDIT_ROW_BYTES = 2  # a row of tables/audit.parquet: fingerprints that agree compress to almost nothing
 _DOCUMENTS_BYTES = 300_000  # summary.json, the card, its HTML and the five plots
 _ITEM_BYTES = 240  # a normalised items.jsonl row
 _TOKENIZER_BYTES_PER_ENTRY = 45  # tokenizer.json (vocabulary and merges) in a converted folder
@@ -393,9 +396,9 @@ def project(
     jobs = len(design.trajectories()) + (2 if other else 0)
     rows = items * jobs
     fingerprints = 2 * shapes.layers * _FINGERPRINT_BYTES
-    trajectory_row = _ROW_BYTES + fingerprints + 12 * design.suffix_tokens + stage
-    transplant_row = _ROW_BYTES + fingerprints + 8 * design.suffix_tokens
-    comparison_row = _ROW_BYTES + 6 * 8 * shapes.layers + 4 * design.suffix_tokens
+    trajectory_row = _ROW_BYTES + fingerprints + _TOKEN_BYTES * design.suffix_tokens
+    transplant_row = _ROW_BYTES + fingerprints // 4 + _TOKEN_BYTES * design.suffix_tokens // 2
+    comparison_row = _ROW_BYTES + 2 * shapes.layers
     files = shards * (jobs + len(transplants) + (1 if transplants.get("cross_precision") else 0)) + 4
     result.tables_bytes = (
         files * _PARQUET_FILE_BYTES
@@ -412,7 +415,9 @@ def project(
     # gathered tables again, plus its audit table (a row per compared fingerprint); no cache tensors.
     # An audit that kept its recomputed caches would add a second copy of the `all` caches.
     audit_rows = rows * (4 + 2 * shapes.layers) + transplant_rows * (3 + 2 * shapes.layers)
-    result.audit_bytes = result.tokens_bytes + result.tables_bytes + audit_rows * 2 * _FINGERPRINT_BYTES
+    result.audit_bytes = (
+        result.tokens_bytes + result.tables_bytes - sum(prompt_tokens) * 8 + audit_rows * _AUDIT_ROW_BYTES
+    )
     result.audit_cache_copy_bytes = all_bytes
     result.shared_prefix_cache_bytes = sum(other_per_item) + sum(
         cache_object_bytes(shapes, precision, _positions(p, design))
@@ -498,12 +503,8 @@ def job_memory_bytes(shapes: ModelShapes, precision: str, max_positions: int) ->
     return weights + caches + activations + _DEVICE_OVERHEAD_BYTES
 
 
-def available_memory_bytes(device: str) -> int:
-    """Free memory of the device a job runs on: CUDA's free bytes, else the host's available RAM."""
-    if device == "cuda":
-        import torch
-
-        return int(torch.cuda.mem_get_info()[0])
+def available_host_memory_bytes() -> int:
+    """The host's available RAM (a CPU job's device memory)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
