@@ -15,6 +15,9 @@ config) and measures:
   (e) model load: the converted safetensors folder vs the GGUF
   (f) snakemake --dry-run and a no-op rerun on a complete 200-item ledger
       (bench/config_200.yaml, a tiny random Qwen2; built on first use)
+  (g) the rehearsal: the paper's full design (E1-E5, audit, report) from scratch at 50, 100 and
+      200 items (bench/config_rehearsal.yaml, the tiny diverging test model, small budgets), wall
+      time per stage, so a stage that grows faster than the item count shows (--rehearsal 50,100)
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = "abcdef"
+SECTIONS = "abcdefg"
 rows: list[tuple[str, str, str, str]] = []  # (section, measurement, value, reference or note)
 
 
@@ -528,6 +531,73 @@ def section_f(ledger_200: Path, config_200: Path) -> None:
     add("f", "no-op rerun (snakemake --cores 2), same ledger", f"{timings['no-op rerun']:.1f} s", "median of 3")
 
 
+# Each stage is one snakemake invocation that stops before the next stage's rules (--omit-from),
+# so its wall time less a dry run's (parsing and planning, measured first) is the stage's work.
+REHEARSAL_STAGES = (  # (stage, targets, options)
+    ("parse", (), ("--dry-run",)),
+    ("model jobs", (), ("--omit-from", "gather", "gather_transplants")),
+    ("gather", (), ("--omit-from", "compare", "summary")),
+    ("compare", (), ("--omit-from", "summary")),
+    ("summary", (), ("--omit-from", "report")),
+    ("report", (), ()),
+    ("audit", ("audit",), ()),
+    ("report with E4", (), ()),
+)
+
+
+def rehearsal_items(count: int, workdir: Path) -> str:
+    """data/items.jsonl when it holds enough items, else the built-in generator's."""
+    source = REPO / "data/items.jsonl"
+    if sum(1 for line in source.read_text().splitlines() if line.strip()) >= count:
+        return str(source)
+    generated = workdir / f"items-{count}.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "stagereplay", "make-default-items", "--n", str(count), "--out", str(generated)],
+        check=True,
+    )
+    return str(generated)
+
+
+def section_g(counts: list[int], root: Path, cores: int) -> None:
+    base = yaml.safe_load((REPO / "bench/config_rehearsal.yaml").read_text())
+    table: dict[str, dict[int, float]] = {}
+    for count in counts:
+        ledger = root / f"items-{count}"
+        if ledger.exists():
+            shutil.rmtree(ledger)  # from scratch: every stage runs
+        ledger.mkdir(parents=True)
+        config = ledger.parent / f"config-{count}.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    **base,
+                    "ledger_dir": str(ledger),
+                    "items": {**base["items"], "limit": count, "source": rehearsal_items(count, ledger.parent)},
+                }
+            )
+        )
+        parse = 0.0
+        for stage, targets, options in REHEARSAL_STAGES:
+            run = () if stage == "parse" else ("--cores", str(cores))
+            seconds, result = snakemake(*targets, "--configfile", str(config), *run, *options)
+            if result.returncode != 0:
+                sys.exit(f"bench: rehearsal stage {stage} at {count} items failed:\n{result.stderr[-3000:]}")
+            if stage == "parse":
+                parse = seconds
+            table.setdefault(stage, {})[count] = seconds if stage == "parse" else max(seconds - parse, 0.0)
+            print(f"  (g) {count} items, {stage}: {table[stage][count]:.1f} s", file=sys.stderr, flush=True)
+    first, last = counts[0], counts[-1]
+    for stage, by_count in table.items():
+        values = ", ".join(f"{count}: {by_count[count]:.1f} s" for count in counts)
+        note = ""
+        if last > first and by_count[first] > 0:
+            growth = by_count[last] / by_count[first]
+            note = f"x{growth:.1f} for x{last / first:.0f} items" + (
+                " — faster than linear" if growth > 1.25 * last / first else ""
+            )
+        add("g", f"rehearsal: {stage} (wall s at {', '.join(map(str, counts))} items)", values, note)
+
+
 # ---------------------------------------------------------------- table
 
 
@@ -566,6 +636,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config-200", type=Path, default=REPO / "bench/config_200.yaml")
     parser.add_argument("--only", default=SECTIONS, help="sections to run, e.g. a,c,d (default: all)")
+    parser.add_argument("--rehearsal", default="50,100,200", help="item counts of the rehearsal (g)")
+    parser.add_argument(
+        "--rehearsal-dir", type=Path, default=REPO / "ledger/rehearsal", help="ledgers of (g), rebuilt each time"
+    )
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="snakemake --cores of (g)")
     args = parser.parse_args(argv)
     wanted = set(args.only.replace(",", "")) & set(SECTIONS)
     import torch
@@ -573,12 +648,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the jobs' thread count in the default config
     before = machine()
     print(f"machine: {before}", file=sys.stderr)
-    ledger = Ledger(args.ledger.resolve(), load_config(args.config)) if wanted - {"f"} else None
+    ledger = Ledger(args.ledger.resolve(), load_config(args.config)) if wanted - {"f", "g"} else None
     for section in SECTIONS:
         if section in wanted:
             started = time.perf_counter()
             if section == "f":
                 section_f(args.ledger_200.resolve(), args.config_200.resolve())
+            elif section == "g":
+                counts = sorted(int(count) for count in args.rehearsal.split(","))
+                section_g(counts, args.rehearsal_dir.resolve(), args.cores)
             else:
                 globals()[f"section_{section}"](ledger)
             print(f"  ({section}) took {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)

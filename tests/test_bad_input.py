@@ -135,6 +135,11 @@ CATALOGUE = {
         {"checkpoints": {"tiny-cuda": {"random_qwen2": {"seed": 0}}}, "runtime": {"device": "cuda"}},
         in_job=True,
     ),
+    "model larger than the device memory": BadInput(
+        "GB are available (runtime.device_memory_gb)",
+        {"checkpoints": {"tiny-small-device": {"random_qwen2": {"seed": 0}}}, "runtime": {"device_memory_gb": 0.01}},
+        in_job=True,
+    ),
     "prompt longer than the context": BadInput(
         "exceeds the model's context",
         {"checkpoints": {"tiny-long": {"random_qwen2": {"seed": 0}}}, "stage": {"suffix_tokens": 5000}},

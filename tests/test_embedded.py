@@ -7,7 +7,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 from safetensors import safe_open
-from workflow_helpers import snakemake, write_config
+from workflow_helpers import check_storage_plan, snakemake, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +54,5 @@ def test_embedded_default_runs_end_to_end(tmp_path):
         assert handle.metadata()["model_fingerprint"] == record["fingerprint"]
         assert handle.metadata()["precision"] == "bf16"
         assert handle.get_tensor("layer.000.k").shape[-2] == live["cache_positions"]
+    # The storage plan of this config matches the ledger it produced.
+    check_storage_plan(ledger, config)

@@ -129,3 +129,55 @@ def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
     row["suffix_tokens"] = tokens
     write_table(rows, TRAJECTORY_SCHEMA, shard)
     return row
+
+
+# Not part of the stored ledger: job logs and benchmarks, the audit's own tree, the downloaded GGUF.
+NOT_STORED = ("logs", "benchmarks", "audit", "downloads")
+
+
+def measured_storage(ledger: Path) -> dict[str, int]:
+    """A finished ledger's bytes as its files' sizes: the boundary caches its trajectories name, and
+    everything it stores (less what NOT_STORED names and hidden files)."""
+    rows = pq.read_table(ledger / "tables" / "trajectories.parquet", columns=["cache_object"]).column(0).to_pylist()
+    caches = sum((ledger / "objects" / name[:2] / f"{name}.safetensors").stat().st_size for name in set(rows))
+    total = sum(
+        path.stat().st_size
+        for path in ledger.rglob("*")
+        if path.is_file() and path.relative_to(ledger).parts[0] not in NOT_STORED and not path.name.startswith(".")
+    )
+    return {"caches": caches, "ledger": total}
+
+
+def shared_prefix_items(ledger: Path, checkpoint: str) -> set[int]:
+    """Items (indices in the prompt table's order) whose every live run reproduced the E1 prefix."""
+    prompts = pq.read_table(ledger / "prompts" / f"{checkpoint}.parquet", columns=["item_id"]).column(0).to_pylist()
+    prefixes: dict[str, set[str]] = {}
+    for row in pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist():
+        if row["construction"] == "live" and row["checkpoint"] == checkpoint:
+            prefixes.setdefault(row["item_id"], set()).add(row["prefix_object"])
+    return {index for index, item in enumerate(prompts) if len(prefixes.get(item, ())) == 1}
+
+
+def check_storage_plan(ledger: Path, config_path: Path, tolerance: float = 0.05) -> None:
+    """The storage plan of a run's config against its finished ledger (store_caches: all)."""
+    from stagereplay.storage_plan import load_config, project, project_config
+
+    config = load_config(config_path)
+    projection, shapes, _ = project_config(config)
+    assert projection.prompt_measured  # the run's own prompt lengths
+    checkpoint = next(iter(config["checkpoints"]))
+    shared = shared_prefix_items(ledger, checkpoint)
+    # The one outcome the plan cannot know: which items' other-precision live runs reproduce the E1 prefix.
+    exact = project(
+        config,
+        shapes,
+        projection.prompt_tokens,
+        True,
+        model_in_ledger=True,
+        shared_prefix_items=shared,
+    )
+    measured = measured_storage(ledger)
+    assert abs(exact.cache_bytes["all"] / measured["caches"] - 1) < tolerance, (exact.cache_bytes, measured)
+    assert abs(exact.ledger_bytes("all") / measured["ledger"] - 1) < tolerance, (exact.parts("all"), measured)
+    # Without that outcome the plan is an upper bound.
+    assert projection.cache_bytes["all"] >= measured["caches"]

@@ -19,6 +19,8 @@ def _runtime(args):
         threads=args.threads,
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
+        max_positions=args.max_positions,
+        device_memory_gb=args.device_memory_gb,
     )
 
 
@@ -193,6 +195,14 @@ def cmd_summarize(args) -> None:
     write_json(summary(comparisons, trajectories, __version__, transplants), args.out)
 
 
+def cmd_plan(args) -> None:
+    from .storage_plan import load_config, project_config, render
+
+    config = load_config(args.configfile, {"ledger_dir": args.ledger_dir} if args.ledger_dir else None)
+    projection, shapes, model = project_config(config, args.model_config)
+    print(render(projection, model, shapes))
+
+
 def cmd_verify(args) -> int:
     from .verify import verify_ledger
 
@@ -274,6 +284,12 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)"
+    )
+    parser.add_argument(
+        "--max-positions", type=int, default=0, help="longest sequence a job holds (the fit check's caches)"
+    )
+    parser.add_argument(
+        "--device-memory-gb", type=float, default=None, help="device memory the job may use (default: what is free)"
     )
     parser.add_argument("--replica", type=int, default=0)
     parser.add_argument("--shard", type=int, required=True)
@@ -434,6 +450,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_summarize)
 
     p = sub.add_parser(
+        "plan", help="project the bytes of the ledger and the audit at each store_caches policy, before the run"
+    )
+    p.add_argument("--configfile", required=True, help="the run's config, e.g. config/paper.yaml")
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="the model's config.json (or its folder, or a name under data/model_configs);"
+        " not needed for the embedded or random checkpoints or a folder checkpoint",
+    )
+    p.add_argument(
+        "--ledger-dir", default=None, help="read measured prompt lengths from this ledger (default: the config's)"
+    )
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
         "verify", help="check a saved ledger without a model: objects, tables, rows, counts (exit 1 on a fault)"
     )
     p.add_argument("ledger_dir", help="the ledger_dir of a run, e.g. ledger")
@@ -487,11 +518,20 @@ def main(argv: list[str] | None = None) -> int:
     from .ledger import LedgerError
     from .model import ModelError
     from .plan import ConstructionError, TransplantError
+    from .storage_plan import PlanError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except (CheckpointError, ConstructionError, ItemError, LedgerError, ModelError, TransplantError) as error:
+    except (
+        CheckpointError,
+        ConstructionError,
+        ItemError,
+        LedgerError,
+        ModelError,
+        PlanError,
+        TransplantError,
+    ) as error:
         print(f"stagereplay: error: {error}", file=sys.stderr)
         return 2
 

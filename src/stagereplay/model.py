@@ -38,6 +38,10 @@ class Runtime:
     threads: int
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    # What the fit check at load time needs: the longest sequence a job holds (prompt, stage and
+    # suffix; 0: weights only) and the device memory it may use (None: the device's free memory).
+    max_positions: int = 0
+    device_memory_gb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,7 @@ def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
     refusal = unsupported_attention(config, str(folder))
     if refusal:  # before the weights are read: the job stops before any work
         raise ModelError(refusal)
+    check_fits(config.to_dict(), runtime, environment.device)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         folder,
@@ -245,6 +250,30 @@ def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
     model.to(environment.device).eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, environment=environment)
+
+
+def check_fits(config: dict, runtime: Runtime, device: str) -> None:
+    """Stop before the weights are read when the job cannot fit the device: one line now, not an
+    out-of-memory error an hour in. Needed: weights at the precision plus caches and activations
+    (storage_plan.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
+    device's free memory (CUDA) or the host's available RAM, capped by runtime.device_memory_gb."""
+    from .storage_plan import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
+
+    try:
+        shapes = ModelShapes.from_config(config)
+    except PlanError:
+        return  # an architecture whose shapes we cannot read: nothing to check against
+    needed = job_memory_bytes(shapes, runtime.precision, runtime.max_positions)
+    available = int(torch.cuda.mem_get_info()[0]) if device == "cuda" else available_host_memory_bytes()
+    limit = "free"
+    if runtime.device_memory_gb is not None and runtime.device_memory_gb * 1e9 < available:
+        available, limit = int(runtime.device_memory_gb * 1e9), "runtime.device_memory_gb"
+    if needed > available:
+        raise ModelError(
+            f"the model needs {needed / 1e9:.2f} GB on {device} at {runtime.precision} ({runtime.max_positions} positions)"
+            f" but {available / 1e9:.2f} GB are available ({limit}) — use a larger device, a lower precision or"
+            " shorter token budgets, or raise runtime.device_memory_gb"
+        )
 
 
 def context_length(model: torch.nn.Module) -> int:

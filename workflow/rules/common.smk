@@ -207,7 +207,10 @@ def runtime_args(wildcards, replica=None, runtime=RUNTIME):
         f"--shard-size {config['shard_size']}",
         f"--replica {int(wildcards.replica) if replica is None else replica}",
         f"--suffix-tokens {STAGE['suffix_tokens']}",
+        f"--max-positions {MAX_POSITIONS}",
     ]
+    if runtime["device_memory_gb"]:
+        args.append(f"--device-memory-gb {runtime['device_memory_gb']}")
     if runtime["trust_remote_code"]:
         args.append("--trust-remote-code")
     return " ".join(args)
@@ -217,12 +220,45 @@ def audit_runtime_args(wildcards, replica=None):
     return runtime_args(wildcards, replica, AUDIT_RUNTIME)
 
 
+def parse_time_max_positions():
+    """The longest sequence a model job holds: the longest prompt (estimated from the items' text:
+    the prompt tokens do not exist yet), the stage and the suffix."""
+    from stagereplay.storage_plan import checkpoint_shapes, estimate_prompt_tokens
+
+    shapes = checkpoint_shapes(CHECKPOINTS[PRIMARY], model_folder(PRIMARY))
+    byte_level = shapes is not None and shapes.vocab <= 512
+    return max(estimate_prompt_tokens(ITEMS, byte_level)) + STAGE["max_new_tokens"] + STAGE["suffix_tokens"]
+
+
+MAX_POSITIONS = parse_time_max_positions()
+
+
+def device_memory_mb(runtime):
+    """A model job's expected device memory (storage_plan.job_memory_bytes: weights at the precision,
+    caches, activations), as the resource gpu_mem_mb: the profiles run as many model jobs per GPU as
+    fit. 0 on the CPU, and for a GGUF not converted yet (its shapes are unknown until then)."""
+    from stagereplay.storage_plan import checkpoint_shapes, job_memory_bytes
+
+    def gpu_mem_mb(wildcards):
+        if runtime["device"] == "cpu":
+            return 0
+        shapes = checkpoint_shapes(CHECKPOINTS[wildcards.checkpoint], model_folder(wildcards.checkpoint))
+        return job_memory_bytes(shapes, wildcards.precision, MAX_POSITIONS) // 2**20 if shapes else 0
+
+    return gpu_mem_mb
+
+
 MODEL_RESOURCES = dict(
     mem_mb=RUNTIME["mem_mb"],
     runtime=RUNTIME["runtime_minutes"],
     gpu=1 if RUNTIME["device"] == "cuda" else 0,
+    gpu_mem_mb=device_memory_mb(RUNTIME),
 )
-AUDIT_MODEL_RESOURCES = {**MODEL_RESOURCES, "gpu": 1 if AUDIT_RUNTIME["device"] == "cuda" else 0}
+AUDIT_MODEL_RESOURCES = {
+    **MODEL_RESOURCES,
+    "gpu": 1 if AUDIT_RUNTIME["device"] == "cuda" else 0,
+    "gpu_mem_mb": device_memory_mb(AUDIT_RUNTIME),
+}
 
 
 # --- models (model.smk) --------------------------------------------------------------------------
