@@ -67,38 +67,50 @@ def not_run(experiment: str, how: str) -> Figure:
 # --- E1 ---------------------------------------------------------------------------------
 
 
+# The two labelings of summary.json's E1 `labelings`, in its order, as the card names them.
+LABELING_NAMES = {"parsed": "parsed", "readout": "readout"}
+
+
 def e1_figures(summary: dict) -> list[Figure]:
     figures = []
     for checkpoint, e1 in summary["E1"]["checkpoints"].items():
         name = experiment_name("E1 matched", e1["precision"], checkpoint, summary)
         figures += [
             proportion(name, "suffixes that differ, live vs prefill", e1["suffixes_differ"]),
-            proportion(name, "correctness labels that differ", e1["labels_differ"]),
             proportion(name, "boundary caches that differ", e1["caches_differ"]),
-            proportion(name, "accuracy, live", e1["accuracy"]["live"]),
-            proportion(name, "accuracy, prefill", e1["accuracy"]["prefill"]),
-            proportion(name, "unparsable answers, live", e1["unparsable_proportion"]["live"]),
-            proportion(name, "unparsable answers, prefill", e1["unparsable_proportion"]["prefill"]),
         ]
+        for key, labeling in e1["labelings"].items():
+            label = LABELING_NAMES[key]
+            figures += [
+                proportion(name, f"correctness labels that differ ({label})", labeling["labels_differ"]),
+                proportion(name, f"accuracy, live ({label})", labeling["accuracy"]["live"]),
+                proportion(name, f"accuracy, prefill ({label})", labeling["accuracy"]["prefill"]),
+            ]
+            if key == "parsed":  # the readout always yields a letter: only the parsed labeling has unparsable answers
+                figures += [
+                    proportion(name, "unparsable answers, live (parsed)", e1["unparsable_proportion"]["live"]),
+                    proportion(name, "unparsable answers, prefill (parsed)", e1["unparsable_proportion"]["prefill"]),
+                ]
         for side in ("live", "prefill"):
             figures.append(proportion(name, f"exact replicas, {side}", e1["replicas_exact"][side]))
         if e1["items"]:
-            figures += paired_figures(name, e1)
+            for key, labeling in e1["labelings"].items():
+                figures += paired_figures(name, e1["items"], labeling, LABELING_NAMES[key])
     return figures
 
 
-def paired_figures(name: str, e1: dict) -> list[Figure]:
-    """The accuracy difference live − prefill by three interval methods, and the exact McNemar test."""
-    counted = f"({e1['accuracy']['live']['count']} − {e1['accuracy']['prefill']['count']})/{e1['items']}"
-    label = "accuracy difference, live − prefill"
-    paired = e1["paired_difference"]
+def paired_figures(name: str, n: int, labeling: dict, label: str) -> list[Figure]:
+    """One labeling's accuracy difference live − prefill by three interval methods, and the exact McNemar test."""
+    counted = f"({labeling['accuracy']['live']['count']} − {labeling['accuracy']['prefill']['count']})/{n}"
+    figure = f"accuracy difference, live − prefill ({label})"
+    paired = labeling["paired_difference"]
     figures = []
     for method in (paired, paired["newcombe"], paired["wald"]):
         low, high = method["ci95"]
         figures.append(
             Figure(
                 name,
-                label,
+                figure,
                 counted,
                 f"{points(method['live_minus_prefill'])} pts",
                 f"[{points(low)}, {points(high)}] pts",
@@ -109,7 +121,7 @@ def paired_figures(name: str, e1: dict) -> list[Figure]:
     figures.append(
         Figure(
             name,
-            "equal accuracy (discordant pairs live-only : prefill-only)",
+            f"equal accuracy (discordant pairs live-only : prefill-only) ({label})",
             f"{mcnemar['live_only_correct']} : {mcnemar['prefill_only_correct']}",
             f"p = {mcnemar['p_value']:.3f}",
             "—",

@@ -111,6 +111,7 @@ def cmd_rebuild(args) -> None:
     run_construction_shard(
         args.model_record,
         args.items,
+        args.prompts,
         args.source_shard,
         args.construction,
         _spec(args),
@@ -366,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime(p)
     p.add_argument("--construction", required=True, help="prefill, incremental or chunked:N")
     p.add_argument("--source-shard", required=True, help="the live shard whose saved prefixes are rebuilt")
+    p.add_argument("--prompts", required=True, help="prompt tokens table (Parquet): the readout's cue and letters")
     p.set_defaults(func=cmd_rebuild)
 
     p = sub.add_parser("gather", help="gather shard tables into one ledger table")

@@ -267,12 +267,13 @@ def accuracy_arms(summary: dict) -> dict[str, dict]:
     for checkpoint, e1 in summary["E1"]["checkpoints"].items():
         if e1["items"]:
             where = f"{checkpoint}: " if several else ""
-            found[f"{where}E1 live vs prefill, {e1['precision']}"] = {
-                "checkpoint": checkpoint,
-                "experiment": "E1",
-                "precision": e1["precision"],
-                "sides": e1["accuracy"],
-            }
+            for labeling, figures in e1["labelings"].items():
+                found[f"{where}E1 live vs prefill, {e1['precision']} ({labeling})"] = {
+                    "checkpoint": checkpoint,
+                    "experiment": "E1",
+                    "precision": e1["precision"],
+                    "sides": figures["accuracy"],
+                }
     for checkpoint, e2 in summary["E2"]["checkpoints"].items():
         for precision, by_arm in e2["precisions"].items():
             for arm in by_arm.values():
