@@ -240,8 +240,9 @@ def _current_e4(path: str | None, tables: dict) -> dict | None:
 def cmd_report(args) -> None:
     from .card import provenance, write_results_card
     from .checkpoints import read_model_record
+    from .item_view import item_records, load_tokenizers
     from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, read_table
-    from .plots import write_plots
+    from .plots import PLOT_FILES, write_plots
 
     summary_path = Path(args.summary)
     if not summary_path.is_file():
@@ -255,14 +256,20 @@ def cmd_report(args) -> None:
     e4 = _current_e4(args.e4, {"trajectories": trajectories, "comparisons": comparisons, "transplants": transplants})
     # The card draws E4 from the "E4" entry of the figures it is given; summary.json itself never holds it.
     shown = summary if e4 is None else {**summary, "E4": e4}
+    # The plots first: the HTML card carries them inline.
+    plots = dict(zip(PLOT_FILES, write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)))
+    items = item_records(
+        summary["checkpoints"], args.items, trajectories, comparisons, transplants, load_tokenizers(records)
+    )
     write_results_card(
         shown,
         provenance(summary, args.item_source, args.items, records),
         args.card,
         args.card_html,
         summary_bytes=summary_bytes,
+        plots=plots,
+        items=items,
     )
-    write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)
 
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
