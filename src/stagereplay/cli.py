@@ -272,6 +272,12 @@ def cmd_report(args) -> None:
     )
 
 
+def cmd_show(args) -> None:
+    from .item_view import ledger_item, show_text
+
+    print("\n\n".join(show_text(record) for record in ledger_item(args.ledger, args.item_id)))
+
+
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-record", required=True, help="model.json written by register-model")
     parser.add_argument("--items", required=True, help="normalised items.jsonl")
@@ -454,6 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
         " which the workflow rewrites after the audit's check",
     )
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "show",
+        help="one item of a finished ledger: both suffixes with the first divergence marked, margins, labels, transplants",
+    )
+    p.add_argument("ledger", help="the ledger_dir of a finished run")
+    p.add_argument("item_id", help='an item id (the "id" of a line of LEDGER/items.jsonl)')
+    p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("audit", help="E4: compare the saved ledger with its recomputation in the audit tree")
     p.add_argument("--ledger", required=True, help="the saved ledger directory")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from . import items as items_mod
 from .compare import Side
@@ -262,8 +263,40 @@ def show_text(record: ItemRecord) -> str:
             + " ".join(f"{value:.3g}" for value in record.v_max_abs)
         )
     if record.transplants:
-        lines.append(f"transplants ({len(record.transplants)}):")
+        lines.append(f"transplants ({record.transplant_outcomes()}):")
         lines += [f"  {t.selection}: {t.direction} [{t.subset}]: {t.outcome}" for t in record.transplants]
     else:
         lines.append("transplants: none for this item")
     return "\n".join(lines)
+
+
+def ledger_item(root: str | Path, item_id: str) -> list[ItemRecord]:
+    """The records of one item of a finished ledger (one per checkpoint), for ``stagereplay show``."""
+    from .checkpoints import read_model_record
+    from .layout import Ledger
+    from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, read_table
+    from .summary import checkpoint_order
+
+    ledger = Ledger(root)
+    if not Path(ledger.table("comparisons")).is_file():
+        raise LedgerError(
+            f"{root} holds no comparisons table ({ledger.table('comparisons')}) — give the ledger_dir of a finished run"
+        )
+    comparisons = read_table(ledger.table("comparisons"), COMPARISON_SCHEMA)
+    known = sorted({row["item_id"] for row in comparisons.select(["item_id"]).to_pylist()})
+    if item_id not in known:
+        listed = ", ".join(known[:3]) + (", …" if len(known) > 3 else "")
+        raise LedgerError(
+            f'item {item_id!r} is not in {root} ({len(known)} items: {listed}) — valid ids are the "id" of each line'
+            f" of {ledger.items}, or the item_id column of {ledger.table('comparisons')}"
+        )
+    chosen = comparisons.filter(pa.compute.equal(comparisons.column("item_id"), item_id))
+    trajectories = read_table(ledger.table("trajectories"), TRAJECTORY_SCHEMA)
+    trajectories = trajectories.filter(pa.compute.equal(trajectories.column("item_id"), item_id))
+    transplants = None
+    if Path(ledger.table("transplants")).is_file():
+        transplants = read_table(ledger.table("transplants"), TRANSPLANT_SCHEMA)
+        transplants = transplants.filter(pa.compute.equal(transplants.column("item_id"), item_id))
+    checkpoints = checkpoint_order(comparisons)
+    records = {name: read_model_record(ledger.model_record(name)) for name in checkpoints}
+    return item_records(checkpoints, ledger.items, trajectories, chosen, transplants, load_tokenizers(records))
