@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -418,6 +419,13 @@ def test_snakemake_report_bundles_the_card_and_plots_with_captions(completed):
         assert phrase in html, (caption.name, phrase)
     for name in ["results.html", *PLOT_FILES.values()]:
         assert name in html, name
+    # The card travels whole, per-item view included: the report embeds the very bytes of results.html.
+    embedded = re.search(r"data:text/html;charset=utf8;filename=results\.html;base64,([A-Za-z0-9+/=]+)", html)
+    assert embedded, "results.html is not embedded in the snakemake report"
+    card = base64.b64decode(embedded.group(1))
+    assert card == (ledger / "report" / "results.html").read_bytes()
+    items = {json.loads(line)["id"] for line in (ledger / "items.jsonl").read_text().splitlines()}
+    assert set(re.findall(r'class="item-entry[^"]*" [^>]*data-item="([^"]+)"', card.decode())) == items
 
 
 def test_report_without_a_summary_stops_with_one_line_naming_the_fix(tmp_path):
