@@ -85,14 +85,7 @@ def to_html(blocks: list[tuple]) -> str:
         elif kind == "items":
             out.append(_items_html(*body))
         else:
-            header, rows = body
-            out.append(
-                "<table><tr>"
-                + "".join(f"<th>{_html_text(cell)}</th>" for cell in header)
-                + "</tr>"
-                + "".join("<tr>" + "".join(_html_cell(cell) for cell in row) + "</tr>" for row in rows)
-                + "</table>"
-            )
+            out.append(_html_table(*body))
     out.append("</body></html>")
     return "\n".join(out) + "\n"
 
@@ -116,6 +109,28 @@ STYLE = (
     "table.transplants,table.labels{font-size:90%;margin:.3em 0}"
     "img.layers{display:block;max-width:100%;height:auto}"
 )
+
+
+WIDE = 8  # columns: a wider table (the environment) is turned on its side, one row per column
+
+
+def _html_table(header: list[str], rows: list[list]) -> str:
+    if len(header) > WIDE:
+        return (
+            '<table class="sideways">'
+            + "".join(
+                f"<tr><th>{_html_text(name)}</th>" + "".join(_html_cell(row[index]) for row in rows) + "</tr>"
+                for index, name in enumerate(header)
+            )
+            + "</table>"
+        )
+    return (
+        "<table><tr>"
+        + "".join(f"<th>{_html_text(cell)}</th>" for cell in header)
+        + "</tr>"
+        + "".join("<tr>" + "".join(_html_cell(cell) for cell in row) + "</tr>" for row in rows)
+        + "</table>"
+    )
 
 
 def _html_cell(value: object) -> str:
