@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 from workflow_helpers import stagereplay
 
+from stagereplay.checkpoints import read_model_record
 from stagereplay.item_view import spell, visible
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,9 @@ def test_show_prints_the_item_as_the_ledger_holds_it(test_run):
     assert divergent, "config/test.yaml is meant to diverge on some items"
     trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
     transplants = pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
-    tokenizer = AutoTokenizer.from_pretrained(ledger / "models" / "tiny-qwen2" / "converted")
+    tokenizer = AutoTokenizer.from_pretrained(
+        read_model_record(ledger / "models" / "tiny-qwen2" / "model.json")["folder"]
+    )
     for pair in pairs:
         result = stagereplay("show", ledger, pair["item_id"])
         assert result.returncode == 0, result.stderr
@@ -71,3 +74,8 @@ def test_an_unknown_item_is_one_line_naming_where_the_ids_are(test_run):
     assert "item 'no-such-item' is not in" in lines[0] and str(ledger / "items.jsonl") in lines[0]
     first = sorted(r["item_id"] for r in e1_pairs(ledger))[0]
     assert first in lines[0]
+
+
+def test_control_characters_are_shown_not_obeyed():
+    # A random model emits such bytes: a record separator would split a terminal line, a tab vanish.
+    assert visible("a\x1eb\n\tc\u2028 d") == "a‹U+001E›b↵⇥c‹U+2028› d"

@@ -195,9 +195,15 @@ def load_tokenizers(model_records: dict[str, dict]) -> dict:
 # --- text, for the terminal and for Markdown ---------------------------------------------
 
 
+_SHOWN = {"\n": "↵", "\t": "⇥", "\r": "␍"}
+
+
 def visible(token: str) -> str:
-    """A token as a reader can see it: line breaks and tabs shown, nothing else changed."""
-    return token.replace("\n", "↵").replace("\t", "⇥")
+    """A token as a reader can see it: line breaks and tabs as arrows, any other control or separator
+    character as its code point (one would break a terminal line or vanish in HTML)."""
+    return "".join(
+        _SHOWN.get(char, f"‹U+{ord(char):04X}›" if not char.isprintable() and char != " " else char) for char in token
+    )
 
 
 def label_text(side: SideView) -> str:

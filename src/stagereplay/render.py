@@ -202,7 +202,7 @@ def _question_html(record: ItemRecord) -> str:
 
 def _entry_html(record: ItemRecord, png: bytes) -> str:
     return (
-        f'<section class="item-entry divergent" id="item-{html.escape(record.item_id)}"'
+        f'<section class="item-entry divergent" id="item-{html.escape(record.checkpoint)}-{html.escape(record.item_id)}"'
         f' data-item="{html.escape(record.item_id)}" data-checkpoint="{html.escape(record.checkpoint)}">'
         f"<h3>{html.escape(record.item_id)}: {html.escape(divergence_text(record))}</h3>"
         + _question_html(record)
