@@ -220,6 +220,7 @@ def section_a(ledger: Ledger) -> None:
             "rebuild": lambda: run_construction_shard(
                 ledger.model_record,
                 ledger.root / "items.jsonl",
+                ledger.root / "prompts" / f"{ledger.checkpoint}.parquet",
                 ledger.live(ledger.e1),
                 "prefill",
                 ledger.spec(ledger.e1),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -80,6 +81,7 @@ def test_the_audit_reproduces_every_fingerprint(audited):
         "layer_v",
         "suffix",
         "label",
+        "readout",
         "comparison",
         "outcome",
         "selection",
@@ -91,6 +93,34 @@ def test_the_audit_reproduces_every_fingerprint(audited):
     table = read_table(ledger / "tables" / "audit.parquet", AUDIT_SCHEMA)
     assert table.num_rows == sum(entry["n"] for entry in e4["artifacts"].values())
     assert "E4 audit:" in result.stdout + result.stderr
+
+
+def test_the_recomputed_readout_catches_a_saved_readout_changed_in_its_last_bit(audited):
+    """Against the real recomputation: every readout reproduces, and a saved readout whose margin moved by one
+    float32 step (or whose letter changed) is the one failed readout, named on its item and side."""
+    _, ledger, _, _, _ = audited
+    saved = read_table(ledger / "tables" / "trajectories.parquet", TRAJECTORY_SCHEMA)
+    recomputed = read_table(ledger / "audit" / "tables" / "trajectories.parquet", TRAJECTORY_SCHEMA)
+    store = ObjectStore(ledger / "objects")
+    audit_store = ObjectStore(ledger / "audit" / "objects")
+
+    def failed(table):
+        checks = audit_rows(audit_trajectories(table, recomputed, store, audit_store))
+        assert {row["artifact"] for row in checks} >= {"readout"}
+        return [(row["item_id"], row["side"], row["artifact"]) for row in checks if not row["reproduced"]]
+
+    assert failed(saved) == []
+    rows = saved.to_pylist()
+    assert all(row["readout_answer"] in "ABCD" for row in rows)  # every trajectory has a label
+    rows[3]["readout_margin"] = float(np.nextafter(np.float32(rows[3]["readout_margin"]), np.float32(np.inf)))
+    other = next(letter for letter in "ABCD" if letter != rows[5]["readout_answer"])
+    rows[5]["readout_answer"] = other
+    tampered = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
+    side = lambda row: Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()  # noqa: E731
+    assert failed(tampered) == [
+        (rows[3]["item_id"], side(rows[3]), "readout"),
+        (rows[5]["item_id"], side(rows[5]), "readout"),
+    ]
 
 
 def test_the_audit_never_writes_over_the_saved_ledger(audited):

@@ -77,6 +77,7 @@ def _trajectory(checkpoint: str, construction: str, prefix_object: str, item_id:
         "prefix_length": 5,
         "correct": False,
         "parsed": False,
+        "readout_correct": False,
         "layer_k": [],
         "layer_v": [],
     }

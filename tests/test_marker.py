@@ -134,7 +134,15 @@ def test_the_ledger_records_which_marker_match_fired_and_rebuilt_rows_copy_it(ma
         json.dumps({"id": "q1", "question": "1+1?", "choices": ["1", "2", "3", "4"], "answer": "B"}) + "\n"
     )
     prompts = write_table(
-        [{"item_id": "q1", "prompt_tokens": PROMPT, "prompt_fingerprint": "-"}],
+        [
+            {
+                "item_id": "q1",
+                "prompt_tokens": PROMPT,
+                "prompt_fingerprint": "-",
+                "readout_cue_tokens": [1, 2],
+                "readout_letter_tokens": [3, 4, 5, 6],
+            }
+        ],
         PROMPT_SCHEMA,
         tmp_path / "prompts.parquet",
     )
@@ -151,7 +159,16 @@ def test_the_ledger_records_which_marker_match_fired_and_rebuilt_rows_copy_it(ma
         tmp_path / "live.parquet",
     )
     rebuilt_path = run_construction_shard(
-        record, items, live_path, "prefill", spec, runtime, 4, tmp_path / "objects", tmp_path / "prefill.parquet"
+        record,
+        items,
+        prompts,
+        live_path,
+        "prefill",
+        spec,
+        runtime,
+        4,
+        tmp_path / "objects",
+        tmp_path / "prefill.parquet",
     )
     (live,) = read_table(live_path, TRAJECTORY_SCHEMA).to_pylist()
     (rebuilt,) = read_table(rebuilt_path, TRAJECTORY_SCHEMA).to_pylist()

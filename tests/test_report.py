@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -99,13 +100,16 @@ def expected_e1(comparisons: list[dict]) -> dict:
     name, n = f"E1 matched ({rows[0]['precision']})", len(rows)
     counted = {
         "suffixes that differ, live vs prefill": sum(r["suffix_differs"] for r in rows),
-        "correctness labels that differ": sum(r["label_differs"] for r in rows),
         "boundary caches that differ": sum(not r["cache_exact"] for r in rows),
-        "accuracy, live": sum(r["a_correct"] for r in rows),
-        "accuracy, prefill": sum(r["b_correct"] for r in rows),
-        "unparsable answers, live": sum(not r["a_parsed"] for r in rows),
-        "unparsable answers, prefill": sum(not r["b_parsed"] for r in rows),
+        "unparsable answers, live (parsed)": sum(not r["a_parsed"] for r in rows),
+        "unparsable answers, prefill (parsed)": sum(not r["b_parsed"] for r in rows),
     }
+    labelings = {"parsed": ("a_correct", "b_correct"), "readout": ("a_readout_correct", "b_readout_correct")}
+    for labeling, (a, b) in labelings.items():
+        counted[f"correctness labels that differ ({labeling})"] = sum(r[a] != r[b] for r in rows)
+        counted[f"accuracy, live ({labeling})"] = sum(r[a] for r in rows)
+        counted[f"accuracy, prefill ({labeling})"] = sum(r[b] for r in rows)
+    assert counted["correctness labels that differ (parsed)"] == sum(r["label_differs"] for r in rows)
     expected = {(name, figure, WILSON): proportion(count, n) for figure, count in counted.items()}
     for side in ("live", "prefill"):
         replicas = [
@@ -116,26 +120,31 @@ def expected_e1(comparisons: list[dict]) -> dict:
         expected[(name, f"exact replicas, {side}", WILSON)] = proportion(
             sum(r["trajectory_exact"] for r in replicas), len(replicas)
         )
-    live, prefill = [r["a_correct"] for r in rows], [r["b_correct"] for r in rows]
-    counts = f"({sum(live)} − {sum(prefill)})/{n}"
-    label = "accuracy difference, live − prefill"
-    for method, (difference, low, high) in (
-        ("paired percentile bootstrap, 10000 resamples, seed 0", paired_difference_ci(live, prefill)),
-        ("Newcombe hybrid score 95% (1998, method 10)", paired_difference_newcombe(live, prefill)),
-        ("Wald 95% for paired proportions", paired_difference_wald(live, prefill)),
-    ):
-        expected[(name, label, method)] = (counts, f"{points(difference)} pts", f"[{points(low)}, {points(high)}] pts")
-    live_only = sum(a and not b for a, b in zip(live, prefill))
-    prefill_only = sum(b and not a for a, b in zip(live, prefill))
-    p_value = stats.binomtest(live_only, live_only + prefill_only).pvalue if live_only + prefill_only else 1.0
-    assert mcnemar_exact(live, prefill)[2] == pytest.approx(p_value)
-    expected[
-        (
-            name,
-            "equal accuracy (discordant pairs live-only : prefill-only)",
-            "exact McNemar (two-sided binomial test on the discordant pairs)",
-        )
-    ] = (f"{live_only} : {prefill_only}", f"p = {p_value:.3f}", "—")
+    for labeling, (a, b) in labelings.items():
+        live, prefill = [r[a] for r in rows], [r[b] for r in rows]
+        counts = f"({sum(live)} − {sum(prefill)})/{n}"
+        label = f"accuracy difference, live − prefill ({labeling})"
+        for method, (difference, low, high) in (
+            ("paired percentile bootstrap, 10000 resamples, seed 0", paired_difference_ci(live, prefill)),
+            ("Newcombe hybrid score 95% (1998, method 10)", paired_difference_newcombe(live, prefill)),
+            ("Wald 95% for paired proportions", paired_difference_wald(live, prefill)),
+        ):
+            expected[(name, label, method)] = (
+                counts,
+                f"{points(difference)} pts",
+                f"[{points(low)}, {points(high)}] pts",
+            )
+        live_only = sum(a and not b for a, b in zip(live, prefill))
+        prefill_only = sum(b and not a for a, b in zip(live, prefill))
+        p_value = stats.binomtest(live_only, live_only + prefill_only).pvalue if live_only + prefill_only else 1.0
+        assert mcnemar_exact(live, prefill)[2] == pytest.approx(p_value)
+        expected[
+            (
+                name,
+                f"equal accuracy (discordant pairs live-only : prefill-only) ({labeling})",
+                "exact McNemar (two-sided binomial test on the discordant pairs)",
+            )
+        ] = (f"{live_only} : {prefill_only}", f"p = {p_value:.3f}", "—")
     return expected
 
 
@@ -412,6 +421,13 @@ def test_snakemake_report_bundles_the_card_and_plots_with_captions(completed):
         assert phrase in html, (caption.name, phrase)
     for name in ["results.html", *PLOT_FILES.values()]:
         assert name in html, name
+    # The card travels whole, per-item view included: the report embeds the very bytes of results.html.
+    embedded = re.search(r"data:text/html;charset=utf8;filename=results\.html;base64,([A-Za-z0-9+/=]+)", html)
+    assert embedded, "results.html is not embedded in the snakemake report"
+    card = base64.b64decode(embedded.group(1))
+    assert card == (ledger / "report" / "results.html").read_bytes()
+    items = {json.loads(line)["id"] for line in (ledger / "items.jsonl").read_text().splitlines()}
+    assert set(re.findall(r'class="item-entry[^"]*" [^>]*data-item="([^"]+)"', card.decode())) == items
 
 
 def test_report_without_a_summary_stops_with_one_line_naming_the_fix(tmp_path):

@@ -47,6 +47,38 @@ def test_summary_holds_e1_figures(completed):
     assert sum(e1["boundary_reasons"].values()) == 4
 
 
+def test_every_trajectory_has_a_readout_label_and_the_summary_counts_both_labelings(completed):
+    _, ledger, _ = completed
+    answers = {
+        item["id"]: item["answer"] for item in map(json.loads, (ledger / "items.jsonl").read_text().splitlines())
+    }
+    trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
+    # The readout labels every trajectory, parsable answer or not (the random test model writes none).
+    assert all(row["readout_answer"] in "ABCD" and len(row["readout_answer"]) == 1 for row in trajectories)
+    assert all(row["readout_correct"] == (row["readout_answer"] == answers[row["item_id"]]) for row in trajectories)
+    assert all(row["readout_margin"] >= 0 for row in trajectories)
+    # Replicas run in their own processes: the readout is deterministic, so theirs is the same.
+    by_side = {}
+    for row in trajectories:
+        key = (row["item_id"], row["construction"], row["precision"], row["prefix_precision"])
+        by_side.setdefault(key, set()).add((row["readout_answer"], row["readout_margin"]))
+    assert all(len(readouts) == 1 for readouts in by_side.values())
+    e1 = json.loads((ledger / "summary.json").read_text())["E1"]["checkpoints"]["tiny-qwen2"]
+    rows = _e1_rows(ledger)
+    assert set(e1["labelings"]) == {"parsed", "readout"}
+    assert e1["labelings"]["parsed"]["accuracy"] == e1["accuracy"]
+    for labeling, (a, b) in {
+        "parsed": ("a_correct", "b_correct"),
+        "readout": ("a_readout_correct", "b_readout_correct"),
+    }.items():
+        figures = e1["labelings"][labeling]
+        assert figures["accuracy"]["live"]["count"] == sum(row[a] for row in rows)
+        assert figures["accuracy"]["prefill"]["count"] == sum(row[b] for row in rows)
+        assert figures["labels_differ"]["count"] == sum(row[a] != row[b] for row in rows)
+        difference = (sum(row[a] for row in rows) - sum(row[b] for row in rows)) / len(rows)
+        assert figures["paired_difference"]["live_minus_prefill"] == pytest.approx(difference)
+
+
 def test_ledger_tables_name_only_objects_that_exist(completed):
     _, ledger, _ = completed
     trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet")

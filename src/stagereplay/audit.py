@@ -5,7 +5,7 @@ the saved inputs only: prompt tokens, saved live prefixes, saved caches and the
 saved selection. Here every saved row is matched with its recomputed twin and
 every recomputed artifact compared: the prefix tokens of live rows (a rebuilt
 row's prefix is the saved one, copied, so it proves nothing), each layer's K and
-V, the cache digest, suffix tokens, labels, comparison rows, transplant outcomes,
+V, the cache digest, suffix tokens, labels, the forced-choice readout, comparison rows, transplant outcomes,
 the E5 selection and the model fingerprint. A key shared by several rows, or a
 construction pair over unequal prefixes, is a failed check. A difference of
 environment (device, threads, attention, versions) is recorded beside each row,
@@ -245,6 +245,15 @@ def audit_trajectories(
                 where,
                 (old["answer"], old["correct"]),
                 (new["answer"], new["correct"]),
+                **extra_fields,
+            ),
+            # The forced-choice readout: letter, label and the exact float32 logit lead.
+            _same(
+                "trajectory",
+                "readout",
+                where,
+                (old["readout_answer"], old["readout_correct"], old["readout_margin"]),
+                (new["readout_answer"], new["readout_correct"], new["readout_margin"]),
                 **extra_fields,
             ),
         ]

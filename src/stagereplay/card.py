@@ -8,12 +8,14 @@ reading is generated in reading.py, the Markdown and HTML written in render.py.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
 from .atomic import atomic_write_text
+from .item_view import ItemRecord
 from .reading import AUDIT_HOW, reading
 from .render import experiment_name, percent, points, to_html, to_markdown
 from .stamp import stamp
@@ -67,38 +69,50 @@ def not_run(experiment: str, how: str) -> Figure:
 # --- E1 ---------------------------------------------------------------------------------
 
 
+# The two labelings of summary.json's E1 `labelings`, in its order, as the card names them.
+LABELING_NAMES = {"parsed": "parsed", "readout": "readout"}
+
+
 def e1_figures(summary: dict) -> list[Figure]:
     figures = []
     for checkpoint, e1 in summary["E1"]["checkpoints"].items():
         name = experiment_name("E1 matched", e1["precision"], checkpoint, summary)
         figures += [
             proportion(name, "suffixes that differ, live vs prefill", e1["suffixes_differ"]),
-            proportion(name, "correctness labels that differ", e1["labels_differ"]),
             proportion(name, "boundary caches that differ", e1["caches_differ"]),
-            proportion(name, "accuracy, live", e1["accuracy"]["live"]),
-            proportion(name, "accuracy, prefill", e1["accuracy"]["prefill"]),
-            proportion(name, "unparsable answers, live", e1["unparsable_proportion"]["live"]),
-            proportion(name, "unparsable answers, prefill", e1["unparsable_proportion"]["prefill"]),
         ]
+        for key, labeling in e1["labelings"].items():
+            label = LABELING_NAMES[key]
+            figures += [
+                proportion(name, f"correctness labels that differ ({label})", labeling["labels_differ"]),
+                proportion(name, f"accuracy, live ({label})", labeling["accuracy"]["live"]),
+                proportion(name, f"accuracy, prefill ({label})", labeling["accuracy"]["prefill"]),
+            ]
+            if key == "parsed":  # the readout always yields a letter: only the parsed labeling has unparsable answers
+                figures += [
+                    proportion(name, "unparsable answers, live (parsed)", e1["unparsable_proportion"]["live"]),
+                    proportion(name, "unparsable answers, prefill (parsed)", e1["unparsable_proportion"]["prefill"]),
+                ]
         for side in ("live", "prefill"):
             figures.append(proportion(name, f"exact replicas, {side}", e1["replicas_exact"][side]))
         if e1["items"]:
-            figures += paired_figures(name, e1)
+            for key, labeling in e1["labelings"].items():
+                figures += paired_figures(name, e1["items"], labeling, LABELING_NAMES[key])
     return figures
 
 
-def paired_figures(name: str, e1: dict) -> list[Figure]:
-    """The accuracy difference live − prefill by three interval methods, and the exact McNemar test."""
-    counted = f"({e1['accuracy']['live']['count']} − {e1['accuracy']['prefill']['count']})/{e1['items']}"
-    label = "accuracy difference, live − prefill"
-    paired = e1["paired_difference"]
+def paired_figures(name: str, n: int, labeling: dict, label: str) -> list[Figure]:
+    """One labeling's accuracy difference live − prefill by three interval methods, and the exact McNemar test."""
+    counted = f"({labeling['accuracy']['live']['count']} − {labeling['accuracy']['prefill']['count']})/{n}"
+    figure = f"accuracy difference, live − prefill ({label})"
+    paired = labeling["paired_difference"]
     figures = []
     for method in (paired, paired["newcombe"], paired["wald"]):
         low, high = method["ci95"]
         figures.append(
             Figure(
                 name,
-                label,
+                figure,
                 counted,
                 f"{points(method['live_minus_prefill'])} pts",
                 f"[{points(low)}, {points(high)}] pts",
@@ -109,7 +123,7 @@ def paired_figures(name: str, e1: dict) -> list[Figure]:
     figures.append(
         Figure(
             name,
-            "equal accuracy (discordant pairs live-only : prefill-only)",
+            f"equal accuracy (discordant pairs live-only : prefill-only) ({label})",
             f"{mcnemar['live_only_correct']} : {mcnemar['prefill_only_correct']}",
             f"p = {mcnemar['p_value']:.3f}",
             "—",
@@ -314,16 +328,70 @@ def results_card(summary: dict, prov: Provenance) -> list[tuple]:
     return document(all_figures(summary), prov, reading(summary, prov))
 
 
+# The card's plots (plots.PLOT_FILES), in the order shown, with what each one shows.
+PLOT_CAPTIONS = {
+    "first_divergence": "First divergent suffix position, per arm and precision",
+    "margin_at_divergence": "Top-1 minus top-2 logit margin at the first divergence",
+    "layer_cache_difference": "Per-layer boundary-cache difference between constructions",
+    "transplant_follow_donor": "E5: fraction of transplants that follow the donor, per layer subset",
+    "accuracy": "Accuracy of each side (parsed and readout labelings), Wilson 95%",
+}
+
+
+def plot_blocks(plots: dict[str, Path], card_path: str | Path) -> list[tuple]:
+    """The plots as ("image", caption, PNG bytes, path relative to the card) blocks."""
+    if not plots:
+        return []
+    folder = Path(card_path).resolve().parent
+    return [("heading", 2, "Plots")] + [
+        ("image", PLOT_CAPTIONS.get(name, name), Path(path).read_bytes(), os.path.relpath(Path(path).resolve(), folder))
+        for name, path in plots.items()
+    ]
+
+
+def item_blocks(records: list[ItemRecord]) -> list[tuple]:
+    """The per-item view, one section per checkpoint: its records with their per-layer plots."""
+    from .plots import item_layer_difference_png
+
+    if not records:
+        return []
+    blocks: list[tuple] = [("heading", 2, "Per item: where the live and prefill continuations part")]
+    for checkpoint in dict.fromkeys(record.checkpoint for record in records):
+        chosen = [record for record in records if record.checkpoint == checkpoint]
+        divergent = sum(record.divergent for record in chosen)
+        blocks.append(
+            (
+                "paragraph",
+                f"E1 live vs prefill ({chosen[0].precision}, checkpoint `{checkpoint}`): {divergent}/{len(chosen)}"
+                " items whose suffixes differ, earliest first divergence first; then the"
+                f" {len(chosen) - divergent}/{len(chosen)} whose suffixes agree. Labels: parsed `Answer: X` and"
+                " the forced-choice readout, as in the figures.",
+            )
+        )
+        plots = {
+            record.item_id: item_layer_difference_png(
+                record.k_max_abs, record.v_max_abs, record.k_mean_abs, record.v_mean_abs
+            )
+            for record in chosen
+            if record.divergent
+        }
+        blocks.append(("items", chosen, plots))
+    return blocks
+
+
 def write_results_card(
     summary: dict,
     prov: Provenance,
     markdown_path: str | Path,
     html_path: str | Path | None = None,
     summary_bytes: bytes | None = None,
+    plots: dict[str, Path] | None = None,
+    items: list[ItemRecord] | None = None,
 ) -> Path:
     """Both cards, stamped with the summary.json bytes they come from (unstamped without them:
-    `stagereplay verify` then says so), so an edited or outdated card is caught."""
-    blocks = results_card(summary, prov)
+    `stagereplay verify` then says so), so an edited or outdated card is caught. ``plots`` (written
+    before) are linked from the Markdown and inlined into the HTML; ``items`` is the per-item view."""
+    blocks = results_card(summary, prov) + plot_blocks(plots or {}, markdown_path) + item_blocks(items or [])
 
     def stamped(text: str) -> str:
         return text if summary_bytes is None else stamp(text, summary_bytes)

@@ -113,6 +113,7 @@ def cmd_rebuild(args) -> None:
     run_construction_shard(
         args.model_record,
         args.items,
+        args.prompts,
         args.source_shard,
         args.construction,
         _spec(args),
@@ -249,8 +250,9 @@ def _current_e4(path: str | None, tables: dict) -> dict | None:
 def cmd_report(args) -> None:
     from .card import provenance, write_results_card
     from .checkpoints import read_model_record
+    from .item_view import item_records, load_tokenizers
     from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, read_table
-    from .plots import write_plots
+    from .plots import PLOT_FILES, write_plots
 
     summary_path = Path(args.summary)
     if not summary_path.is_file():
@@ -264,14 +266,26 @@ def cmd_report(args) -> None:
     e4 = _current_e4(args.e4, {"trajectories": trajectories, "comparisons": comparisons, "transplants": transplants})
     # The card draws E4 from the "E4" entry of the figures it is given; summary.json itself never holds it.
     shown = summary if e4 is None else {**summary, "E4": e4}
+    # The plots first: the HTML card carries them inline.
+    plots = dict(zip(PLOT_FILES, write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)))
+    items = item_records(
+        summary["checkpoints"], args.items, trajectories, comparisons, transplants, load_tokenizers(records)
+    )
     write_results_card(
         shown,
         provenance(summary, args.item_source, args.items, records),
         args.card,
         args.card_html,
         summary_bytes=summary_bytes,
+        plots=plots,
+        items=items,
     )
-    write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)
+
+
+def cmd_show(args) -> None:
+    from .item_view import ledger_item, show_text
+
+    print("\n\n".join(show_text(record) for record in ledger_item(args.ledger, args.item_id)))
 
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
@@ -382,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime(p)
     p.add_argument("--construction", required=True, help="prefill, incremental or chunked:N")
     p.add_argument("--source-shard", required=True, help="the live shard whose saved prefixes are rebuilt")
+    p.add_argument("--prompts", required=True, help="prompt tokens table (Parquet): the readout's cue and letters")
     p.set_defaults(func=cmd_rebuild)
 
     p = sub.add_parser("gather", help="gather shard tables into one ledger table")
@@ -476,6 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
         " which the workflow rewrites after the audit's check",
     )
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "show",
+        help="one item of a finished ledger: both suffixes with the first divergence marked, margins, labels, transplants",
+    )
+    p.add_argument("ledger", help="the ledger_dir of a finished run")
+    p.add_argument("item_id", help='an item id (the "id" of a line of LEDGER/items.jsonl)')
+    p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("audit", help="E4: compare the saved ledger with its recomputation in the audit tree")
     p.add_argument("--ledger", required=True, help="the saved ledger directory")

@@ -143,6 +143,8 @@ def compare_pair(store: ObjectStore, spec: PairSpec, a: dict, b: dict) -> dict:
         "b_correct": b["correct"],
         "a_parsed": a["parsed"],
         "b_parsed": b["parsed"],
+        "a_readout_correct": a["readout_correct"],
+        "b_readout_correct": b["readout_correct"],
         "label_differs": a["correct"] != b["correct"],
         "trajectory_exact": all(
             a[key] == b[key] for key in ("prefix_object", "cache_object", "layer_k", "layer_v", "suffix_object")

@@ -1,4 +1,5 @@
-"""Greedy decoding at batch size 1, one token per forward, with the margin of every choice.
+"""Greedy decoding at batch size 1, one token per forward, with the margin of every choice;
+and the forced-choice readout from the state a continuation ends in.
 
 The margin (top-1 minus top-2 logit, in float32) is kept for each step so that
 a divergence can later be traced to the near-tie that flipped it.
@@ -7,11 +8,26 @@ a divergence can later be traced to the near-tie that flipped it.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from . import cache as kv
+
+
+@dataclass(frozen=True)
+class ReadoutCue:
+    """What the readout feeds and scores: the cue's token ids and each choice letter's token id."""
+
+    tokens: tuple[int, ...]
+    letters: tuple[str, ...]
+    letter_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Readout:
+    answer: str  # the choice letter with the highest logit after the cue
+    margin: float  # its logit minus the runner-up letter's
 
 
 @dataclass(frozen=True)
@@ -21,6 +37,7 @@ class Decoded:
     stop: (
         str  # "eos", "budget", or the caller's stop_reason: "marker" (the stage), "left_both" (a transplant), "stopped"
     )
+    readout: Readout | None = None  # when the caller asked for one
 
 
 def greedy_choice(logits: torch.Tensor) -> tuple[int, float]:
@@ -64,6 +81,25 @@ def decode_greedy(
             logits = kv.forward(model, torch.tensor([[token]], device=device), cache)
 
 
+def read_out(model, cache, pending: int, cue: ReadoutCue) -> Readout:
+    """Feed the unfed last token and the cue in one forward; the choice letter with the highest logit.
+
+    Only the letters' logits are compared (ties go to the earlier letter, as argmax breaks them), so
+    every continuation gets a label, whatever it wrote. Appends to ``cache``.
+    """
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = kv.forward(model, torch.tensor([[pending, *cue.tokens]], device=device), cache)
+    letter_logits = logits[list(cue.letter_ids)]
+    best, margin = greedy_choice(letter_logits)
+    return Readout(cue.letters[best], margin)
+
+
+def read_out_state(model, state: kv.KVState, pending: int, cue: ReadoutCue) -> Readout:
+    """The readout from a boundary state (a copy of it), for a stage that ended the answer itself."""
+    return read_out(model, kv.to_cache(state, model), pending, cue)
+
+
 def continue_from(
     model,
     state: kv.KVState,
@@ -73,12 +109,18 @@ def continue_from(
     on_token: Callable[[], None] | None = None,
     stop_after: Callable[[list[int]], bool] | None = None,
     stop_reason: str = "stopped",
+    readout: ReadoutCue | None = None,
 ) -> Decoded:
-    """The suffix: feed the pending token on a copy of the boundary cache, then decode greedily."""
+    """The suffix: feed the pending token on a copy of the boundary cache, then decode greedily;
+    with ``readout``, read the forced choice from the state the suffix ends in."""
     device = next(model.parameters()).device
     cache = kv.to_cache(state, model)
     with torch.inference_mode():
         logits = kv.forward(model, torch.tensor([[pending]], device=device), cache)
-    return decode_greedy(
+    decoded = decode_greedy(
         model, cache, logits, max_new_tokens, eos_ids, stop_after=stop_after, on_token=on_token, stop_reason=stop_reason
     )
+    if readout is None:
+        return decoded
+    # decode_greedy never feeds its last token: the cache covers everything before it.
+    return replace(decoded, readout=read_out(model, cache, decoded.tokens[-1], readout))

@@ -143,6 +143,11 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("answer", pa.string()),
         ("parsed", pa.bool_()),
         ("correct", pa.bool_()),
+        # Forced-choice readout: the cue fed after the continuation, the highest-logit choice letter,
+        # and its logit lead over the runner-up letter. Every trajectory has one (never unparsable).
+        ("readout_answer", pa.string()),
+        ("readout_correct", pa.bool_()),
+        ("readout_margin", pa.float32()),
         *_ENVIRONMENT_FIELDS,
         ("model_seconds", pa.float64()),
     ]
@@ -184,6 +189,8 @@ COMPARISON_SCHEMA = pa.schema(
         ("b_correct", pa.bool_()),
         ("a_parsed", pa.bool_()),
         ("b_parsed", pa.bool_()),
+        ("a_readout_correct", pa.bool_()),  # the forced-choice readout's label of each side
+        ("b_readout_correct", pa.bool_()),
         ("label_differs", pa.bool_()),
         ("trajectory_exact", pa.bool_()),  # prefix, every cache layer and suffix fingerprints agree
     ]
@@ -223,6 +230,10 @@ PROMPT_SCHEMA = pa.schema(
         ("item_id", pa.string()),
         ("prompt_tokens", pa.list_(pa.int64())),
         ("prompt_fingerprint", pa.string()),
+        # The forced-choice readout's cue and the token of each choice letter (A, B, ...), tokenized
+        # here with the prompt so every job (and the audit) reads the same integers.
+        ("readout_cue_tokens", pa.list_(pa.int64())),
+        ("readout_letter_tokens", pa.list_(pa.int64())),
     ]
 )
 

@@ -267,12 +267,14 @@ def accuracy_arms(summary: dict) -> dict[str, dict]:
     for checkpoint, e1 in summary["E1"]["checkpoints"].items():
         if e1["items"]:
             where = f"{checkpoint}: " if several else ""
-            found[f"{where}E1 live vs prefill, {e1['precision']}"] = {
-                "checkpoint": checkpoint,
-                "experiment": "E1",
-                "precision": e1["precision"],
-                "sides": e1["accuracy"],
-            }
+            for labeling, figures in e1["labelings"].items():
+                found[f"{where}E1 live vs prefill, {e1['precision']} ({labeling})"] = {
+                    "checkpoint": checkpoint,
+                    "experiment": "E1",
+                    "precision": e1["precision"],
+                    "labeling": labeling,
+                    "sides": figures["accuracy"],
+                }
     for checkpoint, e2 in summary["E2"]["checkpoints"].items():
         for precision, by_arm in e2["precisions"].items():
             for arm in by_arm.values():
@@ -282,6 +284,7 @@ def accuracy_arms(summary: dict) -> dict[str, dict]:
                     "checkpoint": checkpoint,
                     "experiment": "E2",
                     "precision": precision,
+                    "labeling": "parsed",  # E2's labels are the parsed answers
                     "sides": sides,
                 }
     return dict(sorted(found.items()))
@@ -303,7 +306,7 @@ def plot_accuracy(summary: dict, out_path: str | Path) -> Path:
         for name, counted in arm["sides"].items():
             low, high = counted["wilson95"]
             where = f"{arm['checkpoint']}\n" if several else ""
-            labels.append(f"{where}{arm['experiment']} {name}\n{arm['precision']}")
+            labels.append(f"{where}{arm['experiment']} {name}\n{arm['precision']}, {arm['labeling']}")
             fractions.append(counted["rate"])
             errors.append([counted["rate"] - low, high - counted["rate"]])
             annotations.append(f"{counted['count']}/{counted['n']}")
@@ -313,7 +316,7 @@ def plot_accuracy(summary: dict, out_path: str | Path) -> Path:
         axes.annotate(text, (position, fraction), textcoords="offset points", xytext=(8, 0), fontsize=8)
     axes.set_xticks(list(positions), labels, fontsize=8)
     axes.set_ylim(-0.02, 1.02)
-    axes.set_xlabel("side (experiment, construction, precision)")
+    axes.set_xlabel("side (experiment, construction, precision, labeling)")
     axes.set_ylabel("fraction correct")
     return _save(figure, out_path)
 
@@ -333,3 +336,38 @@ def write_plots(
         ),
         plot_accuracy(summary, out_dir / PLOT_FILES["accuracy"]),
     ]
+
+
+def item_layer_difference_png(k_max_abs, v_max_abs, k_mean_abs, v_mean_abs) -> bytes:
+    """A small per-layer plot of one item's live-vs-prefill cache difference (max and mean |Δ|, K and V), as PNG
+    bytes for the per-item view (inlined into the HTML card, so it is never a file of its own)."""
+    import io
+
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axes = plt.subplots(figsize=(4.6, 1.6))
+    layers = range(len(k_max_abs))
+    values = [value for series in (k_max_abs, v_max_abs, k_mean_abs, v_mean_abs) for value in series if value > 0]
+    if not values:
+        _message(axes, f"bit-exact in all {len(k_max_abs)} layers")
+    else:
+        for series, label, style in (
+            (k_max_abs, "K max", "-o"),
+            (v_max_abs, "V max", "-s"),
+            (k_mean_abs, "K mean", ":o"),
+            (v_mean_abs, "V mean", ":s"),
+        ):
+            axes.plot(layers, series, style, markersize=3, linewidth=1, label=label)
+        axes.set_yscale("symlog", linthresh=min(values))
+        axes.set_xlabel("layer", fontsize=7)
+        axes.set_ylabel("|Δ| (symlog)", fontsize=7)
+        axes.tick_params(labelsize=6)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # Beside the axes, where it hides no point.
+        axes.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    figure.tight_layout(pad=0.3)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    return buffer.getvalue()

@@ -44,6 +44,39 @@ def encode_prompt(tokenizer, item: items_mod.Item, use_chat_template: bool) -> l
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
+# The forced-choice readout: after a continuation, this cue is fed and the highest-logit choice
+# letter read off. It repeats the line the instruction asks for, so the letter is scored where the
+# model was told to write it.
+READOUT_CUE = "\nAnswer:"
+
+
+def readout_tokens(tokenizer, letters: tuple[str, ...] = items_mod.LETTERS) -> tuple[list[int], list[int]]:
+    """(cue token ids, one token id per choice letter), decided once per checkpoint's tokenizer.
+
+    A letter is scored as the single token that spells it after the cue in "Answer: X". With or
+    without its leading space is the tokenizer's call, so both are tried on the whole line: a
+    tokenizer with " X" tokens (BPE vocabularies such as SmolLM2's and Qwen2's) scores " X" after
+    "\nAnswer:"; one that spells the space apart (a byte-level tokenizer without merges) gets the
+    space into the cue and scores "X". Reading "X" after "Answer:" from a BPE model would score a
+    spelling it never produces there, so the first form that holds for every letter is used.
+    """
+    for cue_text, spacing in ((READOUT_CUE, " "), (READOUT_CUE + " ", "")):
+        cue = list(tokenizer.encode(cue_text, add_special_tokens=False))
+        ids = []
+        for letter in letters:
+            whole = list(tokenizer.encode(cue_text + spacing + letter, add_special_tokens=False))
+            if whole[: len(cue)] != cue or len(whole) != len(cue) + 1:
+                break
+            ids.append(whole[-1])
+        else:
+            if len(set(ids)) == len(ids):
+                return cue, ids
+    raise ModelError(
+        f"the tokenizer spells no choice letter as one token after {READOUT_CUE!r} — the forced-choice readout"
+        " needs single-token letters; use a tokenizer with single-token A-D"
+    )
+
+
 def tokenize_prompts(
     model_folder: str | Path,
     items_path: str | Path,
@@ -56,6 +89,7 @@ def tokenize_prompts(
     tokenizer = AutoTokenizer.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
     config = AutoConfig.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
     context = int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0)
+    cue, letter_ids = readout_tokens(tokenizer)
     rows = []
     for item in items_mod.load_items(items_path):
         tokens = encode_prompt(tokenizer, item, use_chat_template)
@@ -65,6 +99,12 @@ def tokenize_prompts(
                 f"item {item.item_id}: prompt of {len(tokens)} tokens + {max_new_tokens} stage + {suffix_tokens} suffix tokens exceeds the model's context of {context} — shorten the item or lower the token budgets"
             )
         rows.append(
-            {"item_id": item.item_id, "prompt_tokens": tokens, "prompt_fingerprint": fingerprint_tokens(tokens)}
+            {
+                "item_id": item.item_id,
+                "prompt_tokens": tokens,
+                "prompt_fingerprint": fingerprint_tokens(tokens),
+                "readout_cue_tokens": cue,
+                "readout_letter_tokens": letter_ids,
+            }
         )
     return write_table(rows, PROMPT_SCHEMA, out_path)

@@ -37,19 +37,34 @@ def e1_checkpoint_reading(name: str, e1: dict) -> list[str]:
     if not n:
         return [f"{name} compared no items: there is nothing to read."]
     differ = e1["suffixes_differ"]["count"]
+    labelings = e1["labelings"]
     lines = [
         f"{name}: {differ}/{n} suffixes differ between continuing from the live cache and from a"
-        f" one-shot prefill of the same tokens ({_bound(e1['suffixes_differ'])}); {e1['labels_differ']['count']}/{n} correctness"
-        " labels differ."
+        f" one-shot prefill of the same tokens ({_bound(e1['suffixes_differ'])}); correctness labels differ on"
+        f" {labelings['parsed']['labels_differ']['count']}/{n} items by the parsed 'Answer: X' and on"
+        f" {labelings['readout']['labels_differ']['count']}/{n} by the forced-choice readout."
     ]
-    bootstrap = e1["paired_difference"]
+    for key, title in (("parsed", "Accuracy (parsed 'Answer: X')"), ("readout", "Accuracy (forced-choice readout)")):
+        lines.append(accuracy_reading(title, labelings[key], n, differ))
+    lines.append(replica_reading(e1["replicas_exact"]))
+    unparsable = e1["unparsable"]
+    if unparsable["live"] or unparsable["prefill"]:
+        lines.append(
+            f"{unparsable['live']}/{n} live and {unparsable['prefill']}/{n} prefill answers have no parsable"
+            " 'Answer: X' and count as wrong in the parsed labeling; the readout labels every item."
+        )
+    return lines
+
+
+def accuracy_reading(title: str, labeling: dict, n: int, differ: int) -> str:
+    bootstrap = labeling["paired_difference"]
     boot_low, boot_high = bootstrap["ci95"]
     new_low, new_high = bootstrap["newcombe"]["ci95"]
     mcnemar = bootstrap["mcnemar"]
     live_only, prefill_only, p_value = mcnemar["live_only_correct"], mcnemar["prefill_only_correct"], mcnemar["p_value"]
-    live, prefill = e1["accuracy"]["live"]["count"], e1["accuracy"]["prefill"]["count"]
+    live, prefill = labeling["accuracy"]["live"]["count"], labeling["accuracy"]["prefill"]["count"]
     accuracy = (
-        f"Accuracy: live {live}/{n}, prefill {prefill}/{n}; difference"
+        f"{title}: live {live}/{n}, prefill {prefill}/{n}; difference"
         f" {points(bootstrap['live_minus_prefill'])} points (bootstrap 95% [{points(boot_low)}, {points(boot_high)}],"
         f" Newcombe [{points(new_low)}, {points(new_high)}]; exact McNemar p = {p_value:.3f} on"
         f" {live_only} + {prefill_only} discordant pairs)."
@@ -69,15 +84,7 @@ def e1_checkpoint_reading(name: str, e1: dict) -> list[str]:
             f" With only {live_only + prefill_only} discordant pair(s) the bootstrap interval rests on very"
             " few distinct resampled values; Newcombe's interval is the safer reading."
         )
-    lines.append(accuracy)
-    lines.append(replica_reading(e1["replicas_exact"]))
-    unparsable = e1["unparsable"]
-    if unparsable["live"] or unparsable["prefill"]:
-        lines.append(
-            f"{unparsable['live']}/{n} live and {unparsable['prefill']}/{n} prefill answers have no parsable"
-            " 'Answer: X' and count as wrong."
-        )
-    return lines
+    return accuracy
 
 
 def replica_reading(replicas: dict) -> str:

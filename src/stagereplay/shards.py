@@ -16,9 +16,17 @@ from . import items as items_mod
 from .cache import KVState, to_host
 from .checkpoints import read_model_record
 from .constructions import StageBoundary, build_boundary_state, build_live, parse_construction
-from .decode import Decoded, continue_from
+from .decode import Decoded, ReadoutCue, continue_from, read_out_state
 from .fingerprint import fingerprint_cache
-from .ledger import ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, LedgerError, ObjectStore, read_table, write_table
+from .ledger import (
+    ENVIRONMENT_COLUMNS,
+    PROMPT_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    LedgerError,
+    ObjectStore,
+    read_table,
+    write_table,
+)
 from .model import Environment, LoadedModel, Runtime, load_model
 from .scoring import score
 
@@ -100,6 +108,7 @@ class ShardRecorder:
         reasoning_text = self.text(prefix[prompt_length:])
         suffix_text = self.text(suffix.tokens)
         answer, correct = score(item, reasoning_text + suffix_text)
+        readout = suffix.readout
         self.rows.append(
             {
                 "checkpoint": self.spec.checkpoint,
@@ -127,6 +136,9 @@ class ShardRecorder:
                 "answer": answer,
                 "parsed": answer is not None,
                 "correct": correct,
+                "readout_answer": readout.answer,
+                "readout_correct": readout.answer == item.answer,
+                "readout_margin": readout.margin,
                 **environment_columns(self.loaded.environment),
                 "model_seconds": seconds,
             }
@@ -137,10 +149,13 @@ def environment_columns(environment: Environment) -> dict:
     return {name: getattr(environment, name) for name in ENVIRONMENT_COLUMNS}
 
 
-def _continue(loaded: LoadedModel, state: KVState, prefix, boundary_reason: str, budget: int, eos, on_token) -> Decoded:
-    if boundary_reason == "eos":  # the stage ended the answer itself: nothing to continue
-        return Decoded((), (), "eos")
-    return continue_from(loaded.model, state, prefix[-1], budget, eos, on_token=on_token)
+def _continue(
+    loaded: LoadedModel, state: KVState, prefix, boundary_reason: str, budget: int, eos, on_token, cue: ReadoutCue
+) -> Decoded:
+    """The suffix and its forced-choice readout."""
+    if boundary_reason == "eos":  # the stage ended the answer itself: nothing to continue, the readout still reads
+        return Decoded((), (), "eos", readout=read_out_state(loaded.model, state, prefix[-1], cue))
+    return continue_from(loaded.model, state, prefix[-1], budget, eos, on_token=on_token, readout=cue)
 
 
 def progress_bar(total: int, label: str) -> tuple[tqdm, callable]:
@@ -169,16 +184,25 @@ def run_live_shard(
 ) -> Path:
     record = read_model_record(model_record)
     item_list = shard_slice(items_mod.load_items(items_path), spec.shard, spec.shard_size)
-    prompts = prompt_tokens_by_item(prompts_path)
+    prompts = prompt_rows_by_item(prompts_path)
     loaded = load_model(record["folder"], runtime)
     recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live", spec.precision)
     eos = eos_ids(loaded)
     bar, on_token = progress_bar(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
     for item in item_list:
-        prompt = prompts[item.item_id]
+        prompt = prompts[item.item_id]["prompt_tokens"]
         started = time.perf_counter()
         live = build_live(loaded.model, prompt, budgets.boundary, eos, loaded.tokenizer, on_token=on_token)
-        suffix = _continue(loaded, live.state, live.prefix, live.reasoning.stop, budgets.suffix_tokens, eos, on_token)
+        suffix = _continue(
+            loaded,
+            live.state,
+            live.prefix,
+            live.reasoning.stop,
+            budgets.suffix_tokens,
+            eos,
+            on_token,
+            readout_cue(prompts[item.item_id]),
+        )
         recorder.add(
             item,
             len(prompt),
@@ -197,6 +221,7 @@ def run_live_shard(
 def run_construction_shard(
     model_record: str | Path,
     items_path: str | Path,
+    prompts_path: str | Path,
     source_shard: str | Path,
     construction: str,
     spec: ShardSpec,
@@ -214,6 +239,7 @@ def run_construction_shard(
     parse_construction(construction)
     record = read_model_record(model_record)
     items = {item.item_id: item for item in items_mod.load_items(items_path)}
+    prompts = prompt_rows_by_item(prompts_path)
     source = read_table(source_shard, TRAJECTORY_SCHEMA).to_pylist()
     if any(row["construction"] != "live" for row in source):
         raise LedgerError(f"{source_shard} is not a live shard — rebuild constructions only from saved live prefixes")
@@ -232,7 +258,16 @@ def run_construction_shard(
         prefix = tuple(source_store.get_tokens(row["prefix_object"]))
         started = time.perf_counter()
         state = build_boundary_state(loaded.model, list(prefix), construction, row["prompt_length"])
-        suffix = _continue(loaded, state, prefix, row["boundary_reason"], suffix_tokens, eos, on_token)
+        suffix = _continue(
+            loaded,
+            state,
+            prefix,
+            row["boundary_reason"],
+            suffix_tokens,
+            eos,
+            on_token,
+            readout_cue(prompts[row["item_id"]]),
+        )
         # The stage ended where the live run ended it: boundary and marker match are the source row's.
         recorder.add(
             items[row["item_id"]],
@@ -249,6 +284,11 @@ def run_construction_shard(
     return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
 
 
-def prompt_tokens_by_item(prompts_path: str | Path) -> dict[str, list[int]]:
-    table = read_table(prompts_path)
-    return dict(zip(table.column("item_id").to_pylist(), table.column("prompt_tokens").to_pylist()))
+def prompt_rows_by_item(prompts_path: str | Path) -> dict[str, dict]:
+    """The prompts table's rows (prompt tokens, readout cue and letters) by item id."""
+    return {row["item_id"]: row for row in read_table(prompts_path, PROMPT_SCHEMA).to_pylist()}
+
+
+def readout_cue(prompt_row: dict) -> ReadoutCue:
+    letters = items_mod.LETTERS[: len(prompt_row["readout_letter_tokens"])]
+    return ReadoutCue(tuple(prompt_row["readout_cue_tokens"]), letters, tuple(prompt_row["readout_letter_tokens"]))

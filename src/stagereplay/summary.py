@@ -65,24 +65,37 @@ def per_checkpoint(comparisons: pa.Table, experiment: str, figures) -> dict:
     }
 
 
+# The two correctness labels of every trajectory: the parsed "Answer: X" line (no such line counts as
+# wrong) and the forced-choice readout after the answer cue (every trajectory has one).
+LABELINGS = {
+    "parsed": ("a_correct", "b_correct"),
+    "readout": ("a_readout_correct", "b_readout_correct"),
+}
+
+
 def e1_figures(rows: list[dict]) -> dict:
     """E1 of one checkpoint, from its construction and replica rows."""
     pairs = [row for row in rows if row["relation"] == "construction"]
     n = len(pairs)
-    live = [row["a_correct"] for row in pairs]
-    prefill = [row["b_correct"] for row in pairs]
     replicas: dict[str, list[bool]] = defaultdict(list)
     for row in rows:
         if row["relation"] == "replica":
             replicas[row["a"].split("/")[0]].append(row["trajectory_exact"])
+    labelings = {
+        name: labeling_figures([row[a] for row in pairs], [row[b] for row in pairs])
+        for name, (a, b) in LABELINGS.items()
+    }
+    parsed = labelings["parsed"]
     figures = {
         "pair": sorted({f"{row['a']} vs {row['b']}" for row in pairs}),
         "precision": pairs[0]["precision"] if pairs else None,
         "items": n,
         "caches_differ": proportion(sum(not row["cache_exact"] for row in pairs), n),
         "suffixes_differ": proportion(sum(row["suffix_differs"] for row in pairs), n),
-        "labels_differ": proportion(sum(row["label_differs"] for row in pairs), n),
-        "accuracy": {"live": proportion(sum(live), n), "prefill": proportion(sum(prefill), n)},
+        # The parsed labeling's figures, under their original keys; both labelings under `labelings`.
+        "labels_differ": parsed["labels_differ"],
+        "accuracy": parsed["accuracy"],
+        "labelings": labelings,
         "unparsable": {
             "live": int(sum(not row["a_parsed"] for row in pairs)),
             "prefill": int(sum(not row["b_parsed"] for row in pairs)),
@@ -98,7 +111,20 @@ def e1_figures(rows: list[dict]) -> dict:
         },
     }
     if n:
+        figures["paired_difference"] = parsed["paired_difference"]
+    return figures
+
+
+def labeling_figures(live: list[bool], prefill: list[bool]) -> dict:
+    """One labeling of the E1 pairs: accuracy of each side, labels that differ, the paired difference."""
+    n = len(live)
+    figures = {
+        "accuracy": {"live": proportion(sum(live), n), "prefill": proportion(sum(prefill), n)},
+        "labels_differ": proportion(sum(a != b for a, b in zip(live, prefill)), n),
+    }
+    if n:
         difference, low, high = paired_difference_ci(live, prefill, **BOOTSTRAP)
+        live_only, prefill_only, p_value = mcnemar_exact(live, prefill)
         figures["paired_difference"] = {
             "live_minus_prefill": difference,
             "ci95": [low, high],
@@ -114,13 +140,12 @@ def e1_figures(rows: list[dict]) -> dict:
                     ("wald", paired_difference_wald, WALD),
                 )
             },
-        }
-        live_only, prefill_only, p_value = mcnemar_exact(live, prefill)
-        figures["paired_difference"]["mcnemar"] = {
-            "live_only_correct": live_only,
-            "prefill_only_correct": prefill_only,
-            "p_value": float(p_value),
-            "method": MCNEMAR,
+            "mcnemar": {
+                "live_only_correct": live_only,
+                "prefill_only_correct": prefill_only,
+                "p_value": float(p_value),
+                "method": MCNEMAR,
+            },
         }
     return figures
 

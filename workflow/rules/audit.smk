@@ -71,6 +71,7 @@ use rule rebuild as audit_rebuild with:
     input:
         model=LAYOUT.audit.model_record("{checkpoint}"),
         item_file=LAYOUT.items,
+        prompts=LAYOUT.prompts("{checkpoint}"),
         source=LAYOUT.live_table("{checkpoint}", "{prefix_precision}", 0, "{shard}"),
     output:
         LAYOUT.audit.rebuilt_table(

@@ -8,6 +8,7 @@ rule rebuild:
     input:
         model=LAYOUT.model_record("{checkpoint}"),
         item_file=LAYOUT.items,
+        prompts=LAYOUT.prompts("{checkpoint}"),
         source=LAYOUT.live_table("{checkpoint}", "{prefix_precision}", 0, "{shard}"),
     output:
         LAYOUT.rebuilt_table(
@@ -43,6 +44,6 @@ rule rebuild:
         source_store=LAYOUT.objects,
     shell:
         "stagereplay rebuild --model-record {input.model:q} --items {input.item_file:q} --source-shard {input.source:q}"
-        " --construction {params.construction} {params.runtime} --store {params.store:q}"
+        " --prompts {input.prompts:q} --construction {params.construction} {params.runtime} --store {params.store:q}"
         " --source-store {params.source_store:q} --out {output:q}"
         " 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"

@@ -1,0 +1,81 @@
+"""`stagereplay show LEDGER ITEM_ID` on a real finished run: the item's two suffixes with the divergence marked,
+the margins there, both labelings and the transplant outcomes, all as the ledger tables hold them."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+from workflow_helpers import stagereplay
+
+from stagereplay.checkpoints import read_model_record
+from stagereplay.item_view import spell, visible
+
+pytestmark = pytest.mark.slow
+
+
+def e1_pairs(ledger):
+    rows = pq.read_table(ledger / "tables" / "comparisons.parquet").to_pylist()
+    return [r for r in rows if r["experiment"] == "E1" and r["relation"] == "construction"]
+
+
+def test_show_prints_the_item_as_the_ledger_holds_it(test_run):
+    _, ledger, _ = test_run
+    pairs = e1_pairs(ledger)
+    divergent = [r for r in pairs if r["suffix_differs"]]
+    assert divergent, "config/test.yaml is meant to diverge on some items"
+    trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
+    transplants = pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
+    tokenizer = AutoTokenizer.from_pretrained(
+        read_model_record(ledger / "models" / "tiny-qwen2" / "model.json")["folder"]
+    )
+    for pair in pairs:
+        result = stagereplay("show", ledger, pair["item_id"])
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+        assert out.startswith(f"item {pair['item_id']} (tiny-qwen2, E1 live vs prefill, {pair['precision']})")
+        at = pair["first_divergence"]
+        sides = {
+            r["construction"]: r
+            for r in trajectories
+            if r["item_id"] == pair["item_id"]
+            and r["construction"] in ("live", "prefill")
+            and r["precision"] == pair["precision"]
+            and r["replica"] == 0
+            and r["prefix_precision"] == pair["precision"]
+        }
+        for side, row in sides.items():
+            tokens = [visible(token) for token in spell(tokenizer, row["suffix_tokens"])]
+            if at is not None:
+                tokens[at] = f"⟦{tokens[at]}⟧"
+            line = next(line for line in out.splitlines() if line.startswith(f"{side} "))
+            assert line.endswith(": " + "".join(tokens)), line
+            assert ("⟦" in line) == (at is not None)
+            readout = "correct" if row["readout_correct"] else "wrong"
+            assert f"readout {row['readout_answer']} ({readout}, letter margin {row['readout_margin']:.4g})" in out
+        if at is None:
+            assert "suffixes agree" in out
+        else:
+            n = max(len(row["suffix_tokens"]) for row in sides.values())
+            assert f"first divergence at suffix token {at} (of {n});" in out
+            assert f"live {pair['a_margin_at_divergence']:.4g}, prefill {pair['b_margin_at_divergence']:.4g}" in out
+        moved = [t for t in transplants if t["item_id"] == pair["item_id"]]
+        for t in moved:
+            assert f"  {t['selection']}: {t['donor']} -> {t['recipient']} [{t['subset']}]: {t['outcome']}" in out
+        assert (f"transplants ({len(moved)}:" in out) if moved else ("transplants: none for this item" in out)
+
+
+def test_an_unknown_item_is_one_line_naming_where_the_ids_are(test_run):
+    _, ledger, _ = test_run
+    result = stagereplay("show", ledger, "no-such-item")
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "item 'no-such-item' is not in" in lines[0] and str(ledger / "items.jsonl") in lines[0]
+    first = sorted(r["item_id"] for r in e1_pairs(ledger))[0]
+    assert first in lines[0]
+
+
+def test_control_characters_are_shown_not_obeyed():
+    # A random model emits such bytes: a record separator would split a terminal line, a tab vanish.
+    assert visible("a\x1eb\n\tc\u2028 d") == "a‹U+001E›b↵⇥c‹U+2028› d"
