@@ -267,6 +267,9 @@ ENVIRONMENT_COLUMNS = [
     ("deterministic", "deterministic"),
     ("torch_version", "torch"),
     ("transformers_version", "transformers"),
+    ("engine", "engine"),
+    ("engine_version", "engine version"),
+    ("engine_build", "engine build"),
     ("model_fingerprint", "model fingerprint"),
 ]
 FIGURE_COLUMNS = ["Experiment", "Figure", "Count / N", "Estimate", "95% interval", "Method"]

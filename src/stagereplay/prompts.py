@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer
-
 from . import items as items_mod
+from .engines import checkpoint_tokenizer
 from .fingerprint import fingerprint_tokens
 from .ledger import PROMPT_SCHEMA, write_table
 from .model import ModelError
@@ -45,7 +44,7 @@ def encode_prompt(tokenizer, item: items_mod.Item, use_chat_template: bool) -> l
 
 
 def tokenize_prompts(
-    model_folder: str | Path,
+    model_record: dict,
     items_path: str | Path,
     max_new_tokens: int,
     suffix_tokens: int,
@@ -53,9 +52,7 @@ def tokenize_prompts(
     use_chat_template: bool = True,
     trust_remote_code: bool = False,
 ) -> Path:
-    tokenizer = AutoTokenizer.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
-    config = AutoConfig.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
-    context = int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0)
+    tokenizer, context = checkpoint_tokenizer(model_record, trust_remote_code)
     rows = []
     for item in items_mod.load_items(items_path):
         tokens = encode_prompt(tokenizer, item, use_chat_template)
