@@ -303,6 +303,16 @@ def document(figures: list[Figure], prov: Provenance, lines_of_reading: list[str
                     for model in prov.models
                 ],
                 f"precisions: {', '.join(sorted({entry['precision'] for entry in prov.environment}))}",
+                *[
+                    f"`{checkpoint}` ran on {version}: its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped (not converted), so its fp16/fp32 rows are not a transformers fp16/fp32 run"
+                    for checkpoint, version in sorted(
+                        {
+                            (entry["checkpoint"], entry["engine_version"])
+                            for entry in prov.environment
+                            if entry.get("engine") == "llamacpp"
+                        }
+                    )
+                ],
             ],
         ),
         (

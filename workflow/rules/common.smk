@@ -143,6 +143,21 @@ def engine_of(name):
     return engine
 
 
+def check_llamacpp_precisions():
+    """A llama.cpp checkpoint's precision is its KV cache type: refuse bf16 (or any other) before any job runs."""
+    asked = {PRIMARY: {E1, *FIXED["precisions"], *([CROSS] if CROSS and TRANSPLANT["enabled"] else [])}}
+    asked.setdefault(BLIND_CHECKPOINT, set()).add(E1)
+    for name, precisions in asked.items():
+        other = sorted(precisions - {"fp16", "fp32"})
+        if engine_of(name) == "llamacpp" and other:
+            raise WorkflowError(
+                f"checkpoint {name!r} runs on llama.cpp, whose precision is the KV cache type: {', '.join(other)} is not one — use fp16 or fp32 for its precisions"
+            )
+
+
+check_llamacpp_precisions()
+
+
 def model_folder(name):
     """What register_model fingerprints: a safetensors folder, or for llama.cpp the GGUF itself."""
     source = checkpoint_source(name)
