@@ -128,6 +128,10 @@ CATALOGUE = {
         "exactly one source", {"checkpoints": {"mine": {"folder": "/tmp", "embedded": True}}}
     ),
     "model folder without config.json": BadInput("has no config.json", prepare=folder_without_config),
+    "bf16 on a llama.cpp checkpoint": BadInput(
+        "whose precision is the KV cache type: bf16 is not one",
+        {"checkpoints": {"tiny": {"engine": "llamacpp", "random_qwen2": {"seed": 0}}}},
+    ),
     "gguf checksum mismatch": BadInput("checksum mismatch", prepare=fake_gguf, in_job=True),
     "pickle weights only": BadInput("no .safetensors weights", prepare=pickle_only_folder, in_job=True),
     "cuda without a GPU": BadInput(

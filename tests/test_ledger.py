@@ -123,6 +123,9 @@ def trajectory_row(item_id="arith-000"):
         "deterministic": False,
         "torch_version": "t",
         "transformers_version": "tr",
+        "engine": "transformers",
+        "engine_version": "tr",
+        "engine_build": "",
         "model_seconds": 1.5,
     }
 

@@ -11,7 +11,6 @@ polled with squeue (no slurmdbd, so no sacct) and polled soon after submission.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from workflow_helpers import REPO, snakemake, write_config
+from workflow_helpers import REPO, skip_unless_required, snakemake, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +57,7 @@ def slurm_problem() -> str | None:
 
 @pytest.fixture(scope="module")
 def slurm():
-    problem = slurm_problem()
-    if problem is None:
-        return
-    if os.environ.get("STAGEREPLAY_REQUIRE_SLURM") == "1":
-        pytest.fail(f"STAGEREPLAY_REQUIRE_SLURM=1 but {problem}")
-    pytest.skip(problem)
+    skip_unless_required(slurm_problem(), "STAGEREPLAY_REQUIRE_SLURM")
 
 
 def ci_profile(directory: Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,17 @@ import xxhash
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def skip_unless_required(problem: str | None, variable: str) -> None:
+    """Skip with ``problem``; fail instead when CI sets ``variable`` to 1 (the part must run there)."""
+    import pytest
+
+    if problem is None:
+        return
+    if os.environ.get(variable) == "1":
+        pytest.fail(f"{variable}=1 but {problem}")
+    pytest.skip(problem)
 
 
 def write_config(path: Path, base: str = "config/test.yaml", **overrides) -> Path:

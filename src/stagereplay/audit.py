@@ -338,7 +338,7 @@ def audit_models(saved_records: dict[str, dict], audited_records: dict[str, dict
         _same(
             "model",
             "model_folder",
-            {"checkpoint": name, "item_id": None, "side": record["folder"]},
+            {"checkpoint": name, "item_id": None, "side": record.get("folder") or record["gguf"]},
             saved_records.get(name, {}).get("fingerprint"),
             record["fingerprint"],
         )

@@ -11,6 +11,11 @@ the model expects. Only models whose every layer is full attention are
 accepted (``check_full_attention``): a sliding-window or recurrent layer keeps
 less than every position, so a boundary cache, a last-W transplant or a cache
 difference would mean something else there.
+
+A second engine (llama.cpp, ``llamacpp_engine``) plugs in here: a model that is an
+``ExternalEngine`` answers the same four calls itself (``empty_cache``,
+``forward``, ``snapshot``, ``to_cache``), so everything above this module runs
+unchanged on either engine.
 """
 
 from __future__ import annotations
@@ -58,6 +63,28 @@ class KVState:
         )
 
 
+class ExternalEngine:
+    """A non-transformers engine: it builds, feeds, reads and writes its own caches as ``KVState``s."""
+
+    def empty_cache(self) -> ExternalCache:
+        raise NotImplementedError
+
+    def forward(self, tokens: list[int], cache: ExternalCache) -> torch.Tensor:
+        raise NotImplementedError
+
+    def snapshot(self, cache: ExternalCache) -> KVState:
+        raise NotImplementedError
+
+    def to_cache(self, state: KVState) -> ExternalCache:
+        raise NotImplementedError
+
+
+class ExternalCache:
+    """A cache an ``ExternalEngine`` holds; ``engine`` reads it back."""
+
+    engine: ExternalEngine
+
+
 @functools.cache
 def _cache_keyword(model_class: type) -> str:
     # Built-in models take ``cache``; a trust_remote_code model may still name only ``past_key_values``.
@@ -88,8 +115,10 @@ def unsupported_attention(config, name: str) -> str | None:
     )
 
 
-def empty_cache(model) -> DynamicCache:
+def empty_cache(model) -> DynamicCache | ExternalCache:
     """An empty cache with the layer classes ``model``'s config asks for."""
+    if isinstance(model, ExternalEngine):
+        return model.empty_cache()
     cache = DynamicCache(config=model.config)
     # load_model refuses such models first; this guards a model built any other way (a test, a notebook).
     if any(type(layer) is not DynamicLayer for layer in cache.layers):
@@ -99,19 +128,23 @@ def empty_cache(model) -> DynamicCache:
     return cache
 
 
-def forward(model, input_ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+def forward(model, input_ids: torch.Tensor, cache: DynamicCache | ExternalCache) -> torch.Tensor:
     """Feed ``input_ids`` [1, n] through the model, appending to ``cache``.
 
     Returns the float32 logits of the last position. ``logits_to_keep=1`` is
     used on every call, so the lm_head always sees the same shape.
     """
+    if isinstance(model, ExternalEngine):
+        return model.forward(input_ids[0].tolist(), cache)
     keyword = _cache_keyword(type(model))
     output = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
     return output.logits[0, -1].float()
 
 
-def snapshot(cache: DynamicCache) -> KVState:
+def snapshot(cache: DynamicCache | ExternalCache) -> KVState:
     """A detached copy of the cache as it stands now (later decoding never changes it)."""
+    if isinstance(cache, ExternalCache):
+        return cache.engine.snapshot(cache)
     layers = cache.layers
     return KVState(
         keys=tuple(layer.keys.detach().clone() for layer in layers),
@@ -119,8 +152,10 @@ def snapshot(cache: DynamicCache) -> KVState:
     )
 
 
-def to_cache(state: KVState, model) -> DynamicCache:
+def to_cache(state: KVState, model) -> DynamicCache | ExternalCache:
     """A fresh cache for ``model`` holding copies of ``state`` (decoding from it leaves ``state`` intact)."""
+    if isinstance(model, ExternalEngine):
+        return model.to_cache(state)
     cache = empty_cache(model)
     if state.num_layers != len(cache.layers):
         raise TransplantError(

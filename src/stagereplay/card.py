@@ -281,6 +281,9 @@ ENVIRONMENT_COLUMNS = [
     ("deterministic", "deterministic"),
     ("torch_version", "torch"),
     ("transformers_version", "transformers"),
+    ("engine", "engine"),
+    ("engine_version", "engine version"),
+    ("engine_build", "engine build"),
     ("model_fingerprint", "model fingerprint"),
 ]
 FIGURE_COLUMNS = ["Experiment", "Figure", "Count / N", "Estimate", "95% interval", "Method"]
@@ -314,6 +317,16 @@ def document(figures: list[Figure], prov: Provenance, lines_of_reading: list[str
                     for model in prov.models
                 ],
                 f"precisions: {', '.join(sorted({entry['precision'] for entry in prov.environment}))}",
+                *[
+                    f"`{checkpoint}` ran on {version}: its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped (not converted), so its fp16/fp32 rows are not a transformers fp16/fp32 run"
+                    for checkpoint, version in sorted(
+                        {
+                            (entry["checkpoint"], entry["engine_version"])
+                            for entry in prov.environment
+                            if entry.get("engine") == "llamacpp"
+                        }
+                    )
+                ],
             ],
         ),
         (

@@ -219,5 +219,20 @@ def write_model_record(record_path: str | Path, folder: str | Path, source: str)
     return record
 
 
+def write_gguf_record(record_path: str | Path, gguf_path: str | Path, source: str) -> dict:
+    """The registration record of a GGUF run as shipped by the llama.cpp engine (never converted)."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise CheckpointError(f"GGUF file {gguf_path} not found — fix the checkpoint's gguf path")
+    record = {
+        "gguf": str(gguf_path.resolve()),
+        "fingerprint": combine([(gguf_path.name, _xxh3_file(gguf_path))]),
+        "source": source,
+        "engine": "llamacpp",
+    }
+    atomic_write_text(record_path, json.dumps(record, indent=2) + "\n")
+    return record
+
+
 def read_model_record(record_path: str | Path) -> dict:
     return json.loads(Path(record_path).read_text())

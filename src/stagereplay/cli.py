@@ -75,19 +75,27 @@ def cmd_random_qwen2(args) -> None:
     build_random_qwen2(args.out, seed=args.seed, layers=args.layers, hidden=args.hidden, near_ties=args.near_ties)
 
 
-def cmd_register_model(args) -> None:
-    from .checkpoints import write_model_record
+def cmd_qwen2_gguf(args) -> None:
+    from .tiny_gguf import write_qwen2_gguf
 
-    write_model_record(args.out, args.folder, args.source)
+    write_qwen2_gguf(args.folder, args.out)
+
+
+def cmd_register_model(args) -> None:
+    from .checkpoints import write_gguf_record, write_model_record
+
+    if args.engine == "llamacpp":
+        write_gguf_record(args.out, args.folder, args.source)
+    else:
+        write_model_record(args.out, args.folder, args.source)
 
 
 def cmd_prompts(args) -> None:
     from .checkpoints import read_model_record
     from .prompts import tokenize_prompts
 
-    folder = read_model_record(args.model_record)["folder"]
     tokenize_prompts(
-        folder,
+        read_model_record(args.model_record),
         args.items,
         args.max_new_tokens,
         args.suffix_tokens,
@@ -368,10 +376,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_random_qwen2)
 
     p = sub.add_parser("register-model", help="fingerprint a model folder and write its model.json record")
-    p.add_argument("folder")
+    p.add_argument("folder", help="the model folder, or the GGUF file for --engine llamacpp")
     p.add_argument("--source", required=True, help="where the folder came from (recorded)")
+    p.add_argument("--engine", choices=["transformers", "llamacpp"], default="transformers")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_register_model)
+
+    p = sub.add_parser("qwen2-gguf", help="write a (tiny random) Qwen2 folder as an f32 GGUF for llama.cpp")
+    p.add_argument("folder")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_qwen2_gguf)
 
     p = sub.add_parser("prompts", help="tokenize every prompt for one checkpoint and check the context length")
     p.add_argument("--model-record", required=True)

@@ -186,10 +186,10 @@ def item_records(
 
 
 def load_tokenizers(model_records: dict[str, dict]) -> dict:
-    """Each checkpoint's tokenizer, from its converted model folder (no weights are read)."""
-    from transformers import AutoTokenizer
+    """Each checkpoint's own tokenizer, whatever its engine (no transformers weights are read)."""
+    from .engines import checkpoint_tokenizer
 
-    return {name: AutoTokenizer.from_pretrained(record["folder"]) for name, record in model_records.items()}
+    return {name: checkpoint_tokenizer(record)[0] for name, record in model_records.items()}
 
 
 # --- text, for the terminal and for Markdown ---------------------------------------------

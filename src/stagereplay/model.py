@@ -63,6 +63,9 @@ class Environment:
     deterministic: bool
     torch_version: str
     transformers_version: str
+    engine: str = "transformers"
+    engine_version: str = transformers.__version__
+    engine_build: str = ""  # the engine's build options where it has its own (llama.cpp's CPU features)
 
     def as_dict(self) -> dict:
         return asdict(self)

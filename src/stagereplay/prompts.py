@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer
-
 from . import items as items_mod
+from .engines import checkpoint_tokenizer
 from .fingerprint import fingerprint_tokens
 from .ledger import PROMPT_SCHEMA, write_table
 from .model import ModelError
@@ -78,7 +77,7 @@ def readout_tokens(tokenizer, letters: tuple[str, ...] = items_mod.LETTERS) -> t
 
 
 def tokenize_prompts(
-    model_folder: str | Path,
+    model_record: dict,
     items_path: str | Path,
     max_new_tokens: int,
     suffix_tokens: int,
@@ -86,9 +85,7 @@ def tokenize_prompts(
     use_chat_template: bool = True,
     trust_remote_code: bool = False,
 ) -> Path:
-    tokenizer = AutoTokenizer.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
-    config = AutoConfig.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
-    context = int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0)
+    tokenizer, context = checkpoint_tokenizer(model_record, trust_remote_code)
     cue, letter_ids = readout_tokens(tokenizer)
     rows = []
     for item in items_mod.load_items(items_path):

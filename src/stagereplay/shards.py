@@ -17,6 +17,7 @@ from .cache import KVState, to_host
 from .checkpoints import read_model_record
 from .constructions import StageBoundary, build_boundary_state, build_live, parse_construction
 from .decode import Decoded, ReadoutCue, continue_from, read_out_state
+from .engines import load_checkpoint
 from .fingerprint import fingerprint_cache
 from .ledger import (
     ENVIRONMENT_COLUMNS,
@@ -27,7 +28,7 @@ from .ledger import (
     read_table,
     write_table,
 )
-from .model import Environment, LoadedModel, Runtime, load_model
+from .model import Environment, LoadedModel, Runtime
 from .scoring import score
 
 
@@ -185,7 +186,7 @@ def run_live_shard(
     record = read_model_record(model_record)
     item_list = shard_slice(items_mod.load_items(items_path), spec.shard, spec.shard_size)
     prompts = prompt_rows_by_item(prompts_path)
-    loaded = load_model(record["folder"], runtime)
+    loaded = load_checkpoint(record, runtime)
     recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live", spec.precision)
     eos = eos_ids(loaded)
     bar, on_token = progress_bar(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
@@ -245,7 +246,7 @@ def run_construction_shard(
         raise LedgerError(f"{source_shard} is not a live shard — rebuild constructions only from saved live prefixes")
     store = ObjectStore(store_root)
     source_store = ObjectStore(source_store_root or store_root)
-    loaded = load_model(record["folder"], runtime)
+    loaded = load_checkpoint(record, runtime)
     prefix_precision = source[0]["precision"] if source else spec.precision
     recorder = ShardRecorder(loaded, record, spec, store, construction, prefix_precision)
     eos = eos_ids(loaded)

@@ -13,9 +13,10 @@ from .cache import KVState
 from .checkpoints import read_model_record
 from .compare import Side, first_divergence
 from .decode import Decoded, continue_from
+from .engines import load_checkpoint, model_layers
 from .fingerprint import fingerprint_cache
 from .ledger import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, ObjectStore, read_table, write_table
-from .model import Runtime, load_model
+from .model import Runtime
 from .plan import check_plan
 from .shards import ShardSpec, environment_columns, eos_ids, progress_bar
 from .transplants import TransplantSpec, left_both, outcome, sweep_specs, transplant
@@ -48,9 +49,9 @@ def run_transplant_shard(
     record = read_model_record(model_record)
     store = ObjectStore(store_root)
     source_store = ObjectStore(source_store_root or store_root)
-    loaded = load_model(record["folder"], runtime)
+    loaded = load_checkpoint(record, runtime)
     if job.plan:
-        check_plan(job.plan, loaded.model.config.get_text_config().num_hidden_layers)
+        check_plan(job.plan, model_layers(loaded.model))
     environment = environment_columns(loaded.environment)
     eos = eos_ids(loaded)
     rows = []

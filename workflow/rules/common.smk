@@ -134,8 +134,37 @@ for _name in CHECKPOINTS:
     checkpoint_source(_name)
 
 
+def engine_of(name):
+    engine = CHECKPOINTS[name].get("engine", "transformers")
+    if engine == "llamacpp" and checkpoint_source(name) == "folder":
+        raise WorkflowError(
+            f"checkpoint {name!r}: the llamacpp engine runs a GGUF — use embedded, gguf or random_qwen2 as its source"
+        )
+    return engine
+
+
+def check_llamacpp_precisions():
+    """A llama.cpp checkpoint's precision is its KV cache type: refuse bf16 (or any other) before any job runs."""
+    asked = {PRIMARY: {E1, *FIXED["precisions"], *([CROSS] if CROSS and TRANSPLANT["enabled"] else [])}}
+    asked.setdefault(BLIND_CHECKPOINT, set()).add(E1)
+    for name, precisions in asked.items():
+        other = sorted(precisions - {"fp16", "fp32"})
+        if engine_of(name) == "llamacpp" and other:
+            raise WorkflowError(
+                f"checkpoint {name!r} runs on llama.cpp, whose precision is the KV cache type: {', '.join(other)} is not one — use fp16 or fp32 for its precisions"
+            )
+
+
+check_llamacpp_precisions()
+
+
 def model_folder(name):
+    """What register_model fingerprints: a safetensors folder, or for llama.cpp the GGUF itself."""
     source = checkpoint_source(name)
+    if engine_of(name) == "llamacpp":
+        if source == "random_qwen2":
+            return LAYOUT.path("models", name, "random.gguf")
+        return repo_path(CHECKPOINTS[name]["gguf"]) if source == "gguf" else LAYOUT.path("downloads", "embedded.gguf")
     if source == "folder":
         return repo_path(CHECKPOINTS[name]["folder"])
     if source == "random_qwen2":
@@ -276,7 +305,7 @@ def gguf_sha256(wildcards):
 
 def registered_folder_input(wildcards):
     folder = model_folder(wildcards.checkpoint)
-    if checkpoint_source(wildcards.checkpoint) == "folder":
+    if checkpoint_source(wildcards.checkpoint) == "folder" and engine_of(wildcards.checkpoint) == "transformers":
         # A user folder is not ours to track as a directory; its config and weights are.
         return sorted(str(path) for path in Path(folder).glob("*") if path.suffix in (".json", ".safetensors"))
     return folder

@@ -1,4 +1,4 @@
-# Checkpoints become local safetensors folders, each registered with a fingerprint.
+# Checkpoints become local safetensors folders (or, for the llama.cpp engine, GGUF files used as shipped), each registered with a fingerprint.
 
 
 rule embedded_gguf:
@@ -58,6 +58,21 @@ rule random_qwen2:
         " {params.near_ties} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
+rule random_gguf:
+    input:
+        LAYOUT.path("models", "{checkpoint}", "random"),
+    output:
+        LAYOUT.path("models", "{checkpoint}", "random.gguf"),
+    log:
+        LAYOUT.log("random_gguf", "{checkpoint}.log"),
+    threads: 1
+    resources:
+        mem_mb=1000,
+        runtime=10,
+    shell:
+        "stagereplay qwen2-gguf {input:q} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+
+
 rule register_model:
     input:
         registered_folder_input,
@@ -72,5 +87,6 @@ rule register_model:
     params:
         folder=lambda wildcards: model_folder(wildcards.checkpoint),
         source=lambda wildcards: checkpoint_source(wildcards.checkpoint),
+        engine=lambda wildcards: engine_of(wildcards.checkpoint),
     shell:
-        "stagereplay register-model {params.folder:q} --source {params.source} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        "stagereplay register-model {params.folder:q} --source {params.source} --engine {params.engine} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
