@@ -47,7 +47,7 @@ def test_object_bytes_equal_the_files_the_store_writes(tmp_path, precision, dtyp
     store = ObjectStore(tmp_path)
     meta = {"model_fingerprint": "f" * 32, "precision": precision}
     cache = store.put(tensors, {"kind": "kv_cache", "positions": f"0:{positions}", **meta})
-    tokens = store.put_tokens(range(41), {"role": "suffix", **meta})
+    tokens = store.put_tokens(range(41))
     assert store.path_for(cache).stat().st_size == cache_object_bytes(shapes, precision, positions)
     assert store.path_for(tokens).stat().st_size == token_object_bytes(41)
 

@@ -176,8 +176,9 @@ def cache_object_bytes(shapes: ModelShapes, precision: str, positions: int) -> i
     return _safetensors_bytes(tensors, metadata)
 
 
-def token_object_bytes(count: int, role: str = "suffix") -> int:
-    metadata = {"kind": "tokens", "role": role, "model_fingerprint": _FINGERPRINT, "precision": "bf16"}
+def token_object_bytes(count: int) -> int:
+    """A token-list object as ObjectStore.put_tokens writes it (its metadata is only its kind)."""
+    metadata = {"kind": "tokens"}
     return _safetensors_bytes({"tokens": ("I64", [count])}, metadata)
 
 
@@ -384,12 +385,12 @@ def project(
     stage = design.max_new_tokens
     suffix_object = token_object_bytes(design.suffix_tokens)
     result.tokens_bytes = sum(
-        (prefixes if count == len(caches) else 1) * token_object_bytes(p + stage, "prefix") + count * suffix_object
+        (prefixes if count == len(caches) else 1) * token_object_bytes(p + stage) + count * suffix_object
         for p, count in zip(prompt_tokens, own_prefixes)
     )
     result.tokens_bytes += transplant_rows * suffix_object
     if other:
-        result.tokens_bytes += sum(token_object_bytes(p + stage, "prefix") + 2 * suffix_object for p in prompt_tokens)
+        result.tokens_bytes += sum(token_object_bytes(p + stage) + 2 * suffix_object for p in prompt_tokens)
 
     # Tables: every trajectory and transplant row twice (its shard table and the gathered table),
     # one comparison row per compared pair, the prompt tokens.
