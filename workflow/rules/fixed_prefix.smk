@@ -8,6 +8,7 @@ rule rebuild:
     input:
         model=LAYOUT.model_record("{checkpoint}"),
         item_file=LAYOUT.items,
+        storage=storage_inputs(),
         source=LAYOUT.live_table("{checkpoint}", "{prefix_precision}", 0, "{shard}"),
     output:
         LAYOUT.rebuilt_table(
