@@ -218,3 +218,14 @@ def test_a_rebuilt_cache_unlike_the_ledger_stops_compare_with_one_line(run_none,
         " rebuilt from the saved tokens differs from the ledger's fingerprints at layer 0 K"
     )
     assert line in result.stderr, result.stderr[-3000:]
+
+
+def test_the_pool_holds_one_model_besides_the_jobs_own(shards, tiny_bf16):
+    record, runtime, tables = shards
+    _, rows = tables["bare"]
+    fp32_row = {**rows[0], "precision": "fp32"}
+    pool = ModelPool({"tiny": record}, runtime, {("tiny", "bf16"): tiny_bf16})
+    pool.model_for(fp32_row)
+    pool.model_for({**rows[0], "precision": "fp16"})
+    assert set(pool.loaded) == {("tiny", "bf16"), ("tiny", "fp16")}
+    assert pool.model_for(rows[0]) is tiny_bf16

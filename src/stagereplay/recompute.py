@@ -71,7 +71,9 @@ class ModelPool:
     """The models a job rebuilds caches on: one per (checkpoint, precision), loaded when first needed.
 
     A job that has loaded its own model already hands it in (``preloaded``), so a
-    transplant job loads a second model only for a donor of another precision.
+    transplant job loads a second model only for a donor of another precision. Besides
+    those, one model is held at a time: loading another drops it, so a compare job holds
+    one 14B model, not one per precision (compare takes its pairs one precision at a time).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class ModelPool:
         self.records = {name: read_model_record(path) for name, path in records.items()}
         self.runtime = runtime
         self.loaded = dict(preloaded or {})
+        self.pinned = set(self.loaded)
 
     def model_for(self, row: dict) -> LoadedModel:
         checkpoint, precision = row["checkpoint"], row["precision"]
@@ -99,6 +102,8 @@ class ModelPool:
             )
         key = (checkpoint, precision)
         if key not in self.loaded:
+            for other in [other for other in self.loaded if other not in self.pinned]:
+                del self.loaded[other]
             self.loaded[key] = load_model(record["folder"], dataclasses.replace(self.runtime, precision=precision))
         return self.loaded[key]
 
