@@ -243,9 +243,9 @@ def _check_cache(
 
 
 def verify_rows(
-    tables: dict[str, pa.Table], known: dict[str, StoredObject], report: Report, caches_may_be_absent: bool = False
+    tables: dict[str, pa.Table], known: dict[str, StoredObject], report: Report, absent_caches_ok: bool = False
 ) -> None:
-    """``caches_may_be_absent``: the ledger's storage.json says not every cache tensor was kept."""
+    """``absent_caches_ok``: the ledger's storage.json says not every cache tensor was kept."""
     faults = report.faults
     for relative, table in tables.items():
         schema = table.schema
@@ -256,7 +256,7 @@ def verify_rows(
                 where = _row_where(relative, row)
                 _check_tokens(where, "prefix", row["prefix_object"], known, faults, length=row["prefix_length"])
                 _check_tokens(where, "suffix", row["suffix_object"], known, faults, expected=row["suffix_tokens"])
-                _check_cache(where, row, "cache_object", known, faults, caches_may_be_absent)
+                _check_cache(where, row, "cache_object", known, faults, absent_caches_ok)
                 stored = known.get(row["cache_object"])
                 if stored is not None and stored.shapes.get("layer.000.k", (0, 0, -1))[-2] != row["cache_positions"]:
                     faults.append(
