@@ -108,15 +108,25 @@ def cmd_prompts(args) -> None:
 def cmd_live(args) -> None:
     from .constructions import StageBoundary
     from .shards import Budgets, run_live_shard
+    from .storage import model_jobs_store
 
     budgets = Budgets(StageBoundary(args.max_new_tokens, args.marker or None), args.suffix_tokens)
     run_live_shard(
-        args.model_record, args.items, args.prompts, _spec(args), _runtime(args), budgets, args.store, args.out
+        args.model_record,
+        args.items,
+        args.prompts,
+        _spec(args),
+        _runtime(args),
+        budgets,
+        args.store,
+        args.out,
+        model_jobs_store(args.store_caches),
     )
 
 
 def cmd_rebuild(args) -> None:
     from .shards import run_construction_shard
+    from .storage import model_jobs_store
 
     run_construction_shard(
         args.model_record,
@@ -130,6 +140,7 @@ def cmd_rebuild(args) -> None:
         args.store,
         args.out,
         args.source_store,
+        model_jobs_store(args.store_caches),
     )
 
 
@@ -167,9 +178,17 @@ def cmd_transplant(args) -> None:
             windows=tuple(args.windows),
         )
     job = TransplantJob(args.selection, frozenset(item_ids), tuple(tuple(pair) for pair in args.pair), plan)
+    stores = (args.store, args.out, args.source_store)  # written to, table out, read from
     run_transplant_shard(
-        args.model_record, job, _spec(args), _runtime(args), args.suffix_tokens, args.store, args.out, args.source_store
+        args.model_record, job, _spec(args), _runtime(args), args.suffix_tokens, *stores, args.store_caches
     )
+
+
+def cmd_store_caches_policy(args) -> None:
+    from .atomic import atomic_write_text
+    from .storage import storage_document
+
+    atomic_write_text(args.out, json.dumps(storage_document(args.policy), indent=2) + "\n")
 
 
 def cmd_gather(args) -> None:
@@ -182,7 +201,9 @@ def cmd_gather(args) -> None:
 def cmd_compare(args) -> None:
     from .compare import comparison_table, pair_specs, replication_specs
     from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
+    from .model import Runtime
     from .plan import parse_construction
+    from .recompute import CacheSource, ModelPool
 
     for construction in args.constructions:
         parse_construction(construction)
@@ -190,7 +211,11 @@ def cmd_compare(args) -> None:
     specs.update(
         {name: replication_specs(args.matched_precision) for name in args.replications if name != args.primary}
     )
-    table = comparison_table(read_table(args.trajectories, TRAJECTORY_SCHEMA), ObjectStore(args.store), specs)
+    # With the model records given, a cache that is not stored (store_caches selected or none) is rebuilt.
+    runtime = Runtime("fp32", args.device, args.threads, args.attn_implementation, args.trust_remote_code)
+    models = ModelPool(dict(args.model), runtime) if args.model else None
+    stores = [ObjectStore(root) for root in [args.store, *args.source_store]]
+    table = comparison_table(read_table(args.trajectories, TRAJECTORY_SCHEMA), CacheSource(stores, models), specs)
     write_table(table.to_pylist(), COMPARISON_SCHEMA, args.out)
 
 
@@ -325,7 +350,35 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="store the saved prefixes and caches are read from (default: --store; the audit reads the saved ledger)",
     )
+    _add_store_caches(parser)
     parser.add_argument("--out", required=True, help="shard table to write (Parquet)")
+
+
+def _add_store_caches(parser: argparse.ArgumentParser) -> None:
+    from .storage import DEFAULT, POLICIES
+
+    parser.add_argument(
+        "--store-caches",
+        default=DEFAULT,
+        choices=POLICIES,
+        help="which boundary caches are stored as tensors (the config's store_caches; see storage.py)",
+    )
+
+
+def _add_rebuild_runtime(parser: argparse.ArgumentParser) -> None:
+    """What a light job needs to rebuild a cache that is not stored: the models and how to run them."""
+    parser.add_argument(
+        "--model",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "RECORD"),
+        help="a checkpoint's name and model.json (repeat); without one, every cache must be stored",
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads, as the model jobs ran")
+    parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--trust-remote-code", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -413,6 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="prompt tokens table (Parquet): the readout's cue and letters")
     p.set_defaults(func=cmd_rebuild)
 
+    p = sub.add_parser(
+        "store-caches-policy", help="write storage.json: this ledger keeps only some cache tensors (store_caches)"
+    )
+    p.add_argument("--policy", required=True, choices=["selected", "none"])
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_store_caches_policy)
+
     p = sub.add_parser("gather", help="gather shard tables into one ledger table")
     p.add_argument("--table", default="trajectories", choices=["trajectories", "transplants"])
     p.add_argument("--out", required=True, help="table to write (Parquet)")
@@ -455,6 +515,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--trajectories", required=True)
     p.add_argument("--store", required=True, help="object store directory")
+    p.add_argument(
+        "--source-store",
+        nargs="*",
+        default=[],
+        help="further stores a cache may be read from (the audit's comparisons: the saved ledger's)",
+    )
+    _add_rebuild_runtime(p)
     p.add_argument("--primary", required=True, help="the checkpoint E1 (with replicas), E2 and E3 run on")
     p.add_argument(
         "--replications",

@@ -16,9 +16,8 @@ from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 
-from .cache import KVState
 from .difference import cache_difference
-from .ledger import COMPARISON_SCHEMA, TRAJECTORY_KEY, LedgerError, ObjectStore, row_key
+from .ledger import COMPARISON_SCHEMA, TRAJECTORY_KEY, LedgerError, row_key
 
 
 @dataclass(frozen=True)
@@ -94,13 +93,11 @@ def _at(values: list, index: int | None):
     return values[index] if index is not None and index < len(values) else None
 
 
-def compare_pair(store: ObjectStore, spec: PairSpec, a: dict, b: dict) -> dict:
+def compare_pair(caches, spec: PairSpec, a: dict, b: dict) -> dict:
+    """One comparison row; ``caches`` (a recompute.CacheSource) gives each row's cache, stored or rebuilt."""
     prefix_equal = a["prefix_object"] == b["prefix_object"]
     if prefix_equal:
-        keys, values = cache_difference(
-            KVState.from_named_tensors(store.get(a["cache_object"])),
-            KVState.from_named_tensors(store.get(b["cache_object"])),
-        )
+        keys, values = cache_difference(caches.state(a), caches.state(b))
     else:
         # Caches over different tokens are not two constructions of one state: no per-layer difference
         # is recorded, and the row is a fault (verify) or a failed reproduction (the audit, whose live
@@ -152,7 +149,7 @@ def compare_pair(store: ObjectStore, spec: PairSpec, a: dict, b: dict) -> dict:
     }
 
 
-def comparison_table(trajectories: pa.Table, store: ObjectStore, specs: dict[str, list[PairSpec]]) -> pa.Table:
+def comparison_table(trajectories: pa.Table, caches, specs: dict[str, list[PairSpec]]) -> pa.Table:
     """Compare the pairs ``specs`` names for each checkpoint; every pair must exist for every item."""
     index = index_trajectories(trajectories)
     items = sorted({row["item_id"] for row in trajectories.select(["item_id"]).to_pylist()})
@@ -172,5 +169,5 @@ def comparison_table(trajectories: pa.Table, store: ObjectStore, specs: dict[str
                     raise LedgerError(
                         f"item {item_id}: trajectory {missing.label()} of checkpoint {checkpoint} is missing for {spec.experiment} — rerun snakemake to complete the ledger"
                     )
-                rows.append(compare_pair(store, spec, a, b))
+                rows.append(compare_pair(caches, spec, a, b))
     return pa.Table.from_pylist(rows, schema=COMPARISON_SCHEMA)

@@ -51,6 +51,11 @@ class Ledger:
         return self.path("models", checkpoint, "model.json")
 
     @property
+    def storage(self) -> str:
+        """storage.json: the store_caches policy, written only when it is not all (stagereplay.storage)."""
+        return self.path("storage.json")
+
+    @property
     def downloads(self) -> str:
         return self.path("downloads")
 

@@ -74,8 +74,11 @@ class ShardRecorder:
         store: ObjectStore,
         construction: str,
         prefix_precision: str,
+        store_caches: bool = True,
     ):
         self.prefix_precision = prefix_precision
+        # False at store_caches selected or none: the row keeps the cache's fingerprints, not its tensors.
+        self.store_caches = store_caches
         self.loaded = loaded
         self.record = record
         self.spec = spec
@@ -97,15 +100,11 @@ class ShardRecorder:
         suffix: Decoded,
         seconds: float,
     ) -> None:
-        meta = {"model_fingerprint": self.record["fingerprint"], "precision": self.spec.precision}
         # One device-to-host copy, shared by the fingerprints and the stored object (a no-op on CPU).
         state = to_host(state)
         fingerprint = fingerprint_cache(state)
-        cache_object = self.store.put(
-            state.named_tensors(),
-            {"kind": "kv_cache", "positions": f"0:{state.num_positions}", **meta},
-            object_id=fingerprint.digest,
-        )
+        if self.store_caches:
+            store_cache(self.store, state, fingerprint.digest, self.record["fingerprint"], self.spec.precision)
         reasoning_text = self.text(prefix[prompt_length:])
         suffix_text = self.text(suffix.tokens)
         answer, correct = score(item, reasoning_text + suffix_text)
@@ -125,7 +124,7 @@ class ShardRecorder:
                 "marker_match": marker_match,
                 "reasoning_text": reasoning_text,
                 "prefix_object": self.store.put_tokens(prefix),
-                "cache_object": cache_object,
+                "cache_object": fingerprint.digest,
                 "cache_positions": state.num_positions,
                 "layer_k": list(fingerprint.keys),
                 "layer_v": list(fingerprint.values),
@@ -144,6 +143,16 @@ class ShardRecorder:
                 "model_seconds": seconds,
             }
         )
+
+
+def store_cache(store: ObjectStore, state: KVState, digest: str, model_fingerprint: str, precision: str) -> str:
+    """Store a boundary cache as the object ``digest`` (its fingerprint), with what built it as metadata."""
+    metadata = {"model_fingerprint": model_fingerprint, "precision": precision}
+    return store.put(
+        state.named_tensors(),
+        {"kind": "kv_cache", "positions": f"0:{state.num_positions}", **metadata},
+        object_id=digest,
+    )
 
 
 def environment_columns(environment: Environment) -> dict:
@@ -182,12 +191,13 @@ def run_live_shard(
     budgets: Budgets,
     store_root: str | Path,
     out_path: str | Path,
+    store_caches: bool = True,
 ) -> Path:
     record = read_model_record(model_record)
     item_list = shard_slice(items_mod.load_items(items_path), spec.shard, spec.shard_size)
     prompts = prompt_rows_by_item(prompts_path)
     loaded = load_checkpoint(record, runtime)
-    recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live", spec.precision)
+    recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live", spec.precision, store_caches)
     eos = eos_ids(loaded)
     bar, on_token = progress_bar(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
     for item in item_list:
@@ -231,6 +241,7 @@ def run_construction_shard(
     store_root: str | Path,
     out_path: str | Path,
     source_store_root: str | Path | None = None,
+    store_caches: bool = True,
 ) -> Path:
     """Rebuild each boundary state of a live shard from its saved integer prefix, then continue.
 
@@ -248,7 +259,7 @@ def run_construction_shard(
     source_store = ObjectStore(source_store_root or store_root)
     loaded = load_checkpoint(record, runtime)
     prefix_precision = source[0]["precision"] if source else spec.precision
-    recorder = ShardRecorder(loaded, record, spec, store, construction, prefix_precision)
+    recorder = ShardRecorder(loaded, record, spec, store, construction, prefix_precision, store_caches)
     eos = eos_ids(loaded)
     bar, on_token = progress_bar(len(source), f"{construction} {spec.precision} rep{spec.replica} shard {spec.shard}")
     for row in source:

@@ -1,7 +1,8 @@
 """One E5 job: load the model once, transplant donor caches into recipient states, continue, record.
 
-The job reads saved trajectories (their caches and prefixes from the object
-store), so it rebuilds nothing; the transplant maths is in transplants.py.
+The job reads saved trajectories (their prefixes from the object store, their caches
+from it too, or rebuilt from the saved tokens and checked where ``store_caches`` kept
+none: recompute.py); the transplant maths is in transplants.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import KVState
 from .checkpoints import read_model_record
 from .compare import Side, first_divergence
 from .decode import Decoded, continue_from
@@ -18,7 +18,9 @@ from .fingerprint import fingerprint_cache
 from .ledger import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, ObjectStore, read_table, write_table
 from .model import Runtime
 from .plan import check_plan
+from .recompute import CacheSource, ModelPool
 from .shards import ShardSpec, environment_columns, eos_ids, progress_bar
+from .storage import transplant_jobs_store
 from .transplants import TransplantSpec, left_both, outcome, sweep_specs, transplant
 
 
@@ -41,10 +43,13 @@ def run_transplant_shard(
     store_root: str | Path,
     out_path: str | Path,
     source_store_root: str | Path | None = None,
+    store_caches: str = "all",
 ) -> Path:
     """Transplant donor caches into recipient states and continue in the recipient's precision.
 
     Caches and prefixes are read from ``source_store_root`` (default: the store written to).
+    A cache that is not stored is rebuilt (on a model of its own precision, loaded when a
+    donor's differs); at ``store_caches: selected`` it is then stored in ``store_root``.
     """
     record = read_model_record(model_record)
     store = ObjectStore(store_root)
@@ -52,6 +57,9 @@ def run_transplant_shard(
     loaded = load_checkpoint(record, runtime)
     if job.plan:
         check_plan(job.plan, model_layers(loaded.model))
+    models = ModelPool({spec.checkpoint: model_record}, runtime, {(spec.checkpoint, spec.precision): loaded})
+    keep = store if transplant_jobs_store(store_caches) else None
+    caches = CacheSource([source_store] + ([store] if store.root != source_store.root else []), models, keep)
     environment = environment_columns(loaded.environment)
     eos = eos_ids(loaded)
     rows = []
@@ -68,8 +76,8 @@ def run_transplant_shard(
                 raise LedgerError(
                     f"item {row['item_id']}: donor and recipient must come from checkpoint {record['fingerprint']} — transplant only within one checkpoint"
                 )
-        donor_state = KVState.from_named_tensors(source_store.get(donor["cache_object"]))
-        recipient_state = KVState.from_named_tensors(source_store.get(recipient["cache_object"]))
+        donor_state = caches.state(donor)
+        recipient_state = caches.state(recipient)
         prefix = source_store.get_tokens(recipient["prefix_object"])
         if donor["prefix_object"] != recipient["prefix_object"]:
             raise LedgerError(

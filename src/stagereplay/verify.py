@@ -59,6 +59,7 @@ from .ledger import (
     stored_rows_digest,
 )
 from .stamp import stamp_problem
+from .storage import StorageError, caches_may_be_absent, read_policy
 
 RERUN = "delete it and rerun snakemake (the workflow rebuilds what is missing)"
 
@@ -216,8 +217,12 @@ def _check_tokens(
         )
 
 
-def _check_cache(where: str, row: dict, object_key: str, known: dict[str, StoredObject], faults: list[Fault]) -> None:
+def _check_cache(
+    where: str, row: dict, object_key: str, known: dict[str, StoredObject], faults: list[Fault], absent_ok: bool
+) -> None:
     stored = known.get(row[object_key])
+    if stored is None and absent_ok:
+        return  # store_caches selected or none: the row's fingerprints stand for the cache
     if stored is None:
         faults.append(Fault(where, f"cache object {row[object_key]} is missing or corrupt"))
         return
@@ -237,7 +242,10 @@ def _check_cache(where: str, row: dict, object_key: str, known: dict[str, Stored
         )
 
 
-def verify_rows(tables: dict[str, pa.Table], known: dict[str, StoredObject], report: Report) -> None:
+def verify_rows(
+    tables: dict[str, pa.Table], known: dict[str, StoredObject], report: Report, absent_caches_ok: bool = False
+) -> None:
+    """``absent_caches_ok``: the ledger's storage.json says not every cache tensor was kept."""
     faults = report.faults
     for relative, table in tables.items():
         schema = table.schema
@@ -248,7 +256,7 @@ def verify_rows(tables: dict[str, pa.Table], known: dict[str, StoredObject], rep
                 where = _row_where(relative, row)
                 _check_tokens(where, "prefix", row["prefix_object"], known, faults, length=row["prefix_length"])
                 _check_tokens(where, "suffix", row["suffix_object"], known, faults, expected=row["suffix_tokens"])
-                _check_cache(where, row, "cache_object", known, faults)
+                _check_cache(where, row, "cache_object", known, faults, absent_caches_ok)
                 stored = known.get(row["cache_object"])
                 if stored is not None and stored.shapes.get("layer.000.k", (0, 0, -1))[-2] != row["cache_positions"]:
                     faults.append(
@@ -493,7 +501,7 @@ def verify_ledger(root: str | Path, documents: bool = True) -> Report:
     report = Report()
     known = verify_objects(ObjectStore(Ledger(root).objects), report)
     tables = verify_tables(root, report)
-    verify_rows(tables, known, report)
+    verify_rows(tables, known, report, _caches_may_be_absent(root, report))
     verify_gathered(tables, report)
     verify_counts(root, tables, report)
     summary = _read_summary(root, report) if documents else None
@@ -503,6 +511,15 @@ def verify_ledger(root: str | Path, documents: bool = True) -> Report:
         verify_e4(root, tables, report)
         verify_cards(root, report)
     return report
+
+
+def _caches_may_be_absent(root: Path, report: Report) -> bool:
+    try:
+        return caches_may_be_absent(read_policy(root / RELATIVE.storage))
+    except StorageError as error:
+        what, _, fix = str(error).partition(" — ")
+        report.faults.append(Fault(RELATIVE.storage, what.removeprefix(f"{root / RELATIVE.storage} "), fix))
+        return False
 
 
 def _peek_summary(root: Path) -> dict | None:

@@ -2,7 +2,8 @@
 # inputs into <ledger>/audit/ — never over the saved ledger — and compares every
 # fingerprint. The audit jobs are the run's own rules with other outputs: live from
 # the saved prompt tokens, rebuild from the saved live prefixes, transplant from the
-# saved caches and selection; each reads the saved store and writes the audit store.
+# saved caches and selection; each reads the saved store and writes the audit store:
+# tokens and fingerprints, but no cache tensors unless audit.keep_caches (AUDIT_STORE_CACHES).
 # The saved ledger is verified first, so a corrupt ledger stops the audit at once: what the
 # audit reads (--audit-inputs), since summary.json and the card may be redrawn later in the same run.
 # The result is its own: tables/audit.parquet and audit/e4.json (the report reads e4.json).
@@ -11,11 +12,17 @@
 localrules:
     audit_verify,
     audit_gather,
-    audit_compare,
     audit_gather_transplants,
     audit_select_transplants,
     audit_ledger,
     audit,
+
+
+# The audit's comparisons rebuild the caches it did not keep (audit.keep_caches), on the model.
+if not AUDIT_COMPARE_REBUILDS:
+
+    localrules:
+        audit_compare,
 
 
 rule audit_verify:
@@ -138,13 +145,22 @@ use rule gather as audit_gather with:
 
 use rule compare as audit_compare with:
     input:
-        LAYOUT.audit.table("trajectories"),
+        trajectories=LAYOUT.audit.table("trajectories"),
+        models=(
+            [LAYOUT.audit.model_record(name) for name in COMPARED_CHECKPOINTS] if AUDIT_COMPARE_REBUILDS else []
+        ),
     output:
         LAYOUT.audit.table("comparisons"),
     log:
         LAYOUT.log("audit", "compare.log"),
+    threads: AUDIT_RUNTIME["threads"] if AUDIT_COMPARE_REBUILDS else 1
+    resources:
+        **(AUDIT_MODEL_RESOURCES if AUDIT_COMPARE_REBUILDS else dict(mem_mb=4000, runtime=30)),
     params:
         store=LAYOUT.audit.objects,
+        # A recomputed cache equal to the saved one is the saved object (content-addressed): read it there.
+        source_stores=f"--source-store {shlex.quote(LAYOUT.objects)}",
+        rebuild=rebuild_args(LAYOUT.audit, AUDIT_RUNTIME) if AUDIT_COMPARE_REBUILDS else "",
 
 
 use rule gather_transplants as audit_gather_transplants with:

@@ -52,6 +52,10 @@ AUDIT_RUNTIME = {
     **RUNTIME,
     **{key: value for key, value in config["audit"]["runtime"].items() if value is not None},
 }
+# Which cache tensors are stored (stagereplay.storage says what each policy keeps). The audit
+# stores none of its recomputed caches unless audit.keep_caches asks it to.
+STORE_CACHES = config["store_caches"]
+AUDIT_STORE_CACHES = "all" if config["audit"]["keep_caches"] else "none"
 # Checkpoints other than the primary one: only the outcome-blind replication's, with E1 live and prefill (rep0).
 REPLICATIONS = [BLIND_CHECKPOINT] if TRANSPLANT["enabled"] and BLIND_CHECKPOINT != PRIMARY else []
 # The checkpoints the run uses (a configured but unused checkpoint is never registered).
@@ -225,7 +229,12 @@ wildcard_constraints:
 # --- model jobs' arguments and resources ---------------------------------------------------------
 
 
-def runtime_args(wildcards, replica=None, runtime=RUNTIME):
+def store_caches_arg(policy):
+    """Empty at all, so the commands of a ledger written before the key existed stay as they were."""
+    return "" if policy == "all" else f"--store-caches {policy}"
+
+
+def runtime_args(wildcards, replica=None, runtime=RUNTIME, store_caches=STORE_CACHES):
     args = [
         f"--checkpoint {wildcards.checkpoint}",
         f"--precision {wildcards.precision}",
@@ -242,11 +251,40 @@ def runtime_args(wildcards, replica=None, runtime=RUNTIME):
         args.append(f"--device-memory-gb {runtime['device_memory_gb']}")
     if runtime["trust_remote_code"]:
         args.append("--trust-remote-code")
+    if store_caches_arg(store_caches):
+        args.append(store_caches_arg(store_caches))
     return " ".join(args)
 
 
 def audit_runtime_args(wildcards, replica=None):
-    return runtime_args(wildcards, replica, AUDIT_RUNTIME)
+    return runtime_args(wildcards, replica, AUDIT_RUNTIME, AUDIT_STORE_CACHES)
+
+
+def storage_inputs():
+    """storage.json, which tells verify that cache objects may be absent: before any model job stores (or
+    does not store) one. None at all, so such a ledger holds exactly the files it always did."""
+    return [] if STORE_CACHES == "all" else [LAYOUT.storage]
+
+
+def rebuild_args(ledger, runtime):
+    """What compare needs to rebuild a cache that is not stored: every checkpoint's model record in ``ledger``
+    (the saved one, or the audit tree's) and the runtime the rows were computed with."""
+    args = [f"--model {name} {shlex.quote(ledger.model_record(name))}" for name in COMPARED_CHECKPOINTS]
+    args += [
+        f"--device {runtime['device']}",
+        f"--threads {runtime['threads']}",
+        f"--attn-implementation {runtime['attn_implementation']}",
+    ]
+    if runtime["trust_remote_code"]:
+        args.append("--trust-remote-code")
+    return " ".join(args)
+
+
+# The checkpoints whose trajectories are compared.
+COMPARED_CHECKPOINTS = sorted({PRIMARY, *REPLICATIONS})
+# compare rebuilds caches that are not stored, so then it is a model job (a cluster job, not a local one).
+COMPARE_REBUILDS = STORE_CACHES != "all"
+AUDIT_COMPARE_REBUILDS = AUDIT_STORE_CACHES != "all"
 
 
 def parse_time_max_positions():

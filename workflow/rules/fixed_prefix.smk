@@ -9,6 +9,7 @@ rule rebuild:
         model=LAYOUT.model_record("{checkpoint}"),
         item_file=LAYOUT.items,
         prompts=LAYOUT.prompts("{checkpoint}"),
+        storage=storage_inputs(),
         source=LAYOUT.live_table("{checkpoint}", "{prefix_precision}", 0, "{shard}"),
     output:
         LAYOUT.rebuilt_table(

@@ -3,10 +3,33 @@
 
 
 localrules:
+    store_caches_policy,
     gather,
     gather_transplants,
-    compare,
     summary,
+
+
+# compare is a light local job when every cache is stored; otherwise it rebuilds caches on the model.
+if not COMPARE_REBUILDS:
+
+    localrules:
+        compare,
+
+
+rule store_caches_policy:
+    output:
+        LAYOUT.storage,
+    log:
+        LAYOUT.log("store_caches_policy.log"),
+    threads: 1
+    resources:
+        mem_mb=500,
+        runtime=5,
+    params:
+        policy=STORE_CACHES,
+    shell:
+        "stagereplay store-caches-policy --policy {params.policy} --out {output:q} > {log:q} 2>&1"
+        " || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 rule gather:
@@ -26,17 +49,19 @@ rule gather:
 
 rule compare:
     input:
-        LAYOUT.table("trajectories"),
+        trajectories=LAYOUT.table("trajectories"),
+        models=[LAYOUT.model_record(name) for name in COMPARED_CHECKPOINTS] if COMPARE_REBUILDS else [],
     output:
         LAYOUT.table("comparisons"),
     log:
         LAYOUT.log("compare.log"),
-    threads: 1
+    threads: RUNTIME["threads"] if COMPARE_REBUILDS else 1
     resources:
-        mem_mb=4000,
-        runtime=30,
+        **(MODEL_RESOURCES if COMPARE_REBUILDS else dict(mem_mb=4000, runtime=30)),
     params:
         store=LAYOUT.objects,
+        source_stores="",
+        rebuild=rebuild_args(LAYOUT, RUNTIME) if COMPARE_REBUILDS else "",
         primary=PRIMARY,
         replications=" ".join(REPLICATIONS),
         matched_precision=E1,
@@ -44,7 +69,8 @@ rule compare:
         precisions=" ".join(FIXED["precisions"]),
         constructions=" ".join(shlex.quote(name) for name in CONSTRUCTIONS),
     shell:
-        "stagereplay compare --trajectories {input:q} --store {params.store:q}"
+        "stagereplay compare --trajectories {input.trajectories:q} --store {params.store:q} {params.source_stores}"
+        " {params.rebuild}"
         " --primary {params.primary} --replications {params.replications}"
         " --matched-precision {params.matched_precision} --replicas {params.replicas}"
         " --precisions {params.precisions} --constructions {params.constructions}"

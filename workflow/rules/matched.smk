@@ -11,6 +11,7 @@ rule live:
     input:
         model=LAYOUT.model_record("{checkpoint}"),
         item_file=LAYOUT.items,
+        storage=storage_inputs(),
         prompts=LAYOUT.prompts("{checkpoint}"),
     output:
         LAYOUT.live_table("{checkpoint}", "{precision}", "{replica}", "{shard}"),
