@@ -58,8 +58,11 @@ def test_selected_and_none_store_fewer_caches_and_the_same_tokens():
     projection = project(config, shapes, [120] * 200, prompt_measured=False)
     assert projection.cache_items == {"all": 200, "selected": 24 + 43, "none": 0}
     assert projection.cache_bytes["none"] == 0
-    # 67 of 200 items of equal length keep all their caches.
-    assert projection.cache_bytes["selected"] * 200 == projection.cache_bytes["all"] * 67
+    # Of 200 items of equal length, the 24 selected keep the caches their transplants read (E1 live and
+    # prefill in bf16, the fp32 incremental and prefill recipients), the 43 outcome-blind ones E1's pair.
+    positions = 120 + config["stage"]["max_new_tokens"] - 1
+    bf16, fp32 = (cache_object_bytes(shapes, precision, positions) for precision in ("bf16", "fp32"))
+    assert projection.cache_bytes["selected"] == 24 * (2 * bf16 + 2 * fp32) + 43 * 2 * bf16
     assert projection.ledger_bytes("all") - projection.ledger_bytes("none") == projection.cache_bytes["all"]
 
 

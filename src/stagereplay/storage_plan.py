@@ -364,12 +364,21 @@ def project(
         2 * cache_object_bytes(other, design.e1, _positions(p, design)) if other else 0 for p in prompt_tokens
     ]
     all_bytes = sum(per_item) + sum(other_per_item)
-    # `selected`: caches only for the items a transplant selection reads (E5's selected first_k,
-    # the outcome-blind sample, the cross-precision items, which are the selected ones); which items
-    # diverge is known only after E1, so the largest items stand in for them.
+    # `selected`: only the caches the transplant jobs read (common.smk's transplant_pairs): E1 live and
+    # prefill of E5's selected first_k items and of the outcome-blind sample, and on the selected items
+    # also the cross-precision recipients (incremental and prefill at that precision over the E1 prefix).
+    # Which items diverge is known only after E1, so the largest items stand in for them.
     selected = min(items, (design.first_k or items) + (design.blind_sample if design.blind_on_primary else 0))
     selected = selected if design.transplant else 0
-    largest = sorted(per_item, reverse=True)[:selected]
+    chosen = min(items, design.first_k or items) if design.transplant else 0
+
+    def read_by_transplants(p: int, cross: bool) -> int:
+        positions = _positions(p, design)
+        e1_pair = 2 * cache_object_bytes(shapes, design.e1, positions)
+        return e1_pair + (2 * cache_object_bytes(shapes, design.cross, positions) if cross and design.cross else 0)
+
+    by_size = sorted(prompt_tokens, reverse=True)
+    largest = [read_by_transplants(p, index < chosen) for index, p in enumerate(by_size[:selected])]
     blind_other = sorted(other_per_item, reverse=True)[: design.blind_sample] if other else []
     result.cache_bytes = {"all": all_bytes, "selected": sum(largest) + sum(blind_other), "none": 0}
     result.cache_items = {"all": items, "selected": selected, "none": 0}
@@ -449,7 +458,8 @@ def project(
         result.notes.append(
             f"selected: caches of at most {selected} items (E5's first_k={design.first_k or 'all'} divergent items"
             f" and the outcome-blind sample of {design.blind_sample}; the cross-precision items are the selected ones),"
-            " each with all its caches; which items diverge is known only after E1"
+            " each with the caches its transplants read (E1 live and prefill; on the selected items also the"
+            " cross-precision incremental and prefill); which items diverge is known only after E1"
         )
     if not prompt_measured:
         result.notes.append("prompt lengths estimated from the items' characters (a run's prompt table measures them)")
