@@ -6,12 +6,14 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from transformers import AutoTokenizer
 from workflow_helpers import copy_run, fingerprints, snakemake, stagereplay, write_config
 
 from stagereplay.checkpoints import write_model_record
 from stagereplay.constructions import StageBoundary
 from stagereplay.ledger import PROMPT_SCHEMA, TRAJECTORY_SCHEMA, LedgerError, ObjectStore, read_table, write_table
 from stagereplay.model import Runtime
+from stagereplay.prompts import readout_tokens
 from stagereplay.recompute import CacheMismatch, CacheSource, ModelPool, side_label
 from stagereplay.shards import Budgets, ShardSpec, run_construction_shard, run_live_shard
 from stagereplay.storage import StorageError, read_policy
@@ -32,8 +34,18 @@ def shards(tiny_qwen2_folder, tmp_path_factory):
             for n in (1, 2)
         )
     )
+    cue, letters = readout_tokens(AutoTokenizer.from_pretrained(tiny_qwen2_folder))
     prompts = write_table(
-        [{"item_id": f"q{n}", "prompt_tokens": PROMPT[n:], "prompt_fingerprint": "-"} for n in (1, 2)],
+        [
+            {
+                "item_id": f"q{n}",
+                "prompt_tokens": PROMPT[n:],
+                "prompt_fingerprint": "-",
+                "readout_cue_tokens": cue,
+                "readout_letter_tokens": letters,
+            }
+            for n in (1, 2)
+        ],
         PROMPT_SCHEMA,
         root / "prompts.parquet",
     )
@@ -56,7 +68,9 @@ def shards(tiny_qwen2_folder, tmp_path_factory):
         rows = read_table(live, TRAJECTORY_SCHEMA).to_pylist()
         for construction in ("incremental", "chunked:2"):
             out = root / name / f"{construction.replace(':', '-')}.parquet"
-            run_construction_shard(record, items, live, construction, spec, runtime, 3, store, out, store_caches=keep)
+            run_construction_shard(
+                record, items, prompts, live, construction, spec, runtime, 3, store, out, store_caches=keep
+            )
             rows += read_table(out, TRAJECTORY_SCHEMA).to_pylist()
         tables[name] = (ObjectStore(store), rows)
     return record, runtime, tables
