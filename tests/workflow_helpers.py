@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -147,15 +148,22 @@ def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
 NOT_STORED = ("logs", "benchmarks", "audit", "downloads")
 
 
-def measured_storage(ledger: Path) -> dict[str, int]:
+def measured_storage(ledger: Path, checkpoints: Collection[str] | None = None) -> dict[str, int]:
     """A finished ledger's bytes as its files' sizes: the boundary caches its trajectories name, and
-    everything it stores (less what NOT_STORED names and hidden files)."""
+    everything it stores (less what NOT_STORED names and hidden files). With ``checkpoints``, only
+    their model folders count (the shared test ledger also holds models other tests registered)."""
     rows = pq.read_table(ledger / "tables" / "trajectories.parquet", columns=["cache_object"]).column(0).to_pylist()
     caches = sum((ledger / "objects" / name[:2] / f"{name}.safetensors").stat().st_size for name in set(rows))
+
+    def counted(parts: tuple[str, ...]) -> bool:
+        if parts[0] == "models" and checkpoints is not None and len(parts) > 1:
+            return parts[1] in checkpoints
+        return parts[0] not in NOT_STORED
+
     total = sum(
         path.stat().st_size
         for path in ledger.rglob("*")
-        if path.is_file() and path.relative_to(ledger).parts[0] not in NOT_STORED and not path.name.startswith(".")
+        if path.is_file() and counted(path.relative_to(ledger).parts) and not path.name.startswith(".")
     )
     return {"caches": caches, "ledger": total}
 
@@ -188,7 +196,7 @@ def check_storage_plan(ledger: Path, config_path: Path, tolerance: float = 0.05)
         model_in_ledger=True,
         shared_prefix_items=shared,
     )
-    measured = measured_storage(ledger)
+    measured = measured_storage(ledger, config["checkpoints"])
     assert abs(exact.cache_bytes["all"] / measured["caches"] - 1) < tolerance, (exact.cache_bytes, measured)
     assert abs(exact.ledger_bytes("all") / measured["ledger"] - 1) < tolerance, (exact.parts("all"), measured)
     # Without that outcome the plan is an upper bound.

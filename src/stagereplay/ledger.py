@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 import torch
 import xxhash
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from .atomic import atomic_write
 from .fingerprint import fingerprint_tensors
@@ -25,6 +26,23 @@ from .fingerprint import fingerprint_tensors
 OBJECT_SUFFIX = ".safetensors"
 # Every table carries the digest of its rows in its Parquet metadata, so an edited cell is detectable.
 ROWS_DIGEST_KEY = b"stagereplay.rows_xxh3"
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """The same safetensors file with its header in one fixed order, so equal content is equal bytes.
+
+    safetensors writes ``__metadata__`` in hash-map order, which differs between processes; the
+    tensor entries' offsets are relative to the end of the header, so re-serialising the header
+    (sorted metadata first, then the tensors in the order written, padded with spaces to 8 bytes as
+    safetensors itself pads) leaves the tensor bytes and their offsets as they are.
+    """
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    metadata = header.pop("__metadata__", None)
+    ordered = ({"__metadata__": dict(sorted(metadata.items()))} if metadata else {}) | header
+    text = json.dumps(ordered, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + length :]
 
 
 class LedgerError(RuntimeError):
@@ -51,7 +69,8 @@ class ObjectStore:
         if path.exists():
             return object_id
         metadata = {key: str(value) for key, value in metadata.items()}
-        atomic_write(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
+        data = canonical_safetensors(safetensors_bytes(tensors, metadata=metadata))
+        atomic_write(path, lambda temporary: temporary.write_bytes(data))
         return object_id
 
     def get(self, object_id: str) -> dict[str, torch.Tensor]:

@@ -321,8 +321,12 @@ _ROW_BYTES = 40
 _FINGERPRINT_BYTES = 16
 _TOKEN_BYTES = 6  # a suffix token and its margin
 _AUDIT_ROW_BYTES = 2  # a row of tables/audit.parquet: fingerprints that agree compress to almost nothing
-_DOCUMENTS_BYTES = 300_000  # summary.json, the card, its HTML and the five plots
-_ITEM_BYTES = 240  # a normalised items.jsonl row
+# summary.json, the Markdown card, the five plots, and the self-contained HTML card, which holds
+# the five plots again (base64, 4/3 of their bytes).
+_DOCUMENTS_BYTES = 650_000
+# A normalised items.jsonl row, and the item's entry in the HTML card's per-item view (its suffixes,
+# labels, transplant outcomes and an inline per-layer plot where the caches differ).
+_ITEM_BYTES = 240 + 25_000
 _TOKENIZER_BYTES_PER_ENTRY = 45  # tokenizer.json (vocabulary and merges) in a converted folder
 
 
