@@ -146,9 +146,7 @@ use rule gather as audit_gather with:
 use rule compare as audit_compare with:
     input:
         trajectories=LAYOUT.audit.table("trajectories"),
-        models=(
-            [LAYOUT.audit.model_record(name) for name in COMPARED_CHECKPOINTS] if AUDIT_COMPARE_REBUILDS else []
-        ),
+        models=([LAYOUT.audit.model_record(name) for name in COMPARED_CHECKPOINTS] if AUDIT_COMPARE_REBUILDS else []),
     output:
         LAYOUT.audit.table("comparisons"),
     log:
