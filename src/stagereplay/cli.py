@@ -165,6 +165,7 @@ def cmd_select_transplants(args) -> None:
 
 def cmd_transplant(args) -> None:
     from .plan import SweepPlan, parse_layers
+    from .storage import transplant_jobs_store
     from .transplant_job import TransplantJob, run_transplant_shard
 
     selection = json.loads(Path(args.selection_file).read_text())
@@ -180,7 +181,13 @@ def cmd_transplant(args) -> None:
     job = TransplantJob(args.selection, frozenset(item_ids), tuple(tuple(pair) for pair in args.pair), plan)
     stores = (args.store, args.out, args.source_store)  # written to, table out, read from
     run_transplant_shard(
-        args.model_record, job, _spec(args), _runtime(args), args.suffix_tokens, *stores, args.store_caches
+        args.model_record,
+        job,
+        _spec(args),
+        _runtime(args),
+        args.suffix_tokens,
+        *stores,
+        transplant_jobs_store(args.store_caches),
     )
 
 

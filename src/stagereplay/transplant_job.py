@@ -20,7 +20,6 @@ from .model import Runtime
 from .plan import check_plan
 from .recompute import CacheSource, ModelPool
 from .shards import ShardSpec, environment_columns, eos_ids, progress_bar
-from .storage import transplant_jobs_store
 from .transplants import TransplantSpec, left_both, outcome, sweep_specs, transplant
 
 
@@ -43,13 +42,14 @@ def run_transplant_shard(
     store_root: str | Path,
     out_path: str | Path,
     source_store_root: str | Path | None = None,
-    store_caches: str = "all",
+    store_rebuilt_caches: bool = False,
 ) -> Path:
     """Transplant donor caches into recipient states and continue in the recipient's precision.
 
     Caches and prefixes are read from ``source_store_root`` (default: the store written to).
     A cache that is not stored is rebuilt (on a model of its own precision, loaded when a
-    donor's differs); at ``store_caches: selected`` it is then stored in ``store_root``.
+    donor's differs); with ``store_rebuilt_caches`` (store_caches: selected) it is then stored in
+    ``store_root``.
     """
     record = read_model_record(model_record)
     store = ObjectStore(store_root)
@@ -58,7 +58,7 @@ def run_transplant_shard(
     if job.plan:
         check_plan(job.plan, model_layers(loaded.model))
     models = ModelPool({spec.checkpoint: model_record}, runtime, {(spec.checkpoint, spec.precision): loaded})
-    keep = store if transplant_jobs_store(store_caches) else None
+    keep = store if store_rebuilt_caches else None
     caches = CacheSource([source_store] + ([store] if store.root != source_store.root else []), models, keep)
     environment = environment_columns(loaded.environment)
     eos = eos_ids(loaded)
