@@ -66,10 +66,10 @@ def load_config(path: Path) -> dict:
 
 
 class Ledger:
-    """A completed ledger of one config: its paths come from stagereplay.layout, as the workflow's do."""
+    """A completed ledger of one config: its paths come from stagereplay.ledger.layout, as the workflow's do."""
 
     def __init__(self, root: Path, config: dict):
-        from stagereplay.layout import Ledger as Layout
+        from stagereplay.ledger.layout import Ledger as Layout
 
         self.root, self.config, self.layout = root, config, Layout(root)
         self.checkpoint = next(iter(config["checkpoints"]))
@@ -91,7 +91,7 @@ class Ledger:
         return json.loads(self.model_record.read_text())["folder"]
 
     def runtime(self, precision: str):
-        from stagereplay.model import Runtime
+        from stagereplay.engines.transformers_model import Runtime
 
         rt = self.config["runtime"]
         return Runtime(
@@ -102,7 +102,7 @@ class Ledger:
         )
 
     def spec(self, precision: str, shard: int = 0, replica: int = 0):
-        from stagereplay.shards import ShardSpec
+        from stagereplay.experiments.shards import ShardSpec
 
         return ShardSpec(self.checkpoint, precision, replica, shard, self.config["shard_size"])
 
@@ -118,7 +118,7 @@ def minimum_tokens(row: dict) -> int:
 
 
 def experiments_using(row: dict, e1: str) -> set[str]:
-    """Which of E1, E2, E3 read this trajectory (the pairs of stagereplay.compare)."""
+    """Which of E1, E2, E3 read this trajectory (the pairs of stagereplay.experiments.compare)."""
     used = set()
     construction, precision, prefix = row["construction"], row["precision"], row["prefix_precision"]
     if precision == e1 and prefix == e1 and construction in ("live", "prefill"):
@@ -135,10 +135,10 @@ def transplant_minimum(row: dict) -> int:
 
 
 class ForwardCounter:
-    """Counts every position fed through stagereplay.cache.forward, the one entry point to the model."""
+    """Counts every position fed through stagereplay.engines.transformers_cache.forward, the one entry point to the model."""
 
     def __init__(self):
-        import stagereplay.cache as kv
+        import stagereplay.engines.transformers_cache as kv
 
         self.kv, self.original, self.counts = kv, kv.forward, Counter()
 
@@ -160,10 +160,10 @@ def fingerprints(rows_: list[dict], keys=("prefix_object", "cache_object", "suff
 
 
 def section_a(ledger: Ledger) -> None:
-    from stagereplay.constructions import StageBoundary
-    from stagereplay.ledger import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
-    from stagereplay.shards import Budgets, run_construction_shard, run_live_shard
-    from stagereplay.transplant_job import TransplantJob, run_transplant_shard
+    from stagereplay.experiments.constructions import StageBoundary
+    from stagereplay.experiments.shards import Budgets, run_construction_shard, run_live_shard
+    from stagereplay.experiments.transplant_job import TransplantJob, run_transplant_shard
+    from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
 
     trajectories = read_table(ledger.root / "tables/trajectories.parquet", TRAJECTORY_SCHEMA).to_pylist()
     transplants_path = ledger.root / "tables/transplants.parquet"
@@ -318,9 +318,7 @@ def section_b(ledger: Ledger) -> None:
     )
 
     # What the overhead is made of, measured now in a fresh interpreter each.
-    probe = (
-        "import time; t=time.perf_counter(); import stagereplay.cli, stagereplay.shards; print(time.perf_counter()-t)"
-    )
+    probe = "import time; t=time.perf_counter(); import stagereplay.cli, stagereplay.experiments.shards; print(time.perf_counter()-t)"
     started = time.perf_counter()
     imports = float(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
     interpreter = time.perf_counter() - started
@@ -330,7 +328,7 @@ def section_b(ledger: Ledger) -> None:
         f"{interpreter:.1f} s",
         f"imports alone {imports:.1f} s",
     )
-    from stagereplay.model import load_model
+    from stagereplay.engines.transformers_model import load_model
 
     seconds, _ = best_of(lambda: load_model(ledger.folder(), ledger.runtime(ledger.e1)), repeats=2)
     add("b", "  of which: model load from the converted folder", f"{seconds:.1f} s")
@@ -347,9 +345,9 @@ def store_shard_again(ledger: Ledger) -> tuple[float, int]:
     """Fingerprint and store again every artifact of one live shard, into a scratch store."""
     import pyarrow.parquet as pq
 
-    from stagereplay.cache import KVState
-    from stagereplay.fingerprint import fingerprint_cache
-    from stagereplay.ledger import ObjectStore
+    from stagereplay.engines.transformers_cache import KVState
+    from stagereplay.ledger.fingerprint import fingerprint_cache
+    from stagereplay.ledger.tables import ObjectStore
 
     source = ObjectStore(ledger.root / "objects")
     shard = pq.read_table(ledger.live(ledger.e1)).to_pylist()
@@ -374,11 +372,11 @@ def section_c(ledger: Ledger) -> None:
     import pyarrow.parquet as pq
     import torch
 
-    from stagereplay import cache as kv
-    from stagereplay.constructions import build_boundary_state
-    from stagereplay.decode import continue_from
-    from stagereplay.ledger import ObjectStore
-    from stagereplay.model import load_model
+    from stagereplay.engines import transformers_cache as kv
+    from stagereplay.engines.transformers_model import load_model
+    from stagereplay.experiments.constructions import build_boundary_state
+    from stagereplay.experiments.decode import continue_from
+    from stagereplay.ledger.tables import ObjectStore
 
     row = pq.read_table(ledger.live(ledger.e1)).to_pylist()[0]
     prefix = ObjectStore(ledger.root / "objects").get_tokens(row["prefix_object"])
@@ -425,9 +423,9 @@ def section_d(ledger: Ledger) -> None:
     import torch
     import xxhash
 
-    from stagereplay.cache import KVState
-    from stagereplay.fingerprint import fingerprint_cache, fingerprint_tensor, tensor_buffer
-    from stagereplay.ledger import ObjectStore
+    from stagereplay.engines.transformers_cache import KVState
+    from stagereplay.ledger.fingerprint import fingerprint_cache, fingerprint_tensor, tensor_buffer
+    from stagereplay.ledger.tables import ObjectStore
 
     big = torch.randn(64, 1024, 1024).to(torch.bfloat16)  # 128 MiB
     buffer = memoryview(big.view(torch.uint8).numpy()).cast("B")
@@ -472,7 +470,7 @@ def section_e(ledger: Ledger) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stagereplay.model import load_model
+    from stagereplay.engines.transformers_model import load_model
 
     folder_s, _ = best_of(lambda: load_model(ledger.folder(), ledger.runtime(ledger.e1)), repeats=3)
     gguf = ledger.root / "downloads" / "embedded.gguf"

@@ -18,7 +18,7 @@ from workflow_helpers import (
     write_config,
 )
 
-from stagereplay.audit import (
+from stagereplay.audit.rerun import (
     audit_comparisons,
     audit_rows,
     audit_trajectories,
@@ -26,8 +26,8 @@ from stagereplay.audit import (
     e4_figures,
     verdict,
 )
-from stagereplay.compare import Side
-from stagereplay.ledger import (
+from stagereplay.experiments.compare import Side
+from stagereplay.ledger.tables import (
     AUDIT_SCHEMA,
     COMPARISON_SCHEMA,
     TRAJECTORY_SCHEMA,
@@ -35,7 +35,7 @@ from stagereplay.ledger import (
     ObjectStore,
     read_table,
 )
-from stagereplay.reading import e4_reading
+from stagereplay.report.reading import e4_reading
 
 pytestmark = pytest.mark.slow
 

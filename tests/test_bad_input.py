@@ -22,7 +22,7 @@ from workflow_helpers import (
     write_config,
 )
 
-from stagereplay.checkpoints import build_random_qwen2
+from stagereplay.inputs.checkpoints import build_random_qwen2
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from stagereplay import cache as kv
-from stagereplay.fingerprint import fingerprint_cache
-from stagereplay.model import ModelError, Runtime, load_model
+from stagereplay.engines import transformers_cache as kv
+from stagereplay.engines.transformers_model import ModelError, Runtime, load_model
+from stagereplay.ledger.fingerprint import fingerprint_cache
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 RUNTIME = Runtime(precision="fp32", device="cpu", threads=1)

@@ -2,10 +2,16 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stagereplay.cache import KVState
-from stagereplay.compare import compare_pair, comparison_table, first_divergence, pair_specs, replication_specs
-from stagereplay.difference import cache_difference, tensor_difference
-from stagereplay.ledger import TRAJECTORY_SCHEMA, LedgerError, ObjectStore
+from stagereplay.engines.transformers_cache import KVState
+from stagereplay.experiments.compare import (
+    compare_pair,
+    comparison_table,
+    first_divergence,
+    pair_specs,
+    replication_specs,
+)
+from stagereplay.experiments.difference import cache_difference, tensor_difference
+from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, LedgerError, ObjectStore
 
 
 def test_tensor_difference_measures_max_mean_and_fraction():

@@ -3,12 +3,12 @@ import math
 import pytest
 import torch
 
-from stagereplay.constructions import StageBoundary, build_boundary_state, build_live
-from stagereplay.decode import continue_from
-from stagereplay.difference import cache_difference
-from stagereplay.fingerprint import fingerprint_cache
-from stagereplay.plan import ConstructionError, parse_construction
-from stagereplay.shards import eos_ids
+from stagereplay.design.names import ConstructionError, parse_construction
+from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
+from stagereplay.experiments.decode import continue_from
+from stagereplay.experiments.difference import cache_difference
+from stagereplay.experiments.shards import eos_ids
+from stagereplay.ledger.fingerprint import fingerprint_cache
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 

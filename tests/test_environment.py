@@ -10,11 +10,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stagereplay import card
-from stagereplay.audit import environment_difference
-from stagereplay.ledger import ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA
-from stagereplay.model import Environment, Runtime, configure_runtime
-from stagereplay.summary import environment
+from stagereplay.audit.rerun import environment_difference
+from stagereplay.engines.transformers_model import Environment, Runtime, configure_runtime
+from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA
+from stagereplay.report import card
+from stagereplay.report.summary import environment
 
 RUNTIME = Runtime(precision="fp32", device="cpu", threads=1)
 NEW_FIELDS = {

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from workflow_helpers import fingerprints, ledger_snapshot, snakemake, snakemake_command, write_config
 
-from stagereplay.verify import verify_ledger
+from stagereplay.audit.verify import verify_ledger
 
 pytestmark = pytest.mark.slow
 

@@ -4,10 +4,10 @@ import sys
 import pytest
 import torch
 
-from stagereplay.fingerprint import combine, fingerprint_tensor, fingerprint_tensors, fingerprint_tokens
+from stagereplay.ledger.fingerprint import combine, fingerprint_tensor, fingerprint_tensors, fingerprint_tokens
 
 SCRIPT = (
-    "import torch; from stagereplay.fingerprint import fingerprint_tensor;"
+    "import torch; from stagereplay.ledger.fingerprint import fingerprint_tensor;"
     "g = torch.Generator().manual_seed(7);"
     "print(fingerprint_tensor(torch.randn(3, 5, 7, generator=g).to(torch.bfloat16)))"
 )

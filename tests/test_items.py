@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stagereplay.default_items import make_default_items
-from stagereplay.items import LETTERS, Item, ItemError, load_items, write_items_jsonl
-from stagereplay.prompts import build_messages, prompt_text
-from stagereplay.scoring import extract_answer, score
+from stagereplay.experiments.prompts import build_messages, prompt_text
+from stagereplay.inputs.default_items import make_default_items
+from stagereplay.inputs.items import LETTERS, Item, ItemError, load_items, write_items_jsonl
+from stagereplay.inputs.scoring import extract_answer, score
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "data" / "items.jsonl"
@@ -52,7 +52,7 @@ def test_default_items_deterministic():
 
 
 def test_default_items_deterministic_across_processes():
-    code = "from stagereplay.default_items import make_default_items as m; print(repr(m(30, 7)))"
+    code = "from stagereplay.inputs.default_items import make_default_items as m; print(repr(m(30, 7)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == repr(make_default_items(30, 7))
 

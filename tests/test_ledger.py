@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from stagereplay.cache import KVState
-from stagereplay.fingerprint import fingerprint_cache, fingerprint_tensors
-from stagereplay.ledger import (
+from stagereplay.engines.transformers_cache import KVState
+from stagereplay.ledger.fingerprint import fingerprint_cache, fingerprint_tensors
+from stagereplay.ledger.tables import (
     TRAJECTORY_SCHEMA,
     LedgerError,
     ObjectStore,

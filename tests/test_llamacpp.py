@@ -12,13 +12,13 @@ import pytest
 import torch
 from workflow_helpers import skip_unless_required
 
-from stagereplay import cache as kv
-from stagereplay.constructions import StageBoundary, build_boundary_state, build_live
-from stagereplay.decode import continue_from
-from stagereplay.fingerprint import fingerprint_cache
-from stagereplay.llamacpp_state import LlamaStateError, parse_seq_state, write_seq_state
-from stagereplay.tiny_gguf import write_qwen2_gguf
-from stagereplay.transplants import TransplantSpec, transplant
+from stagereplay.engines import transformers_cache as kv
+from stagereplay.engines.llamacpp_state import LlamaStateError, parse_seq_state, write_seq_state
+from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
+from stagereplay.experiments.decode import continue_from
+from stagereplay.experiments.transplants import TransplantSpec, transplant
+from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
+from stagereplay.ledger.fingerprint import fingerprint_cache
 
 
 def _binding_problem() -> str | None:
@@ -40,7 +40,7 @@ def tiny_gguf(tiny_qwen2_folder, tmp_path_factory):
 
 
 def _engine(path, cache_type: str):
-    from stagereplay.llamacpp_engine import EngineSettings, LlamaCppEngine
+    from stagereplay.engines.llamacpp_engine import EngineSettings, LlamaCppEngine
 
     return LlamaCppEngine(path, EngineSettings(cache_type=cache_type, n_threads=1, n_threads_batch=1, n_ctx=256))
 
@@ -165,7 +165,7 @@ def test_transplant_into_llama_cpp_cache(engine):
 
 
 def test_stale_cache_is_refused(engine):
-    from stagereplay.llamacpp_engine import LlamaCppError
+    from stagereplay.engines.llamacpp_engine import LlamaCppError
 
     first = engine.empty_cache()
     engine.empty_cache()

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stagereplay.checkpoints import write_model_record
-from stagereplay.constructions import MarkerMatcher, StageBoundary, build_live
-from stagereplay.ledger import ENVIRONMENT_COLUMNS, PROMPT_SCHEMA, TRAJECTORY_SCHEMA, read_table, write_table
-from stagereplay.model import Runtime, load_model
-from stagereplay.shards import Budgets, ShardSpec, run_construction_shard, run_live_shard
+from stagereplay.engines.transformers_model import Runtime, load_model
+from stagereplay.experiments.constructions import MarkerMatcher, StageBoundary, build_live
+from stagereplay.experiments.shards import Budgets, ShardSpec, run_construction_shard, run_live_shard
+from stagereplay.inputs.checkpoints import write_model_record
+from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, PROMPT_SCHEMA, TRAJECTORY_SCHEMA, read_table, write_table
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 MARKER = "</think>"

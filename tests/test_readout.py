@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagereplay import cache as kv
-from stagereplay.checkpoints import build_byte_tokenizer
-from stagereplay.decode import ReadoutCue, continue_from, read_out_state
-from stagereplay.items import LETTERS
-from stagereplay.model import ModelError
-from stagereplay.prompts import READOUT_CUE, readout_tokens
+from stagereplay.engines import transformers_cache as kv
+from stagereplay.engines.transformers_model import ModelError
+from stagereplay.experiments.decode import ReadoutCue, continue_from, read_out_state
+from stagereplay.experiments.prompts import READOUT_CUE, readout_tokens
+from stagereplay.inputs.checkpoints import build_byte_tokenizer
+from stagereplay.inputs.items import LETTERS
 
 PROMPT = [5, 17, 3, 42, 8, 99, 23]
 

@@ -20,18 +20,18 @@ import yaml
 from scipy import stats
 from workflow_helpers import REPO, snakemake
 
-from stagereplay.card import provenance, write_results_card
-from stagereplay.checkpoints import read_model_record
-from stagereplay.ledger import COMPARISON_SCHEMA, ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, read_table
-from stagereplay.plots import PLOT_FILES, plot_transplant_follow_donor
-from stagereplay.stats import (
+from stagereplay.inputs.checkpoints import read_model_record
+from stagereplay.ledger.tables import COMPARISON_SCHEMA, ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, read_table
+from stagereplay.report.card import provenance, write_results_card
+from stagereplay.report.plots import PLOT_FILES, plot_transplant_follow_donor
+from stagereplay.report.stats import (
     mcnemar_exact,
     paired_difference_ci,
     paired_difference_newcombe,
     paired_difference_wald,
 )
-from stagereplay.summary import proportion as summary_proportion
-from stagereplay.summary import summary as summarize
+from stagereplay.report.summary import proportion as summary_proportion
+from stagereplay.report.summary import summary as summarize
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import re
 import pytest
 from workflow_helpers import REPO
 
-from stagereplay.checkpoints import build_random_qwen2
-from stagereplay.model import ModelError, Runtime, load_model
+from stagereplay.engines.transformers_model import ModelError, Runtime, load_model
+from stagereplay.inputs.checkpoints import build_random_qwen2
 
 
 class _RunsOnUnpickle:

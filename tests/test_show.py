@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 from workflow_helpers import stagereplay
 
-from stagereplay.checkpoints import read_model_record
-from stagereplay.item_view import spell, visible
+from stagereplay.inputs.checkpoints import read_model_record
+from stagereplay.report.item_view import spell, visible
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from stagereplay.stats import (
+from stagereplay.report.stats import (
     mcnemar_exact,
     paired_counts,
     paired_difference_ci,

@@ -9,14 +9,21 @@ import pytest
 from transformers import AutoTokenizer
 from workflow_helpers import copy_run, fingerprints, snakemake, stagereplay, write_config
 
-from stagereplay.checkpoints import write_model_record
-from stagereplay.constructions import StageBoundary
-from stagereplay.ledger import PROMPT_SCHEMA, TRAJECTORY_SCHEMA, LedgerError, ObjectStore, read_table, write_table
-from stagereplay.model import Runtime
-from stagereplay.prompts import readout_tokens
-from stagereplay.recompute import CacheMismatch, CacheSource, ModelPool, side_label
-from stagereplay.shards import Budgets, ShardSpec, run_construction_shard, run_live_shard
-from stagereplay.storage import StorageError, read_policy
+from stagereplay.design.storage import StorageError, read_policy
+from stagereplay.engines.transformers_model import Runtime
+from stagereplay.experiments.constructions import StageBoundary
+from stagereplay.experiments.prompts import readout_tokens
+from stagereplay.experiments.recompute import CacheMismatch, CacheSource, ModelPool, side_label
+from stagereplay.experiments.shards import Budgets, ShardSpec, run_construction_shard, run_live_shard
+from stagereplay.inputs.checkpoints import write_model_record
+from stagereplay.ledger.tables import (
+    PROMPT_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    LedgerError,
+    ObjectStore,
+    read_table,
+    write_table,
+)
 
 PROMPT = [9, 8, 7, 6, 5]
 

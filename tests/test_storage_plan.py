@@ -10,8 +10,7 @@ import pytest
 import torch
 from workflow_helpers import REPO, check_storage_plan, stagereplay, write_config
 
-from stagereplay.ledger import ObjectStore
-from stagereplay.storage_plan import (
+from stagereplay.design.projection import (
     ModelShapes,
     cache_object_bytes,
     job_memory_bytes,
@@ -20,6 +19,7 @@ from stagereplay.storage_plan import (
     read_model_config,
     token_object_bytes,
 )
+from stagereplay.ledger.tables import ObjectStore
 
 
 def test_published_shapes_give_the_published_parameter_counts():
@@ -108,7 +108,7 @@ def test_projection_matches_the_test_configs_ledger(test_run):
 
 
 def test_a_model_that_cannot_fit_stops_at_load_with_one_line(tiny_qwen2_folder):
-    from stagereplay.model import ModelError, Runtime, load_model
+    from stagereplay.engines.transformers_model import ModelError, Runtime, load_model
 
     shapes = ModelShapes.from_config(json.loads((tiny_qwen2_folder / "config.json").read_text()))
     needed = job_memory_bytes(shapes, "fp32", 400)
@@ -127,7 +127,7 @@ def test_a_model_that_cannot_fit_stops_at_load_with_one_line(tiny_qwen2_folder):
 def test_the_plan_imports_no_torch():
     # It runs when snakemake parses the workflow and before any model is at hand.
     code = (
-        "import sys; from stagereplay.storage_plan import load_config, project_config;"
+        "import sys; from stagereplay.design.projection import load_config, project_config;"
         " project_config(load_config('config/paper.yaml'), 'qwen2.5-14b-instruct');"
         " print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from stagereplay.cache import KVState
-from stagereplay.constructions import StageBoundary, build_live
-from stagereplay.decode import continue_from
-from stagereplay.fingerprint import fingerprint_cache
-from stagereplay.plan import SweepPlan, TransplantError, outcome_blind_sample
-from stagereplay.transplants import (
+from stagereplay.design.names import SweepPlan, TransplantError, outcome_blind_sample
+from stagereplay.engines.transformers_cache import KVState
+from stagereplay.experiments.constructions import StageBoundary, build_live
+from stagereplay.experiments.decode import continue_from
+from stagereplay.experiments.transplants import (
     TransplantSpec,
     cast_state,
     left_both,
@@ -17,6 +16,7 @@ from stagereplay.transplants import (
     sweep_specs,
     transplant,
 )
+from stagereplay.ledger.fingerprint import fingerprint_cache
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 from workflow_helpers import copy_run, rewrite_live_suffix, snakemake, stagereplay
 
-from stagereplay.ledger import COMPARISON_SCHEMA, write_table
-from stagereplay.stamp import stamp, stamp_problem
-from stagereplay.verify import verify_ledger
+from stagereplay.audit.verify import verify_ledger
+from stagereplay.ledger.tables import COMPARISON_SCHEMA, write_table
+from stagereplay.report.stamp import stamp, stamp_problem
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def test_verify_and_the_audit_name_the_damage(damage, test_run, tmp_path):
 
 def test_a_gathered_table_missing_a_row_is_caught(test_run, tmp_path):
     """Rows dropped by a faulty gather, the table rewritten with a valid digest: the counts give it away."""
-    from stagereplay.ledger import TRAJECTORY_SCHEMA, write_table
+    from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, write_table
 
     workdir, _, _ = test_run
     ledger, _ = copy_run(workdir, tmp_path / "copy")

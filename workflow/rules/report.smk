@@ -4,7 +4,7 @@
 # plain run redraws the card with E4 (e4_option, e4_version in common.smk); before, and
 # whenever the ledger has changed since the audit, the card says "not run".
 
-from stagereplay.plots import PLOT_FILES
+from stagereplay.report.plots import PLOT_FILES
 
 
 localrules:

@@ -1,0 +1,530 @@
+"""Check a saved ledger without a model: objects, tables, rows, counts and what was computed from them.
+
+Every object must hash to its own name, every table must be readable, have its
+schema and carry the digest of its rows, and every row must agree with the
+objects it names (cache layers, token counts and suffix tokens). A fault names
+the file (and row) and the fix; nothing is repaired or deleted.
+
+A table the run produced must be there. "Produced" is read from the ledger
+itself: a file was produced when something computed from it is present, since
+an interrupted run (which verifies clean) simply has not got that far yet:
+
+- tables/trajectories.parquet, when tables/comparisons.parquet or summary.json exists;
+- tables/comparisons.parquet, when summary.json exists (E1-E3 are computed from it);
+- tables/transplants.parquet, when summary.json holds E5;
+- tables/audit.parquet, when audit/e4.json exists (computed from it);
+- summary.json, when results.md or report/results.html exists (drawn from it).
+
+summary.json must equal the figures recomputed from the tables it was computed
+from: an edited figure and a summary left behind by regenerated tables are both
+named by their first differing key. audit/e4.json must equal the E4 figures
+recomputed from tables/audit.parquet, in the same way. E5 is
+recomputed when summary.json holds it: a run that turns transplants off keeps
+the old transplant table but summarises without it. The results card
+(results.md, report/results.html) must carry the stamp of the summary.json
+bytes it was rendered from and of its own text (stamp.py).
+
+``documents=False`` (``verify --audit-inputs``) leaves out summary.json, the
+card, the audit table and e4.json: the audit reads none of them, and verifies
+before the workflow has rewritten them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from stagereplay.design.storage import StorageError, caches_may_be_absent, read_policy
+from stagereplay.ledger.fingerprint import fingerprint_tensor, fingerprint_tensors
+from stagereplay.ledger.layout import RELATIVE, Ledger
+from stagereplay.ledger.tables import (
+    AUDIT_SCHEMA,
+    COMPARISON_KEY,
+    COMPARISON_SCHEMA,
+    OBJECT_SUFFIX,
+    PROMPT_SCHEMA,
+    TRAJECTORY_KEY,
+    TRAJECTORY_SCHEMA,
+    TRANSPLANT_KEY,
+    TRANSPLANT_SCHEMA,
+    LedgerError,
+    ObjectStore,
+    is_object_id,
+    read_table,
+    row_key,
+    rows_digest,
+    stored_rows_digest,
+)
+from stagereplay.report.stamp import stamp_problem
+
+RERUN = "delete it and rerun snakemake (the workflow rebuilds what is missing)"
+
+
+@dataclass(frozen=True)
+class Fault:
+    where: str
+    problem: str
+    fix: str = RERUN
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.problem} — {self.fix}"
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """What verification learnt of one object: tensor digests and shapes, and tokens if it holds any."""
+
+    layer_digests: dict[str, str]
+    shapes: dict[str, tuple[int, ...]]
+    tokens: tuple[int, ...] | None
+
+
+@dataclass
+class Report:
+    faults: list[Fault] = field(default_factory=list)
+    objects: int = 0
+    tables: int = 0
+    rows: int = 0
+    leftover_temporaries: int = 0
+
+    def summary_line(self) -> str:
+        checked = f"{self.objects} objects, {self.tables} tables, {self.rows} rows checked"
+        leftovers = (
+            f"; {self.leftover_temporaries} leftover temporary files of interrupted writes (harmless)"
+            if self.leftover_temporaries
+            else ""
+        )
+        if self.faults:
+            return f"verify: {len(self.faults)} fault(s) — {checked}{leftovers}"
+        return f"verify: ledger OK — {checked}{leftovers}"
+
+
+def table_schema(relative: Path) -> pa.Schema | None:
+    """The schema a table must have, by where it lies in the ledger."""
+    parts = relative.parts
+    if parts[0] == "runs":
+        return TRANSPLANT_SCHEMA if parts[1] == "transplant" else TRAJECTORY_SCHEMA
+    if parts[0] == "prompts":
+        return PROMPT_SCHEMA
+    return {
+        "trajectories.parquet": TRAJECTORY_SCHEMA,
+        "comparisons.parquet": COMPARISON_SCHEMA,
+        "transplants.parquet": TRANSPLANT_SCHEMA,
+        "audit.parquet": AUDIT_SCHEMA,
+    }.get(relative.name)
+
+
+def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject]:
+    known: dict[str, StoredObject] = {}
+    if not store.root.is_dir():
+        return known
+    for path in sorted(store.root.rglob("*")):
+        if not path.is_file():
+            continue
+        where = f"objects/{path.relative_to(store.root)}"
+        if path.name.startswith(".") and path.name.endswith(".tmp"):
+            report.leftover_temporaries += 1
+            continue
+        object_id = path.name.removesuffix(OBJECT_SUFFIX)
+        if not path.name.endswith(OBJECT_SUFFIX) or not is_object_id(object_id) or path.parent.name != object_id[:2]:
+            report.faults.append(
+                Fault(
+                    where,
+                    "not an object of this store (a name must be <2 hex>/<32 hex>.safetensors)",
+                    "move it out of the object store",
+                )
+            )
+            continue
+        report.objects += 1
+        try:
+            tensors = store.load_unchecked(object_id)
+        except LedgerError:
+            report.faults.append(Fault(where, "unreadable safetensors file (truncated or overwritten)"))
+            continue
+        actual = fingerprint_tensors(tensors)
+        if actual != object_id:
+            report.faults.append(Fault(where, f"content hashes to {actual}, not its name (bytes flipped or edited)"))
+            continue
+        tokens = tuple(tensors["tokens"].tolist()) if set(tensors) == {"tokens"} else None
+        known[object_id] = StoredObject(
+            layer_digests={name: fingerprint_tensor(tensor) for name, tensor in tensors.items()},
+            shapes={name: tuple(tensor.shape) for name, tensor in tensors.items()},
+            tokens=tokens,
+        )
+    return known
+
+
+def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
+    tables: dict[str, pa.Table] = {}
+    candidates = [
+        path for folder in ("tables", "runs", "prompts") for path in sorted((root / folder).rglob("*.parquet"))
+    ]
+    for path in candidates:
+        relative = path.relative_to(root)
+        schema = table_schema(relative)
+        if schema is None:
+            report.faults.append(Fault(str(relative), "not a table of this ledger", "move it out of the ledger"))
+            continue
+        report.tables += 1
+        try:
+            table = read_table(path, schema)
+        except LedgerError:
+            report.faults.append(
+                Fault(str(relative), "unreadable Parquet, or not the schema of its place in the ledger")
+            )
+            continue
+        expected = stored_rows_digest(table)
+        if expected is None:
+            report.faults.append(Fault(str(relative), "carries no digest of its rows (not written by stagereplay)"))
+            continue
+        if rows_digest(table) != expected:
+            report.faults.append(
+                Fault(str(relative), "rows differ from the digest written with them (a cell was edited)")
+            )
+            continue
+        report.rows += table.num_rows
+        tables[str(relative)] = table
+    return tables
+
+
+def _row_where(relative: str, row: dict) -> str:
+    return f"{relative} item {row['item_id']}"
+
+
+def _check_tokens(
+    where: str,
+    role: str,
+    object_id: str,
+    known: dict[str, StoredObject],
+    faults: list[Fault],
+    expected: list[int] | None = None,
+    length: int | None = None,
+) -> None:
+    stored = known.get(object_id)
+    if stored is None:
+        faults.append(Fault(where, f"{role} object {object_id} is missing or corrupt"))
+    elif stored.tokens is None:
+        faults.append(Fault(where, f"{role} object {object_id} holds no tokens"))
+    elif expected is not None and list(stored.tokens) != list(expected):
+        faults.append(Fault(where, f"{role} tokens differ from object {object_id}"))
+    elif length is not None and len(stored.tokens) != length:
+        faults.append(
+            Fault(where, f"{role} length {length} differs from object {object_id} ({len(stored.tokens)} tokens)")
+        )
+
+
+def _check_cache(
+    where: str, row: dict, object_key: str, known: dict[str, StoredObject], faults: list[Fault], absent_ok: bool
+) -> None:
+    stored = known.get(row[object_key])
+    if stored is None and absent_ok:
+        return  # store_caches selected or none: the row's fingerprints stand for the cache
+    if stored is None:
+        faults.append(Fault(where, f"cache object {row[object_key]} is missing or corrupt"))
+        return
+    layers = len(row["layer_k"])
+    for kv, digests in (("k", row["layer_k"]), ("v", row["layer_v"])):
+        for layer, digest in enumerate(digests):
+            if stored.layer_digests.get(f"layer.{layer:03d}.{kv}") != digest:
+                faults.append(
+                    Fault(where, f"layer {layer} {kv.upper()} fingerprint differs from cache object {row[object_key]}")
+                )
+                return
+    if len(stored.layer_digests) != 2 * layers:
+        faults.append(
+            Fault(
+                where, f"cache object {row[object_key]} holds {len(stored.layer_digests) // 2} layers, the row {layers}"
+            )
+        )
+
+
+def verify_rows(
+    tables: dict[str, pa.Table], known: dict[str, StoredObject], report: Report, absent_caches_ok: bool = False
+) -> None:
+    """``absent_caches_ok``: the ledger's storage.json says not every cache tensor was kept."""
+    faults = report.faults
+    for relative, table in tables.items():
+        schema = table.schema
+        rows = table.to_pylist()
+        if schema.equals(TRAJECTORY_SCHEMA):
+            keys = Counter(row_key(r, TRAJECTORY_KEY) for r in rows)
+            for row in rows:
+                where = _row_where(relative, row)
+                _check_tokens(where, "prefix", row["prefix_object"], known, faults, length=row["prefix_length"])
+                _check_tokens(where, "suffix", row["suffix_object"], known, faults, expected=row["suffix_tokens"])
+                _check_cache(where, row, "cache_object", known, faults, absent_caches_ok)
+                stored = known.get(row["cache_object"])
+                if stored is not None and stored.shapes.get("layer.000.k", (0, 0, -1))[-2] != row["cache_positions"]:
+                    faults.append(
+                        Fault(where, f"cache_positions {row['cache_positions']} differs from the cache object")
+                    )
+        elif schema.equals(TRANSPLANT_SCHEMA):
+            keys = Counter(row_key(r, TRANSPLANT_KEY) for r in rows)
+            for row in rows:
+                _check_tokens(
+                    _row_where(relative, row),
+                    "transplant suffix",
+                    row["suffix_object"],
+                    known,
+                    faults,
+                    expected=row["suffix_tokens"],
+                )
+        elif schema.equals(COMPARISON_SCHEMA):
+            keys = Counter(row_key(r, COMPARISON_KEY) for r in rows)
+            for row in rows:
+                # Every construction is rebuilt from the saved live prefix: two prefixes mean a broken ledger.
+                if row["relation"] == "construction" and not row["prefix_equal"]:
+                    faults.append(
+                        Fault(
+                            _row_where(relative, row),
+                            f"{row['experiment']} {row['a']} vs {row['b']} compares different prefixes",
+                        )
+                    )
+        elif schema.equals(PROMPT_SCHEMA):
+            keys = Counter(r["item_id"] for r in rows)
+        else:
+            keys = Counter()
+        for key, count in keys.items():
+            if count > 1:
+                faults.append(Fault(relative, f"{count} rows share the key {key}", "rebuild the table: " + RERUN))
+
+
+def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
+    """The gathered tables hold exactly rows of the shard tables (row counts and contents)."""
+    for gathered, folders in ((TRAJECTORIES, ("runs/live", "runs/rebuild")), (TRANSPLANTS, ("runs/transplant",))):
+        if gathered not in tables:
+            continue
+        shard_rows = {
+            _canonical(row)
+            for relative, table in tables.items()
+            if relative.startswith(folders)
+            for row in table.to_pylist()
+        }
+        rows = tables[gathered].to_pylist()
+        strays = [row for row in rows if _canonical(row) not in shard_rows]
+        if strays:
+            report.faults.append(
+                Fault(
+                    gathered,
+                    f"{len(strays)} of {len(rows)} rows match no shard table (first: item {strays[0]['item_id']})",
+                    "rerun snakemake --forcerun gather gather_transplants to regather",
+                )
+            )
+
+
+def verify_counts(root: Path, tables: dict[str, pa.Table], report: Report) -> None:
+    """Each gathered trajectory group (checkpoint, construction, precision, replica) covers every item."""
+    if TRAJECTORIES not in tables or not (root / RELATIVE.items).is_file():
+        return
+    items = sum(1 for line in (root / RELATIVE.items).read_text().splitlines() if line.strip())
+    group_key = tuple(name for name in TRAJECTORY_KEY if name != "item_id")
+    groups = Counter(row_key(row, group_key) for row in tables[TRAJECTORIES].to_pylist())
+    for group, count in sorted(groups.items()):
+        if count != items:
+            report.faults.append(
+                Fault(
+                    TRAJECTORIES,
+                    f"{count} rows for {'/'.join(map(str, group))}, but items.jsonl holds {items} items",
+                    "rerun snakemake --forcerun gather to regather",
+                )
+            )
+
+
+def _canonical(row: dict) -> str:
+    return json.dumps(row, sort_keys=True)
+
+
+TRAJECTORIES, COMPARISONS, TRANSPLANTS, AUDIT = (
+    RELATIVE.table(name) for name in ("trajectories", "comparisons", "transplants", "audit")
+)
+CARDS = (RELATIVE.card, RELATIVE.card_html)
+SUMMARY = RELATIVE.summary
+E4 = RELATIVE.e4
+REWRITE_SUMMARY = "rerun snakemake --forcerun summary to rewrite it from the tables"
+
+
+def _read_summary(root: Path, report: Report) -> dict | None:
+    path = root / SUMMARY
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        report.faults.append(Fault(SUMMARY, f"not valid JSON ({error})", REWRITE_SUMMARY))
+        return None
+
+
+def verify_produced(root: Path, summary: dict | None, documents: bool, report: Report) -> None:
+    """Every file that something present was computed from is there (the rule is in the module docstring)."""
+
+    def present(*names: str) -> list[str]:
+        return [name for name in names if (root / name).is_file()]
+
+    evidence = {
+        TRAJECTORIES: present(COMPARISONS, SUMMARY),
+        COMPARISONS: present(SUMMARY),
+        TRANSPLANTS: ["summary.json (its E5 figures)"] if summary and "E5" in summary else [],
+    }
+    if documents:
+        evidence[AUDIT] = present(E4)
+        evidence[SUMMARY] = present(*CARDS)
+    for relative, found in evidence.items():
+        if found and not (root / relative).is_file():
+            fix = (
+                "rerun snakemake --cores N audit"
+                if relative == AUDIT
+                else "rerun snakemake (it rebuilds what is missing)"
+            )
+            report.faults.append(Fault(relative, f"missing, though {found[0]} was computed from it", fix))
+
+
+def first_difference(saved, recomputed, path: tuple = ()) -> tuple | None:
+    """The key path (keys and list indices) of the first place two JSON values differ, or None."""
+    if isinstance(saved, dict) and isinstance(recomputed, dict):
+        for key in [*saved, *(key for key in recomputed if key not in saved)]:
+            if key not in saved or key not in recomputed:
+                return (*path, key)
+            found = first_difference(saved[key], recomputed[key], (*path, key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(saved, list) and isinstance(recomputed, list):
+        for index, (a, b) in enumerate(zip(saved, recomputed)):
+            found = first_difference(a, b, (*path, index))
+            if found is not None:
+                return found
+        return None if len(saved) == len(recomputed) else (*path, min(len(saved), len(recomputed)))
+    # NaN is a value the same computation gives twice.
+    both_nan = (
+        isinstance(saved, float) and isinstance(recomputed, float) and saved != saved and recomputed != recomputed
+    )
+    return None if (saved == recomputed and type(saved) is type(recomputed)) or both_nan else path
+
+
+def _path_text(path: tuple) -> str:
+    return (
+        "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".") or "(the whole file)"
+    )
+
+
+def _value_text(data, path: tuple) -> str:
+    for part in path:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return "absent"
+    text = json.dumps(data)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Report) -> None:
+    """summary.json equals the figures recomputed from the gathered tables."""
+    from stagereplay.report.summary import summary as compute_summary
+
+    needed = (COMPARISONS, TRAJECTORIES)
+    if summary is None or not all(name in tables for name in needed):
+        return  # missing or unreadable: already a fault
+    transplants = tables.get(TRANSPLANTS) if "E5" in summary else None
+    if "E5" in summary and transplants is None:
+        return  # the transplant table is missing or unreadable: already a fault
+    recomputed = compute_summary(
+        comparisons=tables[COMPARISONS],
+        trajectories=tables[TRAJECTORIES],
+        version=summary.get("stagereplay_version"),
+        transplants=transplants,
+    )
+    _compare_figures(SUMMARY, summary, json.loads(json.dumps(recomputed)), "the tables", REWRITE_SUMMARY, report)
+
+
+def _compare_figures(where: str, saved: dict, recomputed: dict, source: str, fix: str, report: Report) -> None:
+    path = first_difference(saved, recomputed)
+    if path is not None:
+        report.faults.append(
+            Fault(
+                where,
+                f"{_path_text(path)} is {_value_text(saved, path)}, but {source} give"
+                f" {_value_text(recomputed, path)} (edited, or not rewritten when {source} changed)",
+                fix,
+            )
+        )
+
+
+REWRITE_E4 = "rerun snakemake --cores N audit --forcerun audit_ledger to rewrite it from the audit table"
+
+
+def verify_e4(root: Path, tables: dict[str, pa.Table], report: Report) -> None:
+    """audit/e4.json equals the E4 figures recomputed from tables/audit.parquet."""
+    from stagereplay.audit.rerun import e4_figures, e4_figures_of
+
+    path = root / E4
+    if not path.is_file() or AUDIT not in tables:
+        return  # no audit yet, or its table is missing or unreadable: already a fault
+    try:
+        saved = e4_figures_of(json.loads(path.read_bytes()))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        report.faults.append(Fault(E4, f"not valid JSON ({error})", REWRITE_E4))
+        return
+    recomputed = e4_figures(tables[AUDIT].to_pylist(), saved.get("audit_runtime"))
+    _compare_figures(E4, saved, json.loads(json.dumps(recomputed)), "the audit table's rows", REWRITE_E4, report)
+
+
+def verify_cards(root: Path, report: Report) -> None:
+    """Each results card carries the stamp of the summary.json it was drawn from, and is unedited."""
+    if not (root / SUMMARY).is_file():
+        return
+    source = (root / SUMMARY).read_bytes()
+    for relative in CARDS:
+        path = root / relative
+        if not path.is_file():
+            continue
+        try:
+            problem = stamp_problem(path.read_text(encoding="utf-8"), source)
+        except UnicodeDecodeError:
+            problem = "not UTF-8 text (overwritten) — rerun snakemake --forcerun report to redraw it"
+        if problem:
+            what, _, fix = problem.partition(" — ")
+            report.faults.append(Fault(relative, what, fix or RERUN))
+
+
+def verify_ledger(root: str | Path, documents: bool = True) -> Report:
+    """Every check of the ledger at ``root``; ``documents=False`` leaves out summary.json, the card, the
+    audit table and e4.json (what the audit reads nothing of, and verifies before they are rewritten)."""
+    root = Path(root)
+    if not root.is_dir() or not any((root / part).exists() for part in ("objects", "tables", "runs")):
+        raise LedgerError(
+            f"no ledger at {root} (no objects/, tables/ or runs/) — pass the ledger_dir of a run, e.g. ledger"
+        )
+    report = Report()
+    known = verify_objects(ObjectStore(Ledger(root).objects), report)
+    tables = verify_tables(root, report)
+    verify_rows(tables, known, report, _caches_may_be_absent(root, report))
+    verify_gathered(tables, report)
+    verify_counts(root, tables, report)
+    summary = _read_summary(root, report) if documents else None
+    verify_produced(root, summary if documents else _peek_summary(root), documents, report)
+    if documents:
+        verify_summary(summary, tables, report)
+        verify_e4(root, tables, report)
+        verify_cards(root, report)
+    return report
+
+
+def _caches_may_be_absent(root: Path, report: Report) -> bool:
+    try:
+        return caches_may_be_absent(read_policy(root / RELATIVE.storage))
+    except StorageError as error:
+        what, _, fix = str(error).partition(" — ")
+        report.faults.append(Fault(RELATIVE.storage, what.removeprefix(f"{root / RELATIVE.storage} "), fix))
+        return False
+
+
+def _peek_summary(root: Path) -> dict | None:
+    """summary.json for what it says was computed (E5), when its own checks are left out."""
+    try:
+        return json.loads((root / SUMMARY).read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None

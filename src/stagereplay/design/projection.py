@@ -1,0 +1,656 @@
+"""How many bytes a run will store, and how much device memory a model job needs, before it runs.
+
+Everything is projected from the model's shapes (layers, KV heads, head dim, the
+dtype of each precision), the item count and the token budgets of the config:
+which trajectories the enabled experiments record, which of their boundary
+caches are distinct objects, and how many positions each holds. Figures that
+depend on outcomes (a stage that stops early at EOS or the marker, a suffix
+that ends at EOS, two constructions that happen to be bit-exact and share one
+object, the number of divergent items E5 selects) are taken at their largest,
+so those figures are upper bounds and say so. No torch: this runs when
+snakemake parses the workflow and from `stagereplay plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+SAFETENSORS_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+POLICIES = ("all", "selected", "none")
+# Where the published config.json shapes of known models lie (the embedded default among them).
+MODEL_CONFIGS = Path(__file__).resolve().parents[3] / "data" / "model_configs"
+EMBEDDED_CONFIG = "smollm2-135m-instruct"
+# An object's metadata holds a model fingerprint: 32 hex digits (xxh3-128).
+_FINGERPRINT = "0" * 32
+
+
+class PlanError(ValueError):
+    """One-line message naming the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the byte counts need from a model's config.json."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    context: int = 0
+
+    @classmethod
+    def from_config(cls, config: dict, source: str = "config.json") -> ModelShapes:
+        text = config.get("text_config") or config  # multimodal configs nest the language model's
+        try:
+            heads = int(text["num_attention_heads"])
+            hidden = int(text["hidden_size"])
+            return cls(
+                layers=int(text["num_hidden_layers"]),
+                kv_heads=int(text.get("num_key_value_heads") or heads),
+                head_dim=int(text.get("head_dim") or hidden // heads),
+                hidden=hidden,
+                heads=heads,
+                intermediate=int(text.get("intermediate_size") or 4 * hidden),
+                vocab=int(text.get("vocab_size") or 0),
+                tied=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
+                # Qwen2 always has q/k/v biases; Llama-style configs say so in attention_bias.
+                qkv_bias=text.get("model_type") == "qwen2" or bool(text.get("attention_bias", False)),
+                context=int(text.get("max_position_embeddings") or 0),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlanError(
+                f"{source} lacks the model shape ({error}) — give a Hugging Face config.json with num_hidden_layers, num_attention_heads and hidden_size"
+            ) from None
+
+    def kv_bytes_per_position(self, precision: str) -> int:
+        """K and V of every layer for one position: what a boundary cache stores per position."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * BYTES[precision]
+
+    def parameters(self) -> int:
+        kv = self.kv_heads * self.head_dim
+        q = self.heads * self.head_dim
+        attention = self.hidden * q + 2 * self.hidden * kv + q * self.hidden
+        if self.qkv_bias:
+            attention += q + 2 * kv
+        layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * layer + embeddings + self.hidden
+
+
+def random_qwen2_shapes(layers: int, hidden: int, near_ties: bool) -> ModelShapes:
+    """The shapes checkpoints.build_random_qwen2 builds: a byte-level vocabulary (256 bytes and 3
+    ChatML specials), 4 query and 2 KV heads, an MLP twice the hidden size, the head untied with
+    near ties. tests/test_storage_plan.py holds this against a real ledger."""
+    return ModelShapes(
+        layers=layers,
+        kv_heads=2,
+        head_dim=hidden // 4,
+        hidden=hidden,
+        heads=4,
+        intermediate=2 * hidden,
+        vocab=259,
+        tied=not near_ties,
+        qkv_bias=True,
+        context=4096,
+    )
+
+
+def read_model_config(path_or_name: str | Path) -> tuple[ModelShapes, str]:
+    """A config.json path, a model folder, or the name of a file under data/model_configs."""
+    path = Path(path_or_name)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        known = MODEL_CONFIGS / f"{path_or_name}.json"
+        if not known.is_file():
+            names = ", ".join(sorted(p.stem for p in MODEL_CONFIGS.glob("*.json")))
+            raise PlanError(
+                f"model config {path_or_name} not found — give a config.json path, a model folder or one of: {names}"
+            )
+        path = known
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlanError(
+            f"model config {path} is not readable JSON ({error}) — give a Hugging Face config.json"
+        ) from None
+    return ModelShapes.from_config(config, str(path)), str(path)
+
+
+def checkpoint_shapes(spec: dict, model_folder: str | Path | None = None) -> ModelShapes | None:
+    """A checkpoint's shapes without loading it: a random Qwen2 from its seed spec, the embedded
+    model from its published config, any folder (a user's or one converted earlier) from its
+    config.json. None when only the converted model would tell (a GGUF not converted yet)."""
+    if "random_qwen2" in spec:
+        random_spec = spec["random_qwen2"]
+        return random_qwen2_shapes(
+            random_spec.get("layers", 2), random_spec.get("hidden", 64), random_spec.get("near_ties", False)
+        )
+    if model_folder is not None and Path(model_folder, "config.json").is_file():
+        return read_model_config(model_folder)[0]
+    if spec.get("embedded"):
+        return read_model_config(EMBEDDED_CONFIG)[0]
+    return None
+
+
+# --- bytes of one stored object ---------------------------------------------------------------
+
+
+def _safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str]) -> int:
+    """Size of a safetensors file: 8-byte length, JSON header padded to 8 bytes, raw data."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = math.prod(shape) * {"BF16": 2, "F16": 2, "F32": 4, "I64": 8}[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":"))
+    return 8 + len(text) + (-len(text)) % 8 + offset
+
+
+def cache_object_bytes(shapes: ModelShapes, precision: str, positions: int) -> int:
+    """A boundary cache object as ObjectStore.put writes it (ShardRecorder's metadata)."""
+    shape = [1, shapes.kv_heads, positions, shapes.head_dim]
+    tensors = {
+        f"layer.{layer:03d}.{kind}": (SAFETENSORS_DTYPES[precision], shape)
+        for layer in range(shapes.layers)
+        for kind in ("k", "v")
+    }
+    metadata = {
+        "kind": "kv_cache",
+        "positions": f"0:{positions}",
+        "model_fingerprint": _FINGERPRINT,
+        "precision": precision,
+    }
+    return _safetensors_bytes(tensors, metadata)
+
+
+def token_object_bytes(count: int) -> int:
+    """A token-list object as ObjectStore.put_tokens writes it (its metadata is only its kind)."""
+    metadata = {"kind": "tokens"}
+    return _safetensors_bytes({"tokens": ("I64", [count])}, metadata)
+
+
+# --- what the config records ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Design:
+    """The parts of a (schema-checked) config that decide what is stored."""
+
+    e1: str
+    replicas: int
+    precisions: tuple[str, ...]
+    constructions: tuple[str, ...]
+    max_new_tokens: int
+    suffix_tokens: int
+    transplant: bool
+    first_k: int | None
+    blind_sample: int
+    blind_on_primary: bool
+    cross: str | None
+    sweep_subsets: int  # subsets tried per selected item and direction besides all layers
+    store_caches: str = "all"
+
+    @classmethod
+    def from_config(cls, config: dict, layers: int) -> Design:
+        """From a config completed with the schema's defaults (load_config, or the workflow's)."""
+        transplant = config["transplant"]
+        sweep = transplant["sweep"]
+        single = sweep["single_layers"]
+        singles = layers if single == "all" else 0 if single == "none" else len(single)
+        subsets = singles + 2 * len(sweep["block_sizes"]) + 2 * sweep["kv_only"] + len(sweep["windows"])
+        blind = transplant["outcome_blind"]
+        # Until the workflow knows the key, a config without it stores every cache, as today.
+        policy = config.get("store_caches", "all")
+        if policy not in POLICIES:
+            raise PlanError(f"store_caches {policy!r} is not a policy — use one of {', '.join(POLICIES)}")
+        return cls(
+            e1=config["matched"]["precision"],
+            replicas=config["matched"]["replicas"],
+            precisions=tuple(config["fixed_prefix"]["precisions"]),
+            constructions=tuple(config["fixed_prefix"]["constructions"]),
+            max_new_tokens=config["stage"]["max_new_tokens"],
+            suffix_tokens=config["stage"]["suffix_tokens"],
+            transplant=transplant["enabled"],
+            first_k=transplant["selected"]["first_k"],
+            blind_sample=blind["sample"],
+            blind_on_primary=blind["checkpoint"] in (None, next(iter(config["checkpoints"]))),
+            cross=transplant["cross_precision"],
+            sweep_subsets=subsets,
+            store_caches=policy,
+        )
+
+    def trajectories(self) -> list[tuple[str, str, str, int]]:
+        """(construction, precision, prefix precision, replica) of every trajectory row of one item
+        on the primary checkpoint: E1 live and prefill with replicas, E2 every construction at every
+        precision over the E1 prefix, E3 each precision's own live run and incremental twin
+        (the job lists of workflow/rules/common.smk, without paths)."""
+        rows = {("live", self.e1, self.e1, r) for r in range(self.replicas)}
+        rows |= {("prefill", self.e1, self.e1, r) for r in range(self.replicas)}
+        rows |= {(c, p, self.e1, 0) for p in self.precisions for c in self.constructions}
+        rows |= {("live", p, p, 0) for p in self.precisions}
+        rows |= {("incremental", p, p, 0) for p in self.precisions}
+        return sorted(rows)
+
+    def cache_objects(self, shared_prefix: bool = False) -> list[tuple[str, str, str]]:
+        """(construction, precision, prefix precision) of each distinct boundary cache of one item:
+        replicas share their objects, and incremental over a live run's own prefix is that live cache
+        (E3's claim, bit-exact), so they are one object. With ``shared_prefix`` every precision's live
+        run reproduced the E1 prefix: its cache is then E2's incremental one at that precision. Every
+        other pair is counted apart (two constructions that turn out bit-exact share one object)."""
+        distinct = {
+            ("live" if construction == "incremental" and precision == prefix else construction, precision, prefix)
+            for construction, precision, prefix, _ in self.trajectories()
+        }
+        if shared_prefix:
+            distinct -= {
+                ("live", p, p) for p in self.precisions if p != self.e1 and ("incremental", p, self.e1) in distinct
+            }
+        return sorted(distinct)
+
+    def transplants_per_item(self) -> dict[str, int]:
+        """Transplant rows per item in each selection (both directions; the sweep on selected)."""
+        if not self.transplant:
+            return {}
+        counts = {"selected": 2 * (1 + self.sweep_subsets), "outcome_blind": 2}
+        if self.cross:
+            counts["cross_precision"] = 4  # live and prefill cast up, and the cross-precision pair cast back
+        return counts
+
+
+def _positions(prompt: int, design: Design) -> int:
+    """Positions of a boundary cache: the prefix less its pending last token, the stage at its budget."""
+    return prompt + design.max_new_tokens - 1
+
+
+PARTS = ("caches", "tokens", "tables", "documents", "model")
+
+
+@dataclass
+class Projection:
+    """Bytes by part and policy, with the shapes and counts they came from."""
+
+    items: int
+    prompt_tokens: list[int]
+    prompt_measured: bool
+    cache_bytes: dict[str, int] = field(default_factory=dict)  # by policy
+    tokens_bytes: int = 0
+    tables_bytes: int = 0
+    documents_bytes: int = 0
+    model_bytes: int = 0
+    audit_bytes: int = 0
+    audit_cache_copy_bytes: int = 0  # what an audit that stores its recomputed caches adds
+    shared_prefix_cache_bytes: int = 0  # `all` caches when every precision's live run reproduces the E1 prefix
+    cache_items: dict[str, int] = field(default_factory=dict)
+    caches_per_item: int = 0
+    kv_bytes_per_position: dict[str, int] = field(default_factory=dict)
+    example_cache_bytes: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def parts(self, policy: str) -> dict[str, int]:
+        return {
+            "caches": self.cache_bytes[policy],
+            "tokens": self.tokens_bytes,
+            "tables": self.tables_bytes,
+            "documents": self.documents_bytes,
+            "model": self.model_bytes,
+        }
+
+    def ledger_bytes(self, policy: str) -> int:
+        return sum(self.parts(policy).values())
+
+
+# Parquet: a file's schema, footer and row digest; a row's key, environment and scalar columns;
+# per-layer fingerprints (32 hex digits, partly shared through dictionary pages) and token lists
+# (compressed). Calibrated on ledgers of config/test.yaml (4-row shards) and of the 50-item
+# rehearsal (25-row shards); small beside the caches of any real model.
+_PARQUET_FILE_BYTES = 12_500
+_ROW_BYTES = 40
+_FINGERPRINT_BYTES = 16
+_TOKEN_BYTES = 6  # a suffix token and its margin
+_AUDIT_ROW_BYTES = 2  # a row of tables/audit.parquet: fingerprints that agree compress to almost nothing
+# summary.json, the Markdown card, the five plots, and the self-contained HTML card, which holds
+# the five plots again (base64, 4/3 of their bytes).
+_DOCUMENTS_BYTES = 650_000
+# A normalised items.jsonl row, and the item's entry in the HTML card's per-item view (its suffixes,
+# labels, transplant outcomes and an inline per-layer plot where the caches differ).
+_ITEM_BYTES = 240 + 25_000
+_TOKENIZER_BYTES_PER_ENTRY = 45  # tokenizer.json (vocabulary and merges) in a converted folder
+
+
+def project(
+    config: dict,
+    shapes: ModelShapes,
+    prompt_tokens: list[int],
+    prompt_measured: bool,
+    model_in_ledger: bool = False,
+    replication_shapes: ModelShapes | None = None,
+    shared_prefix_items: Collection[int] = (),
+) -> Projection:
+    """The ledger and audit bytes of ``config`` run on a model of ``shapes`` over these prompts.
+
+    ``model_in_ledger``: the checkpoint is converted or built into the ledger (embedded, GGUF,
+    random), as an fp32 safetensors folder with its tokenizer; a user's folder stays where it is.
+    ``shared_prefix_items``: on these items (indices), each other precision's live run
+    reproduces the E1 prefix, so its cache is E2's incremental cache at that precision (one object).
+    Short stages on a small model do that; it cannot be known before the run, so the plan prints
+    both ends (none, the upper bound, and every item).
+    """
+    design = Design.from_config(config, shapes.layers)
+    items = len(prompt_tokens)
+    shards = math.ceil(items / config["shard_size"])
+    result = Projection(items, prompt_tokens, prompt_measured)
+    caches = design.cache_objects()
+    result.caches_per_item = len(caches)
+    shared = design.cache_objects(shared_prefix=True)
+    per_item = [
+        sum(
+            cache_object_bytes(shapes, precision, _positions(p, design))
+            for _, precision, _ in (shared if index in shared_prefix_items else caches)
+        )
+        for index, p in enumerate(prompt_tokens)
+    ]
+    # The outcome-blind replication on another checkpoint: E1 live and prefill (replica 0) there.
+    other = None if design.blind_on_primary or not design.transplant else (replication_shapes or shapes)
+    other_per_item = [
+        2 * cache_object_bytes(other, design.e1, _positions(p, design)) if other else 0 for p in prompt_tokens
+    ]
+    all_bytes = sum(per_item) + sum(other_per_item)
+    # `selected`: only the caches the transplant jobs read (common.smk's transplant_pairs): E1 live and
+    # prefill of E5's selected first_k items and of the outcome-blind sample, and on the selected items
+    # also the cross-precision recipients (incremental and prefill at that precision over the E1 prefix).
+    # Which items diverge is known only after E1, so the largest items stand in for them.
+    selected = min(items, (design.first_k or items) + (design.blind_sample if design.blind_on_primary else 0))
+    selected = selected if design.transplant else 0
+    chosen = min(items, design.first_k or items) if design.transplant else 0
+
+    def read_by_transplants(p: int, cross: bool) -> int:
+        positions = _positions(p, design)
+        e1_pair = 2 * cache_object_bytes(shapes, design.e1, positions)
+        return e1_pair + (2 * cache_object_bytes(shapes, design.cross, positions) if cross and design.cross else 0)
+
+    by_size = sorted(prompt_tokens, reverse=True)
+    largest = [read_by_transplants(p, index < chosen) for index, p in enumerate(by_size[:selected])]
+    blind_other = sorted(other_per_item, reverse=True)[: design.blind_sample] if other else []
+    result.cache_bytes = {"all": all_bytes, "selected": sum(largest) + sum(blind_other), "none": 0}
+    result.cache_items = {"all": items, "selected": selected, "none": 0}
+
+    # Tokens: one prefix object per live run (the E1 prefix and each other precision's own), one suffix
+    # object per distinct trajectory (replicas share theirs) and per transplant continuation.
+    prefixes = len({prefix for _, _, prefix in caches})
+    own_prefixes = [len(shared) if index in shared_prefix_items else len(caches) for index in range(items)]
+    transplants = design.transplants_per_item()
+    chosen = min(items, design.first_k or items)
+    transplant_rows = chosen * (transplants.get("selected", 0) + transplants.get("cross_precision", 0))
+    transplant_rows += min(items, design.blind_sample) * transplants.get("outcome_blind", 0)
+    stage = design.max_new_tokens
+    suffix_object = token_object_bytes(design.suffix_tokens)
+    result.tokens_bytes = sum(
+        (prefixes if count == len(caches) else 1) * token_object_bytes(p + stage) + count * suffix_object
+        for p, count in zip(prompt_tokens, own_prefixes)
+    )
+    result.tokens_bytes += transplant_rows * suffix_object
+    if other:
+        result.tokens_bytes += sum(token_object_bytes(p + stage) + 2 * suffix_object for p in prompt_tokens)
+
+    # Tables: every trajectory and transplant row twice (its shard table and the gathered table),
+    # one comparison row per compared pair, the prompt tokens.
+    jobs = len(design.trajectories()) + (2 if other else 0)
+    rows = items * jobs
+    fingerprints = 2 * shapes.layers * _FINGERPRINT_BYTES
+    trajectory_row = _ROW_BYTES + fingerprints + _TOKEN_BYTES * design.suffix_tokens
+    transplant_row = _ROW_BYTES + fingerprints // 4 + _TOKEN_BYTES * design.suffix_tokens // 2
+    comparison_row = _ROW_BYTES + 2 * shapes.layers
+    files = shards * (jobs + len(transplants) + (1 if transplants.get("cross_precision") else 0)) + 4
+    result.tables_bytes = (
+        files * _PARQUET_FILE_BYTES
+        + 2 * rows * trajectory_row
+        + 2 * transplant_rows * transplant_row
+        + rows * comparison_row
+        + sum(prompt_tokens) * 8
+    )
+    result.documents_bytes = _DOCUMENTS_BYTES + items * _ITEM_BYTES
+    if model_in_ledger:
+        result.model_bytes = 4 * shapes.parameters() + _TOKENIZER_BYTES_PER_ENTRY * shapes.vocab
+
+    # The audit recomputes every row into its own tree: prefix and suffix tokens and its shard and
+    # gathered tables again, plus its audit table (a row per compared fingerprint); no cache tensors.
+    # An audit that kept its recomputed caches would add a second copy of the `all` caches.
+    audit_rows = rows * (4 + 2 * shapes.layers) + transplant_rows * (3 + 2 * shapes.layers)
+    result.audit_bytes = (
+        result.tokens_bytes + result.tables_bytes - sum(prompt_tokens) * 8 + audit_rows * _AUDIT_ROW_BYTES
+    )
+    result.audit_cache_copy_bytes = all_bytes
+    result.shared_prefix_cache_bytes = sum(other_per_item) + sum(
+        cache_object_bytes(shapes, precision, _positions(p, design))
+        for p in prompt_tokens
+        for _, precision, _ in shared
+    )
+
+    precisions = sorted({design.e1, *design.precisions})
+    result.kv_bytes_per_position = {p: shapes.kv_bytes_per_position(p) for p in precisions}
+    longest = max(prompt_tokens, default=0) + stage - 1
+    result.example_cache_bytes = {p: cache_object_bytes(shapes, p, longest) for p in precisions}
+    result.notes.append(
+        f"{len(caches)} distinct caches per item: "
+        + ", ".join(f"{c} {p}" if p == x else f"{c} {p} over the {x} prefix" for c, p, x in caches)
+        + " (counted per construction; replicas and incremental share their live run's object)"
+    )
+    if len(shared) < len(caches):
+        result.notes.append(
+            f"where every other precision's live run reproduces the E1 prefix (short stages, small models) its cache is"
+            f" E2's incremental one: {len(shared)} caches per item, {human(result.shared_prefix_cache_bytes)} at `all`"
+        )
+    result.notes.append(
+        "caches, tokens and the audit are upper bounds: every stage runs to max_new_tokens and every suffix to"
+        " suffix_tokens (EOS or the marker end them early), every construction pair is a distinct object"
+        " (a bit-exact pair shares one); tables, documents and the model folder are estimates"
+    )
+    if design.transplant:
+        result.notes.append(
+            f"selected: caches of at most {selected} items (E5's first_k={design.first_k or 'all'} divergent items"
+            f" and the outcome-blind sample of {design.blind_sample}; the cross-precision items are the selected ones),"
+            " each with the caches its transplants read (E1 live and prefill; on the selected items also the"
+            " cross-precision incremental and prefill); which items diverge is known only after E1"
+        )
+    if not prompt_measured:
+        result.notes.append("prompt lengths estimated from the items' characters (a run's prompt table measures them)")
+    return result
+
+
+# --- prompt lengths ---------------------------------------------------------------------------------
+
+# Tokens of the instruction, option labels and chat template (with a default system prompt) around
+# an item's own text (prompts.prompt_text), and characters of item text per token: fitted to the
+# measured prompts of the byte-level random Qwen2 and of SmolLM2-135M-Instruct on data/items.jsonl.
+_PROMPT_OVERHEAD_TOKENS = {"byte": 198, "subword": 100}
+_CHARS_PER_TOKEN = {"byte": 1.0, "subword": 4.0}
+
+
+def estimate_prompt_tokens(items, byte_level: bool) -> list[int]:
+    """Prompt lengths from the items' text, for a byte-level or a subword vocabulary."""
+    kind = "byte" if byte_level else "subword"
+    return [
+        _PROMPT_OVERHEAD_TOKENS[kind]
+        + math.ceil((len(item.question) + sum(len(choice) for choice in item.choices)) / _CHARS_PER_TOKEN[kind])
+        for item in items
+    ]
+
+
+def measured_prompt_tokens(prompts_table: str | Path) -> list[int] | None:
+    """The run's own prompt lengths, when its prompt tokens table exists."""
+    if not Path(prompts_table).is_file():
+        return None
+    import pyarrow.parquet as pq
+
+    return [len(tokens) for tokens in pq.read_table(prompts_table, columns=["prompt_tokens"]).column(0).to_pylist()]
+
+
+# --- device memory of one model job ------------------------------------------------------------------
+
+# CUDA context, allocator slack and the framework's own buffers, besides weights and caches.
+_DEVICE_OVERHEAD_BYTES = 1 << 30
+
+
+def job_memory_bytes(shapes: ModelShapes, precision: str, max_positions: int) -> int:
+    """Device memory one model job needs: the weights at its precision, four caches at the longest
+    boundary plus suffix (a transplant job holds donor, recipient, the transplanted cache and the
+    one it continues), the activations of a one-shot prefill of that length (MLP and attention
+    scores in fp32, the score matrix of the math kernel being the largest) and a fixed overhead."""
+    width = BYTES[precision]
+    weights = shapes.parameters() * width
+    caches = 4 * shapes.kv_bytes_per_position(precision) * max_positions
+    activations = max_positions * (4 * shapes.hidden + 2 * shapes.intermediate) * 4
+    activations += shapes.heads * max_positions * max_positions * 4
+    activations += max_positions * shapes.vocab * 4 if max_positions else 0  # logits of the prefill
+    return weights + caches + activations + _DEVICE_OVERHEAD_BYTES
+
+
+def available_host_memory_bytes() -> int:
+    """The host's available RAM (a CPU job's device memory)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+# --- a config file's projection --------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[3]
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def with_defaults(config: dict, schema: dict) -> dict:
+    """The config with the schema's defaults filled in, as snakemake's validation fills them."""
+    result = dict(config)
+    for key, spec in schema.get("properties", {}).items():
+        if key not in result and "default" in spec:
+            result[key] = spec["default"]
+        if isinstance(result.get(key), dict) and spec.get("type") == "object":
+            result[key] = with_defaults(result[key], spec)
+    if isinstance(schema.get("additionalProperties"), dict):
+        for key, value in result.items():
+            if key not in schema.get("properties", {}) and isinstance(value, dict):
+                result[key] = with_defaults(value, schema["additionalProperties"])
+    return result
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+    """A config file, checked against the workflow's schema and completed with its defaults."""
+    import yaml
+
+    from stagereplay.design.schema import config_problem
+
+    try:
+        config = {**(yaml.safe_load(Path(path).read_text()) or {}), **(overrides or {})}
+    except OSError as error:
+        raise PlanError(
+            f"config file {path} not readable ({error.strerror}) — give the --configfile of the run"
+        ) from None
+    problem = config_problem(config, SCHEMA)
+    if problem:
+        raise PlanError(problem)
+    return with_defaults(config, yaml.safe_load(SCHEMA.read_text()))
+
+
+def project_config(config: dict, model_config: str | Path | None = None) -> tuple[Projection, ModelShapes, str]:
+    """The projection of a loaded config: the primary checkpoint's shapes (``model_config`` or, for
+    the embedded and random checkpoints and any folder, from the config itself), its items and, when
+    the ledger holds them already, the run's measured prompt lengths."""
+    from stagereplay.inputs.items import ItemError, load_items
+    from stagereplay.ledger.layout import Ledger
+
+    name, spec = next(iter(config["checkpoints"].items()))
+    ledger = Ledger(config["ledger_dir"])
+    source = next(key for key in ("embedded", "folder", "gguf", "random_qwen2") if key in spec)
+    if model_config is not None:
+        shapes, described = read_model_config(model_config)
+        name = Path(described).stem if Path(described).parent == MODEL_CONFIGS else described
+    else:
+        folder = _repo_path(spec["folder"]) if "folder" in spec else ledger.path("models", name, "converted")
+        shapes = checkpoint_shapes(spec, folder)
+        if shapes is None:
+            raise PlanError(
+                f"checkpoint {name!r} is a GGUF not converted yet: its shapes are unknown — give --model-config path/to/config.json"
+            )
+        described = {"embedded": "the embedded SmolLM2-135M-Instruct", "random_qwen2": "a random Qwen2"}.get(
+            source, f"{source} {spec.get(source)}"
+        )
+    items_spec = config["items"]
+    try:
+        items = load_items(
+            _repo_path(items_spec["source"]), items_spec["format"], items_spec["shuffle_seed"], items_spec["limit"]
+        )
+    except ItemError as error:
+        raise PlanError(str(error)) from None
+    measured = measured_prompt_tokens(ledger.prompts(name))
+    if measured is not None and len(measured) != len(items):
+        measured = None  # a ledger of another item set
+    prompts = measured if measured is not None else estimate_prompt_tokens(items, byte_level=shapes.vocab <= 512)
+    # Given a model config, the model is the user's own folder (as config/paper.yaml says to set it),
+    # outside the ledger, unless the checkpoint is a GGUF, which is converted into the ledger.
+    in_ledger = source == "gguf" or (source != "folder" and model_config is None)
+    projection = project(config, shapes, prompts, measured is not None, model_in_ledger=in_ledger)
+    return projection, shapes, name if model_config is not None else f"{name} ({described})"
+
+
+def _repo_path(path: str | Path) -> str:
+    """Config paths are relative to the repository (as the workflow reads them)."""
+    path = Path(path).expanduser()
+    return str(path if path.is_absolute() else REPO / path)
+
+
+# --- text -------------------------------------------------------------------------------------------
+
+
+def human(count: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
+def render(projection: Projection, model: str, shapes: ModelShapes) -> str:
+    lines = [
+        f"model {model}: {shapes.layers} layers, {shapes.kv_heads} KV heads, head dim {shapes.head_dim},"
+        f" {shapes.parameters() / 1e9:.3f}B parameters",
+        "KV per position: "
+        + ", ".join(f"{p} {human(b)}" for p, b in projection.kv_bytes_per_position.items())
+        + "; one cache at the longest boundary: "
+        + ", ".join(f"{p} {human(b)}" for p, b in projection.example_cache_bytes.items()),
+        f"items: {projection.items}; prompt tokens {min(projection.prompt_tokens, default=0)}-{max(projection.prompt_tokens, default=0)}"
+        f" ({'measured' if projection.prompt_measured else 'estimated'})",
+        "",
+        "| store_caches | items with caches | caches | tokens | tables | documents | model folder | ledger | audit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for policy in POLICIES:
+        lines.append(
+            f"| {policy} | {projection.cache_items[policy]} | {human(projection.cache_bytes[policy])}"
+            f" | {human(projection.tokens_bytes)} | {human(projection.tables_bytes)} | {human(projection.documents_bytes)}"
+            f" | {human(projection.model_bytes)}"
+            f" | {human(projection.ledger_bytes(policy))} | {human(projection.audit_bytes)} |"
+        )
+    lines.append("")
+    lines.append(
+        f"the audit stores no cache tensors; one that kept its recomputed caches would add {human(projection.audit_cache_copy_bytes)}"
+    )
+    lines.extend(f"note: {note}" for note in projection.notes)
+    return "\n".join(lines)

@@ -1,0 +1,284 @@
+"""Load a checkpoint at a precision, on a device, with a fixed runtime.
+
+Bit-exact replicas depend on everything that changes the order of floating
+point operations: dtype, device, intra-op thread count, attention kernel and,
+on CUDA, TF32 and cuBLAS determinism. All of it is set here from explicit
+arguments and returned as a record that goes into every ledger row.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from stagereplay.engines.transformers_cache import unsupported_attention
+
+PRECISIONS: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+class ModelError(RuntimeError):
+    """One-line message naming the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    precision: str
+    device: str  # "cpu", "cuda" or "auto"
+    threads: int
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    # What the fit check at load time needs: the longest sequence a job holds (prompt, stage and
+    # suffix; 0: weights only) and the device memory it may use (None: the device's free memory).
+    max_positions: int = 0
+    device_memory_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the numbers depend on besides the inputs; recorded per ledger row."""
+
+    device: str
+    device_name: str  # the GPU's name, or the CPU model
+    cpu_capability: str  # the SIMD level torch picked CPU kernels for (e.g. AVX2, AVX512)
+    precision: str
+    threads: int
+    attn_implementation: str
+    tf32: bool
+    # May bf16/fp16 matmuls reduce in reduced precision (cuBLAS split-K): changes sums on CUDA.
+    bf16_reduced_precision_reduction: bool
+    fp16_reduced_precision_reduction: bool
+    sdpa_backends: str  # enabled scaled-dot-product-attention kernels, e.g. "flash,mem_efficient,math,cudnn"
+    float32_matmul_precision: str  # torch.get_float32_matmul_precision(): highest, high or medium
+    deterministic: bool
+    torch_version: str
+    transformers_version: str
+    engine: str = "transformers"
+    engine_version: str = transformers.__version__
+    engine_build: str = ""  # the engine's build options where it has its own (llama.cpp's CPU features)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    environment: Environment
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError(
+            "device 'cuda' requested but torch sees no CUDA device — set device: cpu (or auto) in the config"
+        )
+    if device not in ("cpu", "cuda"):
+        raise ModelError(f"unknown device {device!r} — use cpu, cuda or auto")
+    return device
+
+
+def configure_runtime(runtime: Runtime) -> Environment:
+    """Fix threads and kernels before the model is built; return the record of it."""
+    if runtime.precision not in PRECISIONS:
+        raise ModelError(f"unknown precision {runtime.precision!r} — use one of {', '.join(PRECISIONS)}")
+    if runtime.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ModelError(
+            f"unknown attention implementation {runtime.attn_implementation!r} — use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+        )
+    if runtime.threads < 1:
+        raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")
+    device = resolve_device(runtime.device)
+    torch.set_num_threads(runtime.threads)
+    if device == "cuda":
+        # cuBLAS needs a fixed workspace to give run-to-run identical GEMMs.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if runtime.precision == "fp16" and torch.cuda.get_device_capability()[0] < 6:
+            raise ModelError("fp16 needs a CUDA device of compute capability 6.0 or newer — drop fp16 from precisions")
+        _disable_tf32()
+        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = cpu_model()
+    _check_precision_runs(device, runtime.precision)
+    matmul = torch.backends.cuda.matmul
+    return Environment(
+        device=device,
+        device_name=device_name,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        precision=runtime.precision,
+        threads=runtime.threads,
+        attn_implementation=runtime.attn_implementation,
+        tf32=device == "cuda" and tf32_enabled(),
+        bf16_reduced_precision_reduction=bool(matmul.allow_bf16_reduced_precision_reduction),
+        fp16_reduced_precision_reduction=bool(matmul.allow_fp16_reduced_precision_reduction),
+        sdpa_backends=sdpa_backends(),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+    )
+
+
+def cpu_model() -> str:
+    """The CPU's model, not just its architecture: two x86_64 machines can run different kernels."""
+    if platform.system() == "Darwin":
+        try:
+            brand = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], check=False, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            brand = ""
+        if brand:
+            return brand
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if not line.strip() and fields:
+                    break  # the first processor describes them all
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass  # not Linux
+    if fields.get("model name"):
+        return fields["model name"]
+    if fields.get("CPU implementer") and fields.get("CPU part"):  # Arm Linux names no model, only these ids
+        return f"{platform.machine()} (implementer {fields['CPU implementer']}, part {fields['CPU part']})"
+    return platform.processor() or platform.machine()
+
+
+def sdpa_backends() -> str:
+    """The scaled-dot-product-attention kernels torch may choose from, read back now."""
+    cuda = torch.backends.cuda
+    enabled = {
+        "flash": cuda.flash_sdp_enabled(),
+        "mem_efficient": cuda.mem_efficient_sdp_enabled(),
+        "math": cuda.math_sdp_enabled(),
+        "cudnn": cuda.cudnn_sdp_enabled(),
+    }
+    return ",".join(name for name, on in enabled.items() if on) or "none"
+
+
+def _disable_tf32() -> None:
+    """TF32 silently rounds fp32 matmuls to 10-bit mantissas: the fp32 arm would not be fp32."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        # torch >= 2.9: once the new per-backend settings are used anywhere, the legacy
+        # allow_tf32 flags raise on reading, so set (and later read) only the new ones.
+        matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        torch.backends.cudnn.rnn.fp32_precision = "ieee"
+    else:
+        matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def tf32_enabled() -> bool:
+    """Read back, not assumed: whether fp32 CUDA matmuls or convolutions may use TF32 now."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        # "none" inherits a default that may be TF32: only an explicit "ieee" counts as off.
+        settings = (
+            matmul.fp32_precision,
+            torch.backends.cudnn.conv.fp32_precision,
+            torch.backends.cudnn.rnn.fp32_precision,
+        )
+        return any(setting != "ieee" for setting in settings)
+    return bool(matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+
+
+def _check_precision_runs(device: str, precision: str) -> None:
+    """A tiny matmul in the requested dtype: fails fast, before the model is loaded."""
+    dtype = PRECISIONS[precision]
+    try:
+        probe = torch.ones(4, 4, dtype=dtype, device=device)
+        (probe @ probe).sum().item()
+        if device == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise RuntimeError("bf16 unsupported")
+    except (RuntimeError, TypeError) as error:
+        raise ModelError(
+            f"precision {precision} cannot run on device {device} ({error}) — drop {precision} from the precisions in the config"
+        ) from None
+
+
+def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
+    """Load a Hugging Face model folder (weights, config, tokenizer) at ``runtime``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ModelError(
+            f"model folder {folder} has no config.json — point the checkpoint at a Hugging Face model folder"
+        )
+    if not any(folder.glob("*.safetensors")):
+        raise ModelError(
+            f"model folder {folder} holds no .safetensors weights — convert it to safetensors (pickle weights are never loaded)"
+        )
+    environment = configure_runtime(runtime)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
+    refusal = unsupported_attention(config, str(folder))
+    if refusal:  # before the weights are read: the job stops before any work
+        raise ModelError(refusal)
+    check_fits(config.to_dict(), runtime, environment.device)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=runtime.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        config=config,
+        dtype=PRECISIONS[runtime.precision],
+        attn_implementation=runtime.attn_implementation,
+        trust_remote_code=runtime.trust_remote_code,
+        use_safetensors=True,  # never unpickle weights: a .bin file can run arbitrary code
+        # On CUDA the weights go straight to the device: a 14B model in fp32 would
+        # otherwise pass through ~56 GB of host memory first.
+        device_map=environment.device if environment.device == "cuda" else None,
+    )
+    model.to(environment.device).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, environment=environment)
+
+
+def check_fits(config: dict, runtime: Runtime, device: str) -> None:
+    """Stop before the weights are read when the job cannot fit the device: one line now, not an
+    out-of-memory error an hour in. Needed: weights at the precision plus caches and activations
+    (storage_plan.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
+    device's free memory (CUDA) or the host's available RAM, capped by runtime.device_memory_gb."""
+    from stagereplay.design.projection import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
+
+    try:
+        shapes = ModelShapes.from_config(config)
+    except PlanError:
+        return  # an architecture whose shapes we cannot read: nothing to check against
+    needed = job_memory_bytes(shapes, runtime.precision, runtime.max_positions)
+    available = int(torch.cuda.mem_get_info()[0]) if device == "cuda" else available_host_memory_bytes()
+    limit = "free"
+    if runtime.device_memory_gb is not None and runtime.device_memory_gb * 1e9 < available:
+        available, limit = int(runtime.device_memory_gb * 1e9), "runtime.device_memory_gb"
+    if needed > available:
+        raise ModelError(
+            f"the model needs {needed / 1e9:.2f} GB on {device} at {runtime.precision} ({runtime.max_positions} positions)"
+            f" but {available / 1e9:.2f} GB are available ({limit}) — use a larger device, a lower precision or"
+            " shorter token budgets, or raise runtime.device_memory_gb"
+        )
+
+
+def context_length(model: torch.nn.Module) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "max_position_embeddings", 0) or 0)

@@ -1,0 +1,173 @@
+"""Which trajectories are compared, and how: caches layer by layer, suffixes token by token.
+
+Pairs are fixed by the experiment design, never by the data, and always within
+one checkpoint (two models' rows are never paired):
+- E1: live vs prefill at the matched precision, and each side against its replicas;
+- E2: at each precision, incremental vs every other construction, all rebuilt
+  from the E1 live prefix (the token states are held fixed);
+- E3: at each precision, the retained live cache vs incremental over its own prefix.
+The primary checkpoint runs all three; any other checkpoint (the outcome-blind
+replication's) has only the E1 live and prefill sides of replica 0, so only that pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+
+from stagereplay.experiments.difference import cache_difference
+from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_KEY, LedgerError, row_key
+
+
+@dataclass(frozen=True)
+class Side:
+    construction: str
+    precision: str
+    prefix_precision: str
+    replica: int = 0
+
+    def label(self) -> str:
+        source = "" if self.construction == "live" else f"<-{self.prefix_precision}"
+        return f"{self.construction}/{self.precision}/rep{self.replica}{source}"
+
+    def key(self, checkpoint: str, item_id: str) -> tuple:
+        """The TRAJECTORY_KEY of this side's row for one item."""
+        return row_key({**asdict(self), "checkpoint": checkpoint, "item_id": item_id}, TRAJECTORY_KEY)
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    experiment: str
+    relation: str
+    a: Side
+    b: Side
+
+
+def live(precision: str, replica: int = 0) -> Side:
+    return Side("live", precision, precision, replica)
+
+
+def pair_specs(
+    matched_precision: str, replicas: int, precisions: list[str], constructions: list[str]
+) -> list[PairSpec]:
+    """The pairs of the primary checkpoint: E1 with its replicas, E2 and E3."""
+    rebuilt = lambda construction, precision, replica=0: Side(construction, precision, matched_precision, replica)  # noqa: E731
+    specs = [PairSpec("E1", "construction", live(matched_precision), rebuilt("prefill", matched_precision))]
+    for replica in range(1, replicas):
+        specs.append(PairSpec("E1", "replica", live(matched_precision), live(matched_precision, replica)))
+        specs.append(
+            PairSpec(
+                "E1", "replica", rebuilt("prefill", matched_precision), rebuilt("prefill", matched_precision, replica)
+            )
+        )
+    for precision in precisions:
+        for construction in constructions:
+            if construction != "incremental":
+                specs.append(
+                    PairSpec("E2", "construction", rebuilt("incremental", precision), rebuilt(construction, precision))
+                )
+    for precision in precisions:
+        specs.append(PairSpec("E3", "construction", live(precision), Side("incremental", precision, precision)))
+    return specs
+
+
+def replication_specs(matched_precision: str) -> list[PairSpec]:
+    """The pairs of another checkpoint: only E1 live vs prefill, the sides its replication runs."""
+    return pair_specs(matched_precision, 1, [], [])[:1]
+
+
+def index_trajectories(trajectories: pa.Table) -> dict[tuple, dict]:
+    return {row_key(row, TRAJECTORY_KEY): row for row in trajectories.to_pylist()}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token; the shorter length if one is a prefix of the other."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _at(values: list, index: int | None):
+    return values[index] if index is not None and index < len(values) else None
+
+
+def compare_pair(caches, spec: PairSpec, a: dict, b: dict) -> dict:
+    """One comparison row; ``caches`` (a recompute.CacheSource) gives each row's cache, stored or rebuilt."""
+    prefix_equal = a["prefix_object"] == b["prefix_object"]
+    if prefix_equal:
+        keys, values = cache_difference(caches.state(a), caches.state(b))
+    else:
+        # Caches over different tokens are not two constructions of one state: no per-layer difference
+        # is recorded, and the row is a fault (verify) or a failed reproduction (the audit, whose live
+        # side may regenerate another prefix while its rebuilt sides read the saved one).
+        keys = values = ()
+    differing = [
+        (layer, "k" if k.fraction_differ else "v")
+        for layer, (k, v) in enumerate(zip(keys, values))
+        if k.fraction_differ or v.fraction_differ
+    ]
+    divergence = first_divergence(a["suffix_tokens"], b["suffix_tokens"])
+    return {
+        "experiment": spec.experiment,
+        "relation": spec.relation,
+        "checkpoint": a["checkpoint"],
+        "precision": spec.b.precision,
+        "item_id": a["item_id"],
+        "a": spec.a.label(),
+        "b": spec.b.label(),
+        "boundary_reason": a["boundary_reason"],
+        "prefix_length": a["prefix_length"],
+        "prefix_equal": prefix_equal,
+        "cache_exact": prefix_equal and not differing,
+        "layers_differ": len(differing) if prefix_equal else None,
+        "first_differing_layer": differing[0][0] if differing else None,
+        "first_differing_kv": differing[0][1] if differing else None,
+        "k_max_abs": [d.max_abs for d in keys],
+        "k_mean_abs": [d.mean_abs for d in keys],
+        "k_fraction_differ": [d.fraction_differ for d in keys],
+        "v_max_abs": [d.max_abs for d in values],
+        "v_mean_abs": [d.mean_abs for d in values],
+        "v_fraction_differ": [d.fraction_differ for d in values],
+        "suffix_differs": a["suffix_object"] != b["suffix_object"],
+        "first_divergence": divergence,
+        "a_margin_at_divergence": _at(a["suffix_margins"], divergence),
+        "b_margin_at_divergence": _at(b["suffix_margins"], divergence),
+        "a_token_at_divergence": _at(a["suffix_tokens"], divergence),
+        "b_token_at_divergence": _at(b["suffix_tokens"], divergence),
+        "a_correct": a["correct"],
+        "b_correct": b["correct"],
+        "a_parsed": a["parsed"],
+        "b_parsed": b["parsed"],
+        "a_readout_correct": a["readout_correct"],
+        "b_readout_correct": b["readout_correct"],
+        "label_differs": a["correct"] != b["correct"],
+        "trajectory_exact": all(
+            a[key] == b[key] for key in ("prefix_object", "cache_object", "layer_k", "layer_v", "suffix_object")
+        ),
+    }
+
+
+def comparison_table(trajectories: pa.Table, caches, specs: dict[str, list[PairSpec]]) -> pa.Table:
+    """Compare the pairs ``specs`` names for each checkpoint; every pair must exist for every item."""
+    index = index_trajectories(trajectories)
+    items = sorted({row["item_id"] for row in trajectories.select(["item_id"]).to_pylist()})
+    strays = sorted({row["checkpoint"] for row in trajectories.select(["checkpoint"]).to_pylist()} - specs.keys())
+    if strays:
+        raise LedgerError(
+            f"trajectories of checkpoint {strays[0]} are not part of this run's design — rerun snakemake to regather"
+        )
+    rows = []
+    for checkpoint, checkpoint_specs in specs.items():
+        for spec in checkpoint_specs:
+            for item_id in items:
+                a = index.get(spec.a.key(checkpoint, item_id))
+                b = index.get(spec.b.key(checkpoint, item_id))
+                if a is None or b is None:
+                    missing = spec.a if a is None else spec.b
+                    raise LedgerError(
+                        f"item {item_id}: trajectory {missing.label()} of checkpoint {checkpoint} is missing for {spec.experiment} — rerun snakemake to complete the ledger"
+                    )
+                rows.append(compare_pair(caches, spec, a, b))
+    return pa.Table.from_pylist(rows, schema=COMPARISON_SCHEMA)

@@ -1,0 +1,126 @@
+"""Greedy decoding at batch size 1, one token per forward, with the margin of every choice;
+and the forced-choice readout from the state a continuation ends in.
+
+The margin (top-1 minus top-2 logit, in float32) is kept for each step so that
+a divergence can later be traced to the near-tie that flipped it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
+
+import torch
+
+from stagereplay.engines import transformers_cache as kv
+
+
+@dataclass(frozen=True)
+class ReadoutCue:
+    """What the readout feeds and scores: the cue's token ids and each choice letter's token id."""
+
+    tokens: tuple[int, ...]
+    letters: tuple[str, ...]
+    letter_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Readout:
+    answer: str  # the choice letter with the highest logit after the cue
+    margin: float  # its logit minus the runner-up letter's
+
+
+@dataclass(frozen=True)
+class Decoded:
+    tokens: tuple[int, ...]
+    margins: tuple[float, ...]  # top1 - top2 logit at each emitted token
+    stop: (
+        str  # "eos", "budget", or the caller's stop_reason: "marker" (the stage), "left_both" (a transplant), "stopped"
+    )
+    readout: Readout | None = None  # when the caller asked for one
+
+
+def greedy_choice(logits: torch.Tensor) -> tuple[int, float]:
+    """argmax (lowest index on exact ties, as torch defines it) and its margin over the runner-up."""
+    top = torch.topk(logits, k=2)
+    return int(torch.argmax(logits)), float(top.values[0] - top.values[1])
+
+
+def decode_greedy(
+    model,
+    cache,
+    logits: torch.Tensor,
+    max_new_tokens: int,
+    eos_ids: Collection[int],
+    stop_after: Callable[[list[int]], bool] | None = None,
+    on_token: Callable[[], None] | None = None,
+    stop_reason: str = "marker",
+) -> Decoded:
+    """Choose from ``logits``, feed the choice, repeat: until EOS, the budget or ``stop_after``
+    (which ends decoding with ``stop_reason``).
+
+    The last emitted token is never fed, so on return ``cache`` covers every
+    input before it: exactly the boundary state when decoding ends a stage.
+    """
+    tokens: list[int] = []
+    margins: list[float] = []
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        while True:
+            token, margin = greedy_choice(logits)
+            tokens.append(token)
+            margins.append(margin)
+            if on_token is not None:
+                on_token()
+            if token in eos_ids:
+                return Decoded(tuple(tokens), tuple(margins), "eos")
+            if stop_after is not None and stop_after(tokens):
+                return Decoded(tuple(tokens), tuple(margins), stop_reason)
+            if len(tokens) >= max_new_tokens:
+                return Decoded(tuple(tokens), tuple(margins), "budget")
+            logits = kv.forward(model, torch.tensor([[token]], device=device), cache)
+
+
+def read_out(model, cache, pending: int, cue: ReadoutCue) -> Readout:
+    """Feed the unfed last token and the cue in one forward; the choice letter with the highest logit.
+
+    Only the letters' logits are compared (ties go to the earlier letter, as argmax breaks them), so
+    every continuation gets a label, whatever it wrote. Appends to ``cache``.
+    """
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = kv.forward(model, torch.tensor([[pending, *cue.tokens]], device=device), cache)
+    letter_logits = logits[list(cue.letter_ids)]
+    best, margin = greedy_choice(letter_logits)
+    return Readout(cue.letters[best], margin)
+
+
+def read_out_state(model, state: kv.KVState, pending: int, cue: ReadoutCue) -> Readout:
+    """The readout from a boundary state (a copy of it), for a stage that ended the answer itself."""
+    return read_out(model, kv.to_cache(state, model), pending, cue)
+
+
+def continue_from(
+    model,
+    state: kv.KVState,
+    pending: int,
+    max_new_tokens: int,
+    eos_ids: Collection[int],
+    on_token: Callable[[], None] | None = None,
+    stop_after: Callable[[list[int]], bool] | None = None,
+    stop_reason: str = "stopped",
+    readout: ReadoutCue | None = None,
+) -> Decoded:
+    """The suffix: feed the pending token on a copy of the boundary cache, then decode greedily;
+    with ``readout``, read the forced choice from the state the suffix ends in."""
+    device = next(model.parameters()).device
+    cache = kv.to_cache(state, model)
+    with torch.inference_mode():
+        logits = kv.forward(model, torch.tensor([[pending]], device=device), cache)
+    decoded = decode_greedy(
+        model, cache, logits, max_new_tokens, eos_ids, stop_after=stop_after, on_token=on_token, stop_reason=stop_reason
+    )
+    if readout is None:
+        return decoded
+    # decode_greedy never feeds its last token: the cache covers everything before it.
+    return replace(decoded, readout=read_out(model, cache, decoded.tokens[-1], readout))

@@ -1,0 +1,306 @@
+"""One job = one shard of items: load the model once, build boundary states, continue, record.
+
+A shard writes its artifacts into the object store and one Parquet table of
+trajectory rows; the ledger rule gathers the shard tables afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from stagereplay.engines.registry import load_checkpoint
+from stagereplay.engines.transformers_cache import KVState, to_host
+from stagereplay.engines.transformers_model import Environment, LoadedModel, Runtime
+from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live, parse_construction
+from stagereplay.experiments.decode import Decoded, ReadoutCue, continue_from, read_out_state
+from stagereplay.inputs import items as items_mod
+from stagereplay.inputs.checkpoints import read_model_record
+from stagereplay.inputs.scoring import score
+from stagereplay.ledger.fingerprint import fingerprint_cache
+from stagereplay.ledger.tables import (
+    ENVIRONMENT_COLUMNS,
+    PROMPT_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    LedgerError,
+    ObjectStore,
+    read_table,
+    write_table,
+)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    checkpoint: str
+    precision: str
+    replica: int
+    shard: int
+    shard_size: int
+
+
+@dataclass(frozen=True)
+class Budgets:
+    boundary: StageBoundary
+    suffix_tokens: int
+
+
+def shard_slice(rows: list, shard: int, shard_size: int) -> list:
+    chosen = rows[shard * shard_size : (shard + 1) * shard_size]
+    if not chosen:
+        raise LedgerError(
+            f"shard {shard} of size {shard_size} is empty — the item list and the shard count disagree; rerun snakemake"
+        )
+    return chosen
+
+
+def eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids = {loaded.tokenizer.eos_token_id}
+    configured = getattr(loaded.model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return frozenset(i for i in ids if i is not None)
+
+
+class ShardRecorder:
+    """Stores a trajectory's artifacts and builds its ledger row."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        record: dict,
+        spec: ShardSpec,
+        store: ObjectStore,
+        construction: str,
+        prefix_precision: str,
+        store_caches: bool = True,
+    ):
+        self.prefix_precision = prefix_precision
+        # False at store_caches selected or none: the row keeps the cache's fingerprints, not its tensors.
+        self.store_caches = store_caches
+        self.loaded = loaded
+        self.record = record
+        self.spec = spec
+        self.store = store
+        self.construction = construction
+        self.rows: list[dict] = []
+
+    def text(self, tokens) -> str:
+        return self.loaded.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def add(
+        self,
+        item: items_mod.Item,
+        prompt_length: int,
+        prefix: tuple[int, ...],
+        boundary_reason: str,
+        marker_match: str | None,
+        state: KVState,
+        suffix: Decoded,
+        seconds: float,
+    ) -> None:
+        # One device-to-host copy, shared by the fingerprints and the stored object (a no-op on CPU).
+        state = to_host(state)
+        fingerprint = fingerprint_cache(state)
+        if self.store_caches:
+            store_cache(self.store, state, fingerprint.digest, self.record["fingerprint"], self.spec.precision)
+        reasoning_text = self.text(prefix[prompt_length:])
+        suffix_text = self.text(suffix.tokens)
+        answer, correct = score(item, reasoning_text + suffix_text)
+        readout = suffix.readout
+        self.rows.append(
+            {
+                "checkpoint": self.spec.checkpoint,
+                "precision": self.spec.precision,
+                "construction": self.construction,
+                "replica": self.spec.replica,
+                "prefix_precision": self.prefix_precision,
+                "item_id": item.item_id,
+                "model_fingerprint": self.record["fingerprint"],
+                "prompt_length": prompt_length,
+                "prefix_length": len(prefix),
+                "boundary_reason": boundary_reason,
+                "marker_match": marker_match,
+                "reasoning_text": reasoning_text,
+                "prefix_object": self.store.put_tokens(prefix),
+                "cache_object": fingerprint.digest,
+                "cache_positions": state.num_positions,
+                "layer_k": list(fingerprint.keys),
+                "layer_v": list(fingerprint.values),
+                "suffix_object": self.store.put_tokens(suffix.tokens),
+                "suffix_tokens": list(suffix.tokens),
+                "suffix_margins": list(suffix.margins),
+                "suffix_stop": suffix.stop,
+                "suffix_text": suffix_text,
+                "answer": answer,
+                "parsed": answer is not None,
+                "correct": correct,
+                "readout_answer": readout.answer,
+                "readout_correct": readout.answer == item.answer,
+                "readout_margin": readout.margin,
+                **environment_columns(self.loaded.environment),
+                "model_seconds": seconds,
+            }
+        )
+
+
+def store_cache(store: ObjectStore, state: KVState, digest: str, model_fingerprint: str, precision: str) -> str:
+    """Store a boundary cache as the object ``digest`` (its fingerprint), with what built it as metadata."""
+    metadata = {"model_fingerprint": model_fingerprint, "precision": precision}
+    return store.put(
+        state.named_tensors(),
+        {"kind": "kv_cache", "positions": f"0:{state.num_positions}", **metadata},
+        object_id=digest,
+    )
+
+
+def environment_columns(environment: Environment) -> dict:
+    return {name: getattr(environment, name) for name in ENVIRONMENT_COLUMNS}
+
+
+def _continue(
+    loaded: LoadedModel, state: KVState, prefix, boundary_reason: str, budget: int, eos, on_token, cue: ReadoutCue
+) -> Decoded:
+    """The suffix and its forced-choice readout."""
+    if boundary_reason == "eos":  # the stage ended the answer itself: nothing to continue, the readout still reads
+        return Decoded((), (), "eos", readout=read_out_state(loaded.model, state, prefix[-1], cue))
+    return continue_from(loaded.model, state, prefix[-1], budget, eos, on_token=on_token, readout=cue)
+
+
+def progress_bar(total: int, label: str) -> tuple[tqdm, callable]:
+    bar = tqdm(total=total, desc=label, unit="item", mininterval=2.0)
+    # Set from the start, so even a job with nothing to decode ends its log with a tok_s figure.
+    bar.set_postfix(tok_s="0.0", refresh=False)
+    counter = {"tokens": 0}
+    started = time.perf_counter()
+
+    def on_token() -> None:
+        counter["tokens"] += 1
+        bar.set_postfix(tok_s=f"{counter['tokens'] / max(time.perf_counter() - started, 1e-9):.1f}", refresh=False)
+
+    return bar, on_token
+
+
+def run_live_shard(
+    model_record: str | Path,
+    items_path: str | Path,
+    prompts_path: str | Path,
+    spec: ShardSpec,
+    runtime: Runtime,
+    budgets: Budgets,
+    store_root: str | Path,
+    out_path: str | Path,
+    store_caches: bool = True,
+) -> Path:
+    record = read_model_record(model_record)
+    item_list = shard_slice(items_mod.load_items(items_path), spec.shard, spec.shard_size)
+    prompts = prompt_rows_by_item(prompts_path)
+    loaded = load_checkpoint(record, runtime)
+    recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live", spec.precision, store_caches)
+    eos = eos_ids(loaded)
+    bar, on_token = progress_bar(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
+    for item in item_list:
+        prompt = prompts[item.item_id]["prompt_tokens"]
+        started = time.perf_counter()
+        live = build_live(loaded.model, prompt, budgets.boundary, eos, loaded.tokenizer, on_token=on_token)
+        suffix = _continue(
+            loaded,
+            live.state,
+            live.prefix,
+            live.reasoning.stop,
+            budgets.suffix_tokens,
+            eos,
+            on_token,
+            readout_cue(prompts[item.item_id]),
+        )
+        recorder.add(
+            item,
+            len(prompt),
+            live.prefix,
+            live.reasoning.stop,
+            live.marker_match,
+            live.state,
+            suffix,
+            time.perf_counter() - started,
+        )
+        bar.update()
+    bar.close()
+    return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
+
+
+def run_construction_shard(
+    model_record: str | Path,
+    items_path: str | Path,
+    prompts_path: str | Path,
+    source_shard: str | Path,
+    construction: str,
+    spec: ShardSpec,
+    runtime: Runtime,
+    suffix_tokens: int,
+    store_root: str | Path,
+    out_path: str | Path,
+    source_store_root: str | Path | None = None,
+    store_caches: bool = True,
+) -> Path:
+    """Rebuild each boundary state of a live shard from its saved integer prefix, then continue.
+
+    Prefixes are read from ``source_store_root`` (default: the store written to), so the
+    audit can rebuild from the saved ledger into a separate store.
+    """
+    parse_construction(construction)
+    record = read_model_record(model_record)
+    items = {item.item_id: item for item in items_mod.load_items(items_path)}
+    prompts = prompt_rows_by_item(prompts_path)
+    source = read_table(source_shard, TRAJECTORY_SCHEMA).to_pylist()
+    if any(row["construction"] != "live" for row in source):
+        raise LedgerError(f"{source_shard} is not a live shard — rebuild constructions only from saved live prefixes")
+    store = ObjectStore(store_root)
+    source_store = ObjectStore(source_store_root or store_root)
+    loaded = load_checkpoint(record, runtime)
+    prefix_precision = source[0]["precision"] if source else spec.precision
+    recorder = ShardRecorder(loaded, record, spec, store, construction, prefix_precision, store_caches)
+    eos = eos_ids(loaded)
+    bar, on_token = progress_bar(len(source), f"{construction} {spec.precision} rep{spec.replica} shard {spec.shard}")
+    for row in source:
+        if row["model_fingerprint"] != record["fingerprint"]:
+            raise LedgerError(
+                f"item {row['item_id']}: saved prefix came from model {row['model_fingerprint']}, not {record['fingerprint']} — rerun the live stage for this checkpoint"
+            )
+        prefix = tuple(source_store.get_tokens(row["prefix_object"]))
+        started = time.perf_counter()
+        state = build_boundary_state(loaded.model, list(prefix), construction, row["prompt_length"])
+        suffix = _continue(
+            loaded,
+            state,
+            prefix,
+            row["boundary_reason"],
+            suffix_tokens,
+            eos,
+            on_token,
+            readout_cue(prompts[row["item_id"]]),
+        )
+        # The stage ended where the live run ended it: boundary and marker match are the source row's.
+        recorder.add(
+            items[row["item_id"]],
+            row["prompt_length"],
+            prefix,
+            row["boundary_reason"],
+            row["marker_match"],
+            state,
+            suffix,
+            time.perf_counter() - started,
+        )
+        bar.update()
+    bar.close()
+    return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
+
+
+def prompt_rows_by_item(prompts_path: str | Path) -> dict[str, dict]:
+    """The prompts table's rows (prompt tokens, readout cue and letters) by item id."""
+    return {row["item_id"]: row for row in read_table(prompts_path, PROMPT_SCHEMA).to_pylist()}
+
+
+def readout_cue(prompt_row: dict) -> ReadoutCue:
+    letters = items_mod.LETTERS[: len(prompt_row["readout_letter_tokens"])]
+    return ReadoutCue(tuple(prompt_row["readout_cue_tokens"]), letters, tuple(prompt_row["readout_letter_tokens"]))

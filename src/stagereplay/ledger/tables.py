@@ -1,0 +1,344 @@
+"""The ledger: a content-addressed object store and the Parquet tables that index it.
+
+Objects are safetensors files named by the fingerprint of the tensors they
+hold (``objects/ab/abcdef….safetensors``), so identical artifacts — a live
+cache and its bit-exact incremental twin — are stored once. Every object and
+every table is written to a temporary name and renamed into place, so an
+interrupted job never leaves anything that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import xxhash
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
+
+from stagereplay.atomic import atomic_write
+from stagereplay.ledger.fingerprint import fingerprint_tensors
+
+OBJECT_SUFFIX = ".safetensors"
+# Every table carries the digest of its rows in its Parquet metadata, so an edited cell is detectable.
+ROWS_DIGEST_KEY = b"stagereplay.rows_xxh3"
+
+
+def canonical_safetensors(data: bytes) -> bytes:
+    """The same safetensors file with its header in one fixed order, so equal content is equal bytes.
+
+    safetensors writes ``__metadata__`` in hash-map order, which differs between processes; the
+    tensor entries' offsets are relative to the end of the header, so re-serialising the header
+    (sorted metadata first, then the tensors in the order written, padded with spaces to 8 bytes as
+    safetensors itself pads) leaves the tensor bytes and their offsets as they are.
+    """
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    metadata = header.pop("__metadata__", None)
+    ordered = ({"__metadata__": dict(sorted(metadata.items()))} if metadata else {}) | header
+    text = json.dumps(ordered, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + length :]
+
+
+class LedgerError(RuntimeError):
+    """One-line message naming the problem and the fix."""
+
+
+class ObjectStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def path_for(self, object_id: str) -> Path:
+        if not is_object_id(object_id):
+            raise LedgerError(f"malformed object id {object_id!r} — ledger rows must name 32-hex-digit xxh3-128 ids")
+        return self.root / object_id[:2] / f"{object_id}{OBJECT_SUFFIX}"
+
+    def put(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], object_id: str | None = None) -> str:
+        """Store tensors (on host, contiguous) under their fingerprint; a no-op if already stored.
+
+        ``object_id`` skips rehashing when the caller has just fingerprinted the same tensors.
+        """
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+        object_id = object_id or fingerprint_tensors(tensors)
+        path = self.path_for(object_id)
+        if path.exists():
+            return object_id
+        metadata = {key: str(value) for key, value in metadata.items()}
+        data = canonical_safetensors(safetensors_bytes(tensors, metadata=metadata))
+        atomic_write(path, lambda temporary: temporary.write_bytes(data))
+        return object_id
+
+    def get(self, object_id: str) -> dict[str, torch.Tensor]:
+        """The tensors of an object, checked against its name: a corrupt object is never used."""
+        tensors = self.load_unchecked(object_id)
+        actual = fingerprint_tensors(tensors)
+        if actual != object_id:
+            raise LedgerError(
+                f"object {object_id} in {self.root} is corrupt (its content hashes to {actual}) — run stagereplay verify, delete it and rerun the workflow"
+            )
+        return tensors
+
+    def load_unchecked(self, object_id: str) -> dict[str, torch.Tensor]:
+        path = self.path_for(object_id)
+        if not path.exists():
+            raise LedgerError(f"object {object_id} missing from {self.root} — rerun the workflow to recreate it")
+        try:
+            # safetensors only: a header and raw buffers, never pickle.
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as error:
+            raise LedgerError(
+                f"object {object_id} in {self.root} is unreadable ({error}) — run stagereplay verify, delete it and rerun the workflow"
+            ) from None
+
+    def object_ids(self) -> list[str]:
+        """Every stored object, by id (temporary files of interrupted writes are not objects)."""
+        return sorted(
+            path.name.removesuffix(OBJECT_SUFFIX)
+            for path in self.root.glob(f"??/*{OBJECT_SUFFIX}")
+            if not path.name.startswith(".")
+        )
+
+    def put_tokens(self, tokens) -> str:
+        # The metadata says only what the content determines: one token list can be a prefix, a suffix
+        # and a transplant suffix at once, and whichever job stored it first must not decide its bytes.
+        return self.put({"tokens": torch.tensor(list(tokens), dtype=torch.int64)}, {"kind": "tokens"})
+
+    def get_tokens(self, object_id: str) -> list[int]:
+        return self.get(object_id)["tokens"].tolist()
+
+
+# What the numbers depend on besides the inputs (model.Environment, less the precision,
+# which is a key column): recorded in every trajectory and transplant row, compared by
+# the audit, listed in summary.json and on the results card.
+_ENVIRONMENT_FIELDS = (
+    ("device", pa.string()),
+    ("device_name", pa.string()),
+    ("cpu_capability", pa.string()),
+    ("threads", pa.int32()),
+    ("attn_implementation", pa.string()),
+    ("tf32", pa.bool_()),
+    ("bf16_reduced_precision_reduction", pa.bool_()),
+    ("fp16_reduced_precision_reduction", pa.bool_()),
+    ("sdpa_backends", pa.string()),
+    ("float32_matmul_precision", pa.string()),
+    ("deterministic", pa.bool_()),
+    ("torch_version", pa.string()),
+    ("transformers_version", pa.string()),
+    # Which engine ran the model ("transformers" or "llamacpp"), its version and its build options.
+    ("engine", pa.string()),
+    ("engine_version", pa.string()),
+    ("engine_build", pa.string()),
+)
+ENVIRONMENT_COLUMNS = tuple(name for name, _ in _ENVIRONMENT_FIELDS)
+
+# One row per (item, checkpoint, precision, construction, replica, prefix precision):
+# a boundary state and its continuation. ``prefix_precision`` names the live run
+# whose saved integer prefix was rebuilt (for ``live`` rows: its own precision).
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        ("checkpoint", pa.string()),
+        ("precision", pa.string()),
+        ("construction", pa.string()),
+        ("replica", pa.int32()),
+        ("prefix_precision", pa.string()),
+        ("item_id", pa.string()),
+        ("model_fingerprint", pa.string()),
+        ("prompt_length", pa.int32()),
+        ("prefix_length", pa.int32()),
+        ("boundary_reason", pa.string()),
+        ("marker_match", pa.string()),  # "token_ids" or "text" when the stage ended at the marker, else null
+        ("reasoning_text", pa.string()),
+        ("prefix_object", pa.string()),
+        ("cache_object", pa.string()),
+        ("cache_positions", pa.int32()),
+        ("layer_k", pa.list_(pa.string())),
+        ("layer_v", pa.list_(pa.string())),
+        ("suffix_object", pa.string()),
+        ("suffix_tokens", pa.list_(pa.int64())),
+        ("suffix_margins", pa.list_(pa.float32())),
+        ("suffix_stop", pa.string()),
+        ("suffix_text", pa.string()),
+        ("answer", pa.string()),
+        ("parsed", pa.bool_()),
+        ("correct", pa.bool_()),
+        # Forced-choice readout: the cue fed after the continuation, the highest-logit choice letter,
+        # and its logit lead over the runner-up letter. Every trajectory has one (never unparsable).
+        ("readout_answer", pa.string()),
+        ("readout_correct", pa.bool_()),
+        ("readout_margin", pa.float32()),
+        *_ENVIRONMENT_FIELDS,
+        ("model_seconds", pa.float64()),
+    ]
+)
+
+_PER_LAYER = pa.list_(pa.float64())
+
+# One row per compared pair of trajectories of one item (E1 live vs prefill and
+# replicas, E2 incremental vs other constructions, E3 incremental vs live).
+COMPARISON_SCHEMA = pa.schema(
+    [
+        ("experiment", pa.string()),
+        ("relation", pa.string()),  # "construction" or "replica"
+        ("checkpoint", pa.string()),
+        ("precision", pa.string()),
+        ("item_id", pa.string()),
+        ("a", pa.string()),  # side labels, e.g. "live/bf16/rep0", "prefill/fp32/rep0<-bf16"
+        ("b", pa.string()),
+        ("boundary_reason", pa.string()),
+        ("prefix_length", pa.int32()),
+        ("prefix_equal", pa.bool_()),
+        ("cache_exact", pa.bool_()),
+        ("layers_differ", pa.int32()),
+        ("first_differing_layer", pa.int32()),
+        ("first_differing_kv", pa.string()),
+        ("k_max_abs", _PER_LAYER),
+        ("k_mean_abs", _PER_LAYER),
+        ("k_fraction_differ", _PER_LAYER),
+        ("v_max_abs", _PER_LAYER),
+        ("v_mean_abs", _PER_LAYER),
+        ("v_fraction_differ", _PER_LAYER),
+        ("suffix_differs", pa.bool_()),
+        ("first_divergence", pa.int32()),
+        ("a_margin_at_divergence", pa.float32()),
+        ("b_margin_at_divergence", pa.float32()),
+        ("a_token_at_divergence", pa.int64()),
+        ("b_token_at_divergence", pa.int64()),
+        ("a_correct", pa.bool_()),
+        ("b_correct", pa.bool_()),
+        ("a_parsed", pa.bool_()),
+        ("b_parsed", pa.bool_()),
+        ("a_readout_correct", pa.bool_()),  # the forced-choice readout's label of each side
+        ("b_readout_correct", pa.bool_()),
+        ("label_differs", pa.bool_()),
+        ("trajectory_exact", pa.bool_()),  # prefix, every cache layer and suffix fingerprints agree
+    ]
+)
+
+# One row per transplant: a donor's cache (part of it) in a recipient's state, continued.
+TRANSPLANT_SCHEMA = pa.schema(
+    [
+        ("selection", pa.string()),  # "selected", "outcome_blind" or "cross_precision"
+        ("checkpoint", pa.string()),
+        ("item_id", pa.string()),
+        ("divergent", pa.bool_()),  # did the donor's and the recipient's own suffixes differ?
+        ("donor", pa.string()),  # side labels as in the comparisons table
+        ("recipient", pa.string()),
+        ("precision", pa.string()),  # of the continuation (the recipient's)
+        ("subset", pa.string()),  # e.g. "layers=0-29 kv=kv positions=all"
+        ("layers", pa.list_(pa.int32())),
+        ("kv", pa.string()),
+        ("last_positions", pa.int32()),
+        ("outcome", pa.string()),  # follows_donor, follows_recipient or neither
+        ("first_divergence_vs_donor", pa.int32()),
+        ("first_divergence_vs_recipient", pa.int32()),
+        ("cache_digest", pa.string()),
+        ("layer_k", pa.list_(pa.string())),
+        ("layer_v", pa.list_(pa.string())),
+        ("suffix_object", pa.string()),
+        ("suffix_tokens", pa.list_(pa.int64())),
+        ("suffix_stop", pa.string()),
+        ("model_fingerprint", pa.string()),
+        *_ENVIRONMENT_FIELDS,
+    ]
+)
+
+# One row per checkpoint and item: the integers every stage (and the audit) starts from.
+PROMPT_SCHEMA = pa.schema(
+    [
+        ("item_id", pa.string()),
+        ("prompt_tokens", pa.list_(pa.int64())),
+        ("prompt_fingerprint", pa.string()),
+        # The forced-choice readout's cue and the token of each choice letter (A, B, ...), tokenized
+        # here with the prompt so every job (and the audit) reads the same integers.
+        ("readout_cue_tokens", pa.list_(pa.int64())),
+        ("readout_letter_tokens", pa.list_(pa.int64())),
+    ]
+)
+
+# One row per audited artifact (E4): a saved fingerprint against its recomputation.
+AUDIT_SCHEMA = pa.schema(
+    [
+        ("kind", pa.string()),  # trajectory, comparison, transplant, selection or model
+        ("artifact", pa.string()),  # prefix, cache, layer_k, layer_v, suffix, label, comparison, ...
+        ("checkpoint", pa.string()),
+        ("item_id", pa.string()),
+        (
+            "side",
+            pa.string(),
+        ),  # the row's label, e.g. "live/bf16/rep0" or "selected: live/bf16/rep0 -> prefill/bf16/rep0<-bf16"
+        ("reproduced", pa.bool_()),
+        ("saved", pa.string()),  # the saved fingerprint (or value) of the first difference
+        ("audited", pa.string()),
+        ("first_differing_layer", pa.int32()),
+        ("first_differing_position", pa.int32()),
+        ("detail", pa.string()),
+        ("environment_differs", pa.bool_()),  # device, threads, attention or versions differ from the saved row
+        ("environment", pa.string()),  # e.g. "threads 1 -> 2"
+    ]
+)
+
+# The columns that identify a row: no two rows of a table share them (verify, the audit and the
+# comparisons look rows up by them).
+TRAJECTORY_KEY = ("checkpoint", "construction", "precision", "prefix_precision", "replica", "item_id")
+COMPARISON_KEY = ("experiment", "relation", "checkpoint", "precision", "item_id", "a", "b")
+TRANSPLANT_KEY = ("selection", "checkpoint", "item_id", "donor", "recipient", "precision", "subset")
+
+
+def row_key(row: dict, columns: tuple[str, ...]) -> tuple:
+    return tuple(row[name] for name in columns)
+
+
+SCHEMAS = {
+    "trajectories": TRAJECTORY_SCHEMA,
+    "comparisons": COMPARISON_SCHEMA,
+    "transplants": TRANSPLANT_SCHEMA,
+    "prompts": PROMPT_SCHEMA,
+    "audit": AUDIT_SCHEMA,
+}
+
+
+def is_object_id(text: str) -> bool:
+    return isinstance(text, str) and len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
+def rows_digest(table: pa.Table) -> str:
+    """xxh3-128 over the rows as canonical JSON: the same for any chunking or file layout."""
+    canonical = json.dumps(table.to_pylist(), sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(canonical.encode())
+
+
+def stored_rows_digest(table: pa.Table) -> str | None:
+    metadata = table.schema.metadata or {}
+    digest = metadata.get(ROWS_DIGEST_KEY)
+    return digest.decode() if digest is not None else None
+
+
+def write_table(rows: list[dict], schema: pa.Schema, path: str | Path) -> Path:
+    """Write rows as Parquet with ``schema`` and the digest of its rows, atomically."""
+    table = pa.Table.from_pylist(rows, schema=schema)
+    # The digest is taken after conversion (float32 rounding included), so reading back reproduces it.
+    table = table.replace_schema_metadata({ROWS_DIGEST_KEY: rows_digest(table).encode()})
+    return atomic_write(path, lambda temporary: pq.write_table(table, temporary))
+
+
+def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
+    path = Path(path)
+    if not path.exists():
+        raise LedgerError(f"ledger table {path} not found — run the workflow to create it")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as error:
+        raise LedgerError(f"ledger table {path} is unreadable ({error}) — delete it and rerun the workflow") from None
+    if schema is not None and not table.schema.equals(schema):
+        raise LedgerError(f"ledger table {path} does not have the expected schema — rerun the workflow to rebuild it")
+    return table
+
+
+def concat_tables(paths: list[str | Path], schema: pa.Schema) -> pa.Table:
+    tables = [read_table(path, schema) for path in paths]
+    return pa.concat_tables(tables) if tables else schema.empty_table()

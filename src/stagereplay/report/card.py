@@ -1,0 +1,414 @@
+"""The results card: every figure of a run in the paper's terms, its provenance, and a plain reading.
+
+The card is rendered, never typed and never computed: its figures, their Wilson
+95% intervals and E1's paired tests are read from summary.json (itself computed
+from the ledger tables); every interval names the method that produced it. The
+reading is generated in reading.py, the Markdown and HTML written in render.py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from stagereplay.atomic import atomic_write_text
+from stagereplay.report.item_view import ItemRecord
+from stagereplay.report.reading import AUDIT_HOW, reading
+from stagereplay.report.render import experiment_name, percent, points, to_html, to_markdown
+from stagereplay.report.stamp import stamp
+
+WILSON = "Wilson score 95%"
+NOT_RUN = "not run"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the card's table."""
+
+    experiment: str  # "E1 matched (bf16)"
+    figure: str  # what is counted, in the paper's terms
+    count: str  # "3/4" (or the counts a difference is made of)
+    estimate: str  # "75.0%", "+25.0 pts", "p = 1.000"
+    interval: str  # "[30.1%, 95.4%]"
+    method: str  # how the estimate and interval were computed
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a reader needs to rerun the figures: the model, the items, the environment."""
+
+    version: str
+    item_source: str
+    item_count: int
+    item_digest: str
+    models: list[dict]  # model.json records, each with its checkpoint name
+    environment: list[dict]  # summary.json's environment entries
+
+
+NOT_MEASURED = "not measured"
+
+
+def proportion(experiment: str, figure: str, counted: dict) -> Figure:
+    """A row for one x/N of summary.json (count, n, rate, wilson95)."""
+    count, n = counted["count"], counted["n"]
+    if n == 0:  # nothing was observed: never a success, never a failure
+        return Figure(experiment, figure, "0/0", NOT_MEASURED, "—", "no observations (n = 0)")
+    low, high = counted["wilson95"]
+    return Figure(
+        experiment, figure, f"{count}/{n}", percent(counted["rate"]), f"[{percent(low)}, {percent(high)}]", WILSON
+    )
+
+
+def not_run(experiment: str, how: str) -> Figure:
+    return Figure(experiment, NOT_RUN, "—", "—", "—", how)
+
+
+# --- E1 ---------------------------------------------------------------------------------
+
+
+# The two labelings of summary.json's E1 `labelings`, in its order, as the card names them.
+LABELING_NAMES = {"parsed": "parsed", "readout": "readout"}
+
+
+def e1_figures(summary: dict) -> list[Figure]:
+    figures = []
+    for checkpoint, e1 in summary["E1"]["checkpoints"].items():
+        name = experiment_name("E1 matched", e1["precision"], checkpoint, summary)
+        figures += [
+            proportion(name, "suffixes that differ, live vs prefill", e1["suffixes_differ"]),
+            proportion(name, "boundary caches that differ", e1["caches_differ"]),
+        ]
+        for key, labeling in e1["labelings"].items():
+            label = LABELING_NAMES[key]
+            figures += [
+                proportion(name, f"correctness labels that differ ({label})", labeling["labels_differ"]),
+                proportion(name, f"accuracy, live ({label})", labeling["accuracy"]["live"]),
+                proportion(name, f"accuracy, prefill ({label})", labeling["accuracy"]["prefill"]),
+            ]
+            if key == "parsed":  # the readout always yields a letter: only the parsed labeling has unparsable answers
+                figures += [
+                    proportion(name, "unparsable answers, live (parsed)", e1["unparsable_proportion"]["live"]),
+                    proportion(name, "unparsable answers, prefill (parsed)", e1["unparsable_proportion"]["prefill"]),
+                ]
+        for side in ("live", "prefill"):
+            figures.append(proportion(name, f"exact replicas, {side}", e1["replicas_exact"][side]))
+        if e1["items"]:
+            for key, labeling in e1["labelings"].items():
+                figures += paired_figures(name, e1["items"], labeling, LABELING_NAMES[key])
+    return figures
+
+
+def paired_figures(name: str, n: int, labeling: dict, label: str) -> list[Figure]:
+    """One labeling's accuracy difference live − prefill by three interval methods, and the exact McNemar test."""
+    counted = f"({labeling['accuracy']['live']['count']} − {labeling['accuracy']['prefill']['count']})/{n}"
+    figure = f"accuracy difference, live − prefill ({label})"
+    paired = labeling["paired_difference"]
+    figures = []
+    for method in (paired, paired["newcombe"], paired["wald"]):
+        low, high = method["ci95"]
+        figures.append(
+            Figure(
+                name,
+                figure,
+                counted,
+                f"{points(method['live_minus_prefill'])} pts",
+                f"[{points(low)}, {points(high)}] pts",
+                method["method"],
+            )
+        )
+    mcnemar = paired["mcnemar"]
+    figures.append(
+        Figure(
+            name,
+            f"equal accuracy (discordant pairs live-only : prefill-only) ({label})",
+            f"{mcnemar['live_only_correct']} : {mcnemar['prefill_only_correct']}",
+            f"p = {mcnemar['p_value']:.3f}",
+            "—",
+            mcnemar["method"],
+        )
+    )
+    return figures
+
+
+# --- E2, E3 -----------------------------------------------------------------------------
+
+
+def e2_figures(summary: dict) -> list[Figure]:
+    figures = []
+    for checkpoint, e2 in summary["E2"]["checkpoints"].items():
+        for precision, arms in e2["precisions"].items():
+            name = experiment_name("E2 fixed_prefix", precision, checkpoint, summary)
+            for arm, figure in arms.items():
+                other = arm.removeprefix("incremental_vs_")
+                counted = figure["decoded_disagreements"]
+                figures += [
+                    proportion(name, f"decoded disagreements, incremental vs {other}", counted),
+                    proportion(name, f"labels that differ, incremental vs {other}", figure["labels_differ"]),
+                    proportion(name, f"caches that differ, incremental vs {other}", figure["caches_differ"]),
+                ]
+                if figure["median_first_divergence"] is not None:
+                    figures.append(
+                        Figure(
+                            name,
+                            f"median first divergent position, incremental vs {other}",
+                            f"{counted['count']} divergent",
+                            f"token {figure['median_first_divergence']:g}",
+                            "—",
+                            "median over the divergent suffixes",
+                        )
+                    )
+    return figures or [not_run("E2 fixed_prefix", "no fixed_prefix.precisions in the config")]
+
+
+def e3_figures(summary: dict) -> list[Figure]:
+    figures = []
+    for checkpoint, e3 in summary["E3"]["checkpoints"].items():
+        for precision, figure in e3["precisions"].items():
+            name = experiment_name("E3 bridge", precision, checkpoint, summary)
+            figures += [
+                proportion(name, "caches bit-exact, incremental vs live", figure["bit_exact"]),
+                proportion(name, "suffixes identical, incremental vs live", figure["suffixes_identical"]),
+            ]
+    return figures or [not_run("E3 bridge", "no fixed_prefix.precisions in the config")]
+
+
+# --- E4, E5 (optional: present only when their rules ran) --------------------------------
+
+
+def e4_figures(e4: dict | None) -> list[Figure]:
+    if e4 is None:
+        return [not_run("E4 audit", AUDIT_HOW)]
+    name = "E4 audit"
+    figures = [proportion(name, "trajectories reproduced from the saved ledger", e4["trajectories"])]
+    for kind, counted in sorted(e4.get("artifacts", {}).items()):
+        figures.append(proportion(name, f"{kind} fingerprints reproduced", counted))
+    return figures
+
+
+def e5_figures(e5: dict | None) -> list[Figure]:
+    if e5 is None:
+        return [not_run("E5 transplant", "transplant.enabled is false in the config")]
+    name = "E5 transplant"
+    figures = []
+    for key, figure in e5["all_layers"].items():
+        figures.append(proportion(name, f"all layers, {key}: follow the donor", figure["follows_donor"]))
+        figures.append(
+            proportion(name, f"all layers, {key}: follow the recipient", figure["follows_recipient_proportion"])
+        )
+        figures.append(proportion(name, f"all layers, {key}: follow neither", figure["neither_proportion"]))
+        for direction, counted in figure["by_direction_follows_donor"].items():
+            figures.append(proportion(name, f"all layers, {key}, {direction}: follow the donor", counted))
+    for entry in e5["sweep"]:
+        counted = {
+            "count": entry["follows_donor"],
+            "n": entry["n"],
+            "rate": entry["fraction"],
+            "wilson95": entry["wilson95"],
+        }
+        figures.append(proportion(name, f"sweep {entry['subset']}: follow the donor", counted))
+    cross = e5["cross_precision"]
+    for precision, counted in cross["divergence_survives_cast"].items():
+        figures.append(
+            proportion(
+                name,
+                f"cross precision, at {precision}: continuations from the cast live and cast prefill caches differ"
+                " (the divergence survives the cast)",
+                counted,
+            )
+        )
+    for direction, counted in cross["follows_donor"].items():
+        figures.append(
+            proportion(
+                name,
+                f"cross precision {direction}: follow the donor's own suffix (decoded at the donor's precision, so"
+                " this mixes the cache with the precision)",
+                counted,
+            )
+        )
+    return figures or [
+        Figure(
+            name,
+            "all layers: follow the donor",
+            "0/0",
+            "—",
+            "—",
+            "no divergent item to transplant (counted on divergent items only)",
+        )
+    ]
+
+
+def all_figures(summary: dict) -> list[Figure]:
+    return (
+        e1_figures(summary)
+        + e2_figures(summary)
+        + e3_figures(summary)
+        + e4_figures(summary.get("E4"))
+        + e5_figures(summary.get("E5"))
+    )
+
+
+# --- provenance and the document ----------------------------------------------------------
+
+
+def provenance(summary: dict, item_source: str, items_path: str | Path, model_records: dict[str, dict]) -> Provenance:
+    items = Path(items_path).read_bytes()
+    return Provenance(
+        version=summary["stagereplay_version"],
+        item_source=item_source,
+        item_count=sum(1 for line in items.splitlines() if line.strip()),
+        item_digest=xxhash.xxh3_128(items).hexdigest(),
+        models=[{"checkpoint": name, **record} for name, record in model_records.items()],
+        environment=summary["environment"],
+    )
+
+
+ENVIRONMENT_COLUMNS = [
+    ("checkpoint", "checkpoint"),
+    ("precision", "precision"),
+    ("device", "device"),
+    ("device_name", "device name"),
+    ("cpu_capability", "CPU kernels"),
+    ("threads", "threads"),
+    ("attn_implementation", "attention"),
+    ("tf32", "TF32"),
+    ("bf16_reduced_precision_reduction", "bf16 reduced-precision reduction"),
+    ("fp16_reduced_precision_reduction", "fp16 reduced-precision reduction"),
+    ("sdpa_backends", "SDPA backends"),
+    ("float32_matmul_precision", "fp32 matmul precision"),
+    ("deterministic", "deterministic"),
+    ("torch_version", "torch"),
+    ("transformers_version", "transformers"),
+    ("engine", "engine"),
+    ("engine_version", "engine version"),
+    ("engine_build", "engine build"),
+    ("model_fingerprint", "model fingerprint"),
+]
+FIGURE_COLUMNS = ["Experiment", "Figure", "Count / N", "Estimate", "95% interval", "Method"]
+
+
+# The card's blocks, written as Markdown and as HTML by render.py.
+def document(figures: list[Figure], prov: Provenance, lines_of_reading: list[str]) -> list[tuple]:
+    return [
+        ("heading", 1, "stagereplay results card"),
+        (
+            "paragraph",
+            "Live KV cache versus one-shot prefill of the same tokens. Every number below is computed from"
+            " this ledger (summary.json and tables/*.parquet) by `stagereplay report`; nothing is typed in.",
+        ),
+        ("heading", 2, "Figures"),
+        (
+            "table",
+            FIGURE_COLUMNS,
+            [[f.experiment, f.figure, f.count, f.estimate, f.interval, f.method] for f in figures],
+        ),
+        ("heading", 2, "Reading: what this run shows and does not show"),
+        ("bullets", lines_of_reading),
+        ("heading", 2, "Provenance"),
+        (
+            "bullets",
+            [
+                f"stagereplay {prov.version}",
+                f"items: {prov.item_count} from `{prov.item_source}` (normalised items.jsonl, xxh3-128 {prov.item_digest})",
+                *[
+                    f"model `{model['checkpoint']}`: source {model['source']}, fingerprint {model['fingerprint']}"
+                    for model in prov.models
+                ],
+                f"precisions: {', '.join(sorted({entry['precision'] for entry in prov.environment}))}",
+                *[
+                    f"`{checkpoint}` ran on {version}: its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped (not converted), so its fp16/fp32 rows are not a transformers fp16/fp32 run"
+                    for checkpoint, version in sorted(
+                        {
+                            (entry["checkpoint"], entry["engine_version"])
+                            for entry in prov.environment
+                            if entry.get("engine") == "llamacpp"
+                        }
+                    )
+                ],
+            ],
+        ),
+        (
+            "table",
+            [title for _, title in ENVIRONMENT_COLUMNS],
+            [[entry[key] for key, _ in ENVIRONMENT_COLUMNS] for entry in prov.environment],
+        ),
+    ]
+
+
+def results_card(summary: dict, prov: Provenance) -> list[tuple]:
+    return document(all_figures(summary), prov, reading(summary, prov))
+
+
+# The card's plots (plots.PLOT_FILES), in the order shown, with what each one shows.
+PLOT_CAPTIONS = {
+    "first_divergence": "First divergent suffix position, per arm and precision",
+    "margin_at_divergence": "Top-1 minus top-2 logit margin at the first divergence",
+    "layer_cache_difference": "Per-layer boundary-cache difference between constructions",
+    "transplant_follow_donor": "E5: fraction of transplants that follow the donor, per layer subset",
+    "accuracy": "Accuracy of each side (parsed and readout labelings), Wilson 95%",
+}
+
+
+def plot_blocks(plots: dict[str, Path], card_path: str | Path) -> list[tuple]:
+    """The plots as ("image", caption, PNG bytes, path relative to the card) blocks."""
+    if not plots:
+        return []
+    folder = Path(card_path).resolve().parent
+    return [("heading", 2, "Plots")] + [
+        ("image", PLOT_CAPTIONS.get(name, name), Path(path).read_bytes(), os.path.relpath(Path(path).resolve(), folder))
+        for name, path in plots.items()
+    ]
+
+
+def item_blocks(records: list[ItemRecord]) -> list[tuple]:
+    """The per-item view, one section per checkpoint: its records with their per-layer plots."""
+    from stagereplay.report.plots import item_layer_difference_png
+
+    if not records:
+        return []
+    blocks: list[tuple] = [("heading", 2, "Per item: where the live and prefill continuations part")]
+    for checkpoint in dict.fromkeys(record.checkpoint for record in records):
+        chosen = [record for record in records if record.checkpoint == checkpoint]
+        divergent = sum(record.divergent for record in chosen)
+        blocks.append(
+            (
+                "paragraph",
+                f"E1 live vs prefill ({chosen[0].precision}, checkpoint `{checkpoint}`): {divergent}/{len(chosen)}"
+                " items whose suffixes differ, earliest first divergence first; then the"
+                f" {len(chosen) - divergent}/{len(chosen)} whose suffixes agree. Labels: parsed `Answer: X` and"
+                " the forced-choice readout, as in the figures.",
+            )
+        )
+        plots = {
+            record.item_id: item_layer_difference_png(
+                record.k_max_abs, record.v_max_abs, record.k_mean_abs, record.v_mean_abs
+            )
+            for record in chosen
+            if record.divergent
+        }
+        blocks.append(("items", chosen, plots))
+    return blocks
+
+
+def write_results_card(
+    summary: dict,
+    prov: Provenance,
+    markdown_path: str | Path,
+    html_path: str | Path | None = None,
+    summary_bytes: bytes | None = None,
+    plots: dict[str, Path] | None = None,
+    items: list[ItemRecord] | None = None,
+) -> Path:
+    """Both cards, stamped with the summary.json bytes they come from (unstamped without them:
+    `stagereplay verify` then says so), so an edited or outdated card is caught. ``plots`` (written
+    before) are linked from the Markdown and inlined into the HTML; ``items`` is the per-item view."""
+    blocks = results_card(summary, prov) + plot_blocks(plots or {}, markdown_path) + item_blocks(items or [])
+
+    def stamped(text: str) -> str:
+        return text if summary_bytes is None else stamp(text, summary_bytes)
+
+    if html_path is not None:
+        atomic_write_text(html_path, stamped(to_html(blocks)))
+    return atomic_write_text(markdown_path, stamped(to_markdown(blocks)))

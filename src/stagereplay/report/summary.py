@@ -1,0 +1,348 @@
+"""From the ledger tables to the figures in summary.json: E1, E2 and E3 per checkpoint, and E5.
+
+This is the one step that computes statistics: every x/N with its Wilson interval, and E1's
+paired accuracy difference by bootstrap, Newcombe and Wald beside the exact McNemar test. The
+card, its reading and the plots only render what is here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+
+from stagereplay.atomic import atomic_write_text
+from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS
+from stagereplay.report.stats import (
+    mcnemar_exact,
+    paired_difference_ci,
+    paired_difference_newcombe,
+    paired_difference_wald,
+    wilson_interval,
+)
+
+BOOTSTRAP = {"confidence": 0.95, "n_resamples": 10000, "seed": 0}
+NEWCOMBE = "Newcombe hybrid score 95% (1998, method 10)"
+WALD = "Wald 95% for paired proportions"
+MCNEMAR = "exact McNemar (two-sided binomial test on the discordant pairs)"
+
+
+def proportion(count: int, n: int) -> dict:
+    """x/N with its Wilson interval; with n = 0 nothing was observed, so it is marked not measured."""
+    low, high = wilson_interval(count, n) if n else (None, None)
+    return {
+        "count": int(count),
+        "n": int(n),
+        "rate": count / n if n else None,
+        "wilson95": [low, high],
+        "measured": n > 0,
+    }
+
+
+def _rows(comparisons: pa.Table, experiment: str, relation: str = "construction") -> list[dict]:
+    return [row for row in comparisons.to_pylist() if row["experiment"] == experiment and row["relation"] == relation]
+
+
+def checkpoint_order(comparisons: pa.Table) -> list[str]:
+    """The primary checkpoint (the one E3 ran on) first, then the others by name."""
+    names = {row["checkpoint"] for row in comparisons.select(["checkpoint"]).to_pylist()}
+    primary = sorted({row["checkpoint"] for row in _rows(comparisons, "E3")})
+    return primary + sorted(names - set(primary))
+
+
+def per_checkpoint(comparisons: pa.Table, experiment: str, figures) -> dict:
+    """``figures`` of each checkpoint's own rows: two models' rows are never pooled."""
+    grouped: dict[str, list[dict]] = defaultdict(list)
+    for row in comparisons.to_pylist():
+        if row["experiment"] == experiment:
+            grouped[row["checkpoint"]].append(row)
+    return {
+        checkpoint: figures(grouped[checkpoint])
+        for checkpoint in checkpoint_order(comparisons)
+        if checkpoint in grouped
+    }
+
+
+# The two correctness labels of every trajectory: the parsed "Answer: X" line (no such line counts as
+# wrong) and the forced-choice readout after the answer cue (every trajectory has one).
+LABELINGS = {
+    "parsed": ("a_correct", "b_correct"),
+    "readout": ("a_readout_correct", "b_readout_correct"),
+}
+
+
+def e1_figures(rows: list[dict]) -> dict:
+    """E1 of one checkpoint, from its construction and replica rows."""
+    pairs = [row for row in rows if row["relation"] == "construction"]
+    n = len(pairs)
+    replicas: dict[str, list[bool]] = defaultdict(list)
+    for row in rows:
+        if row["relation"] == "replica":
+            replicas[row["a"].split("/")[0]].append(row["trajectory_exact"])
+    labelings = {
+        name: labeling_figures([row[a] for row in pairs], [row[b] for row in pairs])
+        for name, (a, b) in LABELINGS.items()
+    }
+    parsed = labelings["parsed"]
+    figures = {
+        "pair": sorted({f"{row['a']} vs {row['b']}" for row in pairs}),
+        "precision": pairs[0]["precision"] if pairs else None,
+        "items": n,
+        "caches_differ": proportion(sum(not row["cache_exact"] for row in pairs), n),
+        "suffixes_differ": proportion(sum(row["suffix_differs"] for row in pairs), n),
+        # The parsed labeling's figures, under their original keys; both labelings under `labelings`.
+        "labels_differ": parsed["labels_differ"],
+        "accuracy": parsed["accuracy"],
+        "labelings": labelings,
+        "unparsable": {
+            "live": int(sum(not row["a_parsed"] for row in pairs)),
+            "prefill": int(sum(not row["b_parsed"] for row in pairs)),
+        },
+        "unparsable_proportion": {
+            "live": proportion(sum(not row["a_parsed"] for row in pairs), n),
+            "prefill": proportion(sum(not row["b_parsed"] for row in pairs), n),
+        },
+        "boundary_reasons": dict(Counter(row["boundary_reason"] for row in pairs)),
+        # Replicas that reproduced their side exactly; n = 0 (one replica) is "not measured", never "all exact".
+        "replicas_exact": {
+            side: proportion(sum(replicas.get(side, [])), len(replicas.get(side, []))) for side in ("live", "prefill")
+        },
+    }
+    if n:
+        figures["paired_difference"] = parsed["paired_difference"]
+    return figures
+
+
+def labeling_figures(live: list[bool], prefill: list[bool]) -> dict:
+    """One labeling of the E1 pairs: accuracy of each side, labels that differ, the paired difference."""
+    n = len(live)
+    figures = {
+        "accuracy": {"live": proportion(sum(live), n), "prefill": proportion(sum(prefill), n)},
+        "labels_differ": proportion(sum(a != b for a, b in zip(live, prefill)), n),
+    }
+    if n:
+        difference, low, high = paired_difference_ci(live, prefill, **BOOTSTRAP)
+        live_only, prefill_only, p_value = mcnemar_exact(live, prefill)
+        figures["paired_difference"] = {
+            "live_minus_prefill": difference,
+            "ci95": [low, high],
+            "method": "paired percentile bootstrap, 10000 resamples, seed 0",
+            "discordant": {
+                "live_only_correct": int(sum(a and not b for a, b in zip(live, prefill))),
+                "prefill_only_correct": int(sum(b and not a for a, b in zip(live, prefill))),
+            },
+            **{
+                key: _difference(function(live, prefill), method)
+                for key, function, method in (
+                    ("newcombe", paired_difference_newcombe, NEWCOMBE),
+                    ("wald", paired_difference_wald, WALD),
+                )
+            },
+            "mcnemar": {
+                "live_only_correct": live_only,
+                "prefill_only_correct": prefill_only,
+                "p_value": float(p_value),
+                "method": MCNEMAR,
+            },
+        }
+    return figures
+
+
+def _difference(result: tuple[float, float, float], method: str) -> dict:
+    difference, low, high = result
+    return {"live_minus_prefill": float(difference), "ci95": [float(low), float(high)], "method": method}
+
+
+def e2_figures(rows: list[dict]) -> dict:
+    """One checkpoint's E2: per precision and construction, decoded disagreements with incremental."""
+    grouped: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for row in rows:
+        grouped[(row["precision"], row["b"].split("/")[0])].append(row)
+    by_precision: dict[str, dict] = defaultdict(dict)
+    for (precision, construction), group in sorted(grouped.items()):
+        n = len(group)
+        by_precision[precision][f"incremental_vs_{construction}"] = {
+            "decoded_disagreements": proportion(sum(row["suffix_differs"] for row in group), n),
+            "labels_differ": proportion(sum(row["label_differs"] for row in group), n),
+            "caches_differ": proportion(sum(not row["cache_exact"] for row in group), n),
+            "accuracy": {
+                group[0][column].split("/")[0]: proportion(sum(row[f"{column}_correct"] for row in group), n)
+                for column in ("a", "b")
+            },
+            "median_first_divergence": _median([row["first_divergence"] for row in group if row["suffix_differs"]]),
+        }
+    return {"precisions": dict(by_precision)}
+
+
+def e3_figures(rows: list[dict]) -> dict:
+    """One checkpoint's E3: per precision, is token-by-token incremental bit-exact with the retained live cache?"""
+    grouped: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        grouped[row["precision"]].append(row)
+    figures = {}
+    for precision, group in sorted(grouped.items()):
+        not_exact = [row for row in group if not row["cache_exact"]]
+        figures[precision] = {
+            "bit_exact": proportion(len(group) - len(not_exact), len(group)),
+            "suffixes_identical": proportion(sum(not row["suffix_differs"] for row in group), len(group)),
+            "not_exact": [
+                {
+                    "item_id": row["item_id"],
+                    "first_differing_layer": row["first_differing_layer"],
+                    "kv": row["first_differing_kv"],
+                }
+                for row in not_exact
+            ],
+        }
+    return {"precisions": figures}
+
+
+def _median(values: list[int]) -> float | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    middle = len(ordered) // 2
+    return float(ordered[middle]) if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def environment(trajectories: pa.Table) -> list[dict]:
+    columns = ["checkpoint", "precision", *ENVIRONMENT_COLUMNS, "model_fingerprint"]
+    unique = {tuple(row.items()) for row in trajectories.select(columns).to_pylist()}
+    return [dict(entry) for entry in sorted(unique)]
+
+
+def _is_all_layers(row: dict) -> bool:
+    """Every layer of the row's own model (checkpoints may differ in depth), K and V, every position."""
+    return row["kv"] == "kv" and row["last_positions"] is None and len(row["layers"]) == len(row["layer_k"])
+
+
+def _follows_donor(rows: list[dict]) -> dict:
+    return proportion(sum(row["outcome"] == "follows_donor" for row in rows), len(rows))
+
+
+def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
+    """Follows-donor counts over divergent items: all layers per selection, the sweep, cross-precision."""
+    every = transplants.to_pylist()
+    rows = [row for row in every if row["divergent"]]
+    figures: dict = {"name": "transplant", "counted": "divergent items only (donor and recipient suffixes differ)"}
+    blind = sorted({row["checkpoint"] for row in every if row["selection"] == "outcome_blind"})
+    if blind:
+        figures["outcome_blind_checkpoint"] = (
+            f"the outcome-blind replication uses the primary checkpoint {primary!r} again (no second checkpoint is"
+            " configured): it repeats the test on a seeded sample, not on a later checkpoint"
+            if blind == [primary]
+            else f"outcome-blind replication on checkpoint {', '.join(map(repr, blind))}"
+        )
+    all_layers: dict[str, dict] = {}
+    for selection in ("selected", "outcome_blind"):
+        for checkpoint in sorted({row["checkpoint"] for row in rows if row["selection"] == selection}):
+            chosen = [
+                row
+                for row in rows
+                if row["selection"] == selection and row["checkpoint"] == checkpoint and _is_all_layers(row)
+            ]
+            all_layers[f"{selection}/{checkpoint}"] = {
+                "follows_donor": _follows_donor(chosen),
+                "follows_recipient": int(sum(row["outcome"] == "follows_recipient" for row in chosen)),
+                "neither": int(sum(row["outcome"] == "neither" for row in chosen)),
+                "by_direction": {
+                    direction: f"{sum(r['outcome'] == 'follows_donor' for r in group)}/{len(group)}"
+                    for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
+                },
+                "follows_recipient_proportion": proportion(
+                    sum(row["outcome"] == "follows_recipient" for row in chosen), len(chosen)
+                ),
+                "neither_proportion": proportion(sum(row["outcome"] == "neither" for row in chosen), len(chosen)),
+                "by_direction_follows_donor": {
+                    direction: _follows_donor(group)
+                    for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
+                },
+            }
+    figures["all_layers"] = all_layers
+    sweep_rows = [row for row in rows if row["selection"] == "selected"]
+    sweep = []
+    for subset, group in _group(sweep_rows, lambda r: r["subset"]).items():
+        followed = sum(row["outcome"] == "follows_donor" for row in group)
+        sweep.append(
+            {
+                "subset": subset,
+                "layers": len(group[0]["layers"]),
+                "kv": group[0]["kv"],
+                "positions": group[0]["last_positions"],
+                "follows_donor": followed,
+                "n": len(group),
+                "fraction": followed / len(group),
+                "wilson95": proportion(followed, len(group))["wilson95"],
+            }
+        )
+    figures["sweep"] = sweep
+    sufficient = [
+        entry for entry in sweep if entry["fraction"] == 1.0 and entry["kv"] == "kv" and entry["positions"] is None
+    ]
+    figures["smallest_sufficient_layer_set"] = (
+        min(sufficient, key=lambda e: e["layers"])["subset"] if sufficient else None
+    )
+    figures["cross_precision"] = cross_precision_figures(
+        [row for row in every if row["selection"] == "cross_precision"]
+    )
+    return figures
+
+
+def cross_precision_figures(rows: list[dict]) -> dict:
+    """Two questions, kept apart because they have different causes.
+
+    ``follows_donor``: does a cast cache reproduce its donor's own suffix? The donor's suffix
+    was decoded at the donor's precision, so a "no" mixes the cache with the precision change.
+    ``divergence_survives_cast``: at the recipient's precision, do the continuations from the
+    cast live cache and from the cast prefill cache still differ? Both are decoded at the same
+    precision, so the answer is about the caches alone.
+    """
+    divergent = [row for row in rows if row["divergent"]]
+    survives: dict[str, dict] = {}
+    for precision, group in _group(rows, lambda r: r["precision"]).items():
+        by_item = _group(group, lambda r: r["item_id"])
+        pairs = [sorted(item_rows, key=lambda r: r["donor"]) for item_rows in by_item.values() if len(item_rows) == 2]
+        survives[precision] = {
+            "pair": " vs ".join(f"cast {row['donor']}" for row in pairs[0]) if pairs else None,
+            **proportion(sum(a["suffix_object"] != b["suffix_object"] for a, b in pairs), len(pairs)),
+        }
+    return {
+        "follows_donor": {
+            direction: _follows_donor(group)
+            for direction, group in _group(divergent, lambda r: f"{r['donor']} -> {r['recipient']}").items()
+        },
+        "divergence_survives_cast": survives,
+    }
+
+
+def _group(rows: list[dict], key) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        grouped[key(row)].append(row)
+    return dict(sorted(grouped.items()))
+
+
+def summary(comparisons: pa.Table, trajectories: pa.Table, version: str, transplants: pa.Table | None = None) -> dict:
+    """Every figure of a run, from its tables alone (so verify can recompute and check it)."""
+    order = checkpoint_order(comparisons)
+    result = {
+        "stagereplay_version": version,
+        "checkpoints": order,
+        "E1": {"name": "matched", "checkpoints": per_checkpoint(comparisons, "E1", e1_figures)},
+        "E2": {
+            "name": "fixed_prefix",
+            "prefix": "E1 live trajectory (never regenerated)",
+            "checkpoints": per_checkpoint(comparisons, "E2", e2_figures),
+        },
+        "E3": {"name": "bridge", "checkpoints": per_checkpoint(comparisons, "E3", e3_figures)},
+    }
+    if transplants is not None:
+        result["E5"] = e5_figures(transplants, order[0] if order else None)
+    result["environment"] = environment(trajectories)
+    return result
+
+
+def write_json(data: dict, path: str | Path) -> Path:
+    return atomic_write_text(path, json.dumps(data, indent=2) + "\n")
