@@ -65,11 +65,11 @@ def load_config(path: Path) -> dict:
     return config
 
 
-class Ledger:
+class RunLedger:
     """A completed ledger of one config: its paths come from stagereplay.ledger.layout, as the workflow's do."""
 
     def __init__(self, root: Path, config: dict):
-        from stagereplay.ledger.layout import Ledger as Layout
+        from stagereplay.ledger.layout import LedgerLayout as Layout
 
         self.root, self.config, self.layout = root, config, Layout(root)
         self.checkpoint = next(iter(config["checkpoints"]))
@@ -159,7 +159,7 @@ def fingerprints(rows_: list[dict], keys=("prefix_object", "cache_object", "suff
     return [tuple(row.get(key) for key in keys) for row in rows_]
 
 
-def section_a(ledger: Ledger) -> None:
+def section_a(ledger: RunLedger) -> None:
     from stagereplay.experiments.constructions import StageBoundary
     from stagereplay.experiments.shards import Budgets, run_construction_shard, run_live_shard
     from stagereplay.experiments.transplant_job import TransplantJob, run_transplant_shard
@@ -282,7 +282,7 @@ def section_a(ledger: Ledger) -> None:
 # ---------------------------------------------------------------- (b) model work vs job
 
 
-def section_b(ledger: Ledger) -> None:
+def section_b(ledger: RunLedger) -> None:
     import pyarrow.parquet as pq
 
     jobs = []
@@ -341,13 +341,13 @@ def section_b(ledger: Ledger) -> None:
     )
 
 
-def store_shard_again(ledger: Ledger) -> tuple[float, int]:
+def store_shard_again(ledger: RunLedger) -> tuple[float, int]:
     """Fingerprint and store again every artifact of one live shard, into a scratch store."""
     import pyarrow.parquet as pq
 
     from stagereplay.engines.transformers_cache import KVState
     from stagereplay.ledger.fingerprint import fingerprint_cache
-    from stagereplay.ledger.tables import ObjectStore
+    from stagereplay.ledger.store import ObjectStore
 
     source = ObjectStore(ledger.root / "objects")
     shard = pq.read_table(ledger.live(ledger.e1)).to_pylist()
@@ -368,7 +368,7 @@ def store_shard_again(ledger: Ledger) -> tuple[float, int]:
 # ---------------------------------------------------------------- (c) decode loop vs generate
 
 
-def section_c(ledger: Ledger) -> None:
+def section_c(ledger: RunLedger) -> None:
     import pyarrow.parquet as pq
     import torch
 
@@ -376,7 +376,7 @@ def section_c(ledger: Ledger) -> None:
     from stagereplay.engines.transformers_model import load_model
     from stagereplay.experiments.constructions import build_boundary_state
     from stagereplay.experiments.decode import continue_from
-    from stagereplay.ledger.tables import ObjectStore
+    from stagereplay.ledger.store import ObjectStore
 
     row = pq.read_table(ledger.live(ledger.e1)).to_pylist()[0]
     prefix = ObjectStore(ledger.root / "objects").get_tokens(row["prefix_object"])
@@ -418,14 +418,14 @@ def section_c(ledger: Ledger) -> None:
 # ---------------------------------------------------------------- (d) fingerprint throughput
 
 
-def section_d(ledger: Ledger) -> None:
+def section_d(ledger: RunLedger) -> None:
     import pyarrow.parquet as pq
     import torch
     import xxhash
 
     from stagereplay.engines.transformers_cache import KVState
     from stagereplay.ledger.fingerprint import fingerprint_cache, fingerprint_tensor, tensor_buffer
-    from stagereplay.ledger.tables import ObjectStore
+    from stagereplay.ledger.store import ObjectStore
 
     big = torch.randn(64, 1024, 1024).to(torch.bfloat16)  # 128 MiB
     buffer = memoryview(big.view(torch.uint8).numpy()).cast("B")
@@ -466,7 +466,7 @@ def section_d(ledger: Ledger) -> None:
 # ---------------------------------------------------------------- (e) model load
 
 
-def section_e(ledger: Ledger) -> None:
+def section_e(ledger: RunLedger) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the jobs' thread count in the default config
     before = machine()
     print(f"machine: {before}", file=sys.stderr)
-    ledger = Ledger(args.ledger.resolve(), load_config(args.config)) if wanted - {"f", "g"} else None
+    ledger = RunLedger(args.ledger.resolve(), load_config(args.config)) if wanted - {"f", "g"} else None
     for section in SECTIONS:
         if section in wanted:
             started = time.perf_counter()

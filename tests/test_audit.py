@@ -27,14 +27,8 @@ from stagereplay.audit.rerun import (
     verdict,
 )
 from stagereplay.experiments.compare import Side
-from stagereplay.ledger.tables import (
-    AUDIT_SCHEMA,
-    COMPARISON_SCHEMA,
-    TRAJECTORY_SCHEMA,
-    TRANSPLANT_SCHEMA,
-    ObjectStore,
-    read_table,
-)
+from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.tables import AUDIT_SCHEMA, COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
 from stagereplay.report.reading import e4_reading
 
 pytestmark = pytest.mark.slow

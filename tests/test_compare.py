@@ -11,7 +11,8 @@ from stagereplay.experiments.compare import (
     replication_specs,
 )
 from stagereplay.experiments.difference import cache_difference, tensor_difference
-from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, LedgerError, ObjectStore
+from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, LedgerError
 
 
 def test_tensor_difference_measures_max_mean_and_fraction():

@@ -8,14 +8,8 @@ from safetensors import safe_open
 
 from stagereplay.engines.transformers_cache import KVState
 from stagereplay.ledger.fingerprint import fingerprint_cache, fingerprint_tensors
-from stagereplay.ledger.tables import (
-    TRAJECTORY_SCHEMA,
-    LedgerError,
-    ObjectStore,
-    concat_tables,
-    read_table,
-    write_table,
-)
+from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, LedgerError, concat_tables, read_table, write_table
 
 
 def kv_state(seed=0, layers=3):

@@ -16,14 +16,8 @@ from stagereplay.experiments.prompts import readout_tokens
 from stagereplay.experiments.recompute import CacheMismatch, CacheSource, ModelPool, side_label
 from stagereplay.experiments.shards import Budgets, ShardSpec, run_construction_shard, run_live_shard
 from stagereplay.inputs.checkpoints import write_model_record
-from stagereplay.ledger.tables import (
-    PROMPT_SCHEMA,
-    TRAJECTORY_SCHEMA,
-    LedgerError,
-    ObjectStore,
-    read_table,
-    write_table,
-)
+from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.tables import PROMPT_SCHEMA, TRAJECTORY_SCHEMA, LedgerError, read_table, write_table
 
 PROMPT = [9, 8, 7, 6, 5]
 

@@ -19,7 +19,7 @@ from stagereplay.design.projection import (
     read_model_config,
     token_object_bytes,
 )
-from stagereplay.ledger.tables import ObjectStore
+from stagereplay.ledger.store import ObjectStore
 
 
 def test_published_shapes_give_the_published_parameter_counts():

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 from workflow_helpers import job_counts, ledger_snapshot, snakemake, write_config
 
-from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore
+from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA
 
 pytestmark = pytest.mark.slow
 

@@ -132,7 +132,8 @@ def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
     it apart. Replica 1 feeds nothing but its replica comparison (no rebuild, no E5
     selection), so the change stays on that one item. Returns the rewritten row.
     """
-    from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
+    from stagereplay.ledger.store import ObjectStore
+    from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, read_table, write_table
 
     shard = sorted((ledger / "runs" / "live").glob(f"*/*/rep{replica}/shard-*.parquet"))[0]
     rows = read_table(shard, TRAJECTORY_SCHEMA).to_pylist()

@@ -210,7 +210,8 @@ def cmd_compare(args) -> None:
     from stagereplay.engines.transformers_model import Runtime
     from stagereplay.experiments.compare import comparison_table, pair_specs, replication_specs
     from stagereplay.experiments.recompute import CacheSource, ModelPool
-    from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, ObjectStore, read_table, write_table
+    from stagereplay.ledger.store import ObjectStore
+    from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, read_table, write_table
 
     for construction in args.constructions:
         parse_construction(construction)

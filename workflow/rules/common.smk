@@ -9,7 +9,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from stagereplay.ledger.layout import Ledger, construction_token
+from stagereplay.ledger.layout import LedgerLayout, construction_token
 
 REPO = Path(workflow.basedir)
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
@@ -31,7 +31,7 @@ _check_config()
 # this file again). It comes after snakemake's own default prefix, bash strict mode.
 shell.prefix(f'set -euo pipefail; stagereplay() {{{{ {shlex.quote(sys.executable)} -m stagereplay "$@"; }}}}; ')
 
-LAYOUT = Ledger(config["ledger_dir"])
+LAYOUT = LedgerLayout(config["ledger_dir"])
 if LAYOUT.root.exists() and not LAYOUT.root.is_dir():
     raise WorkflowError(
         f"ledger_dir {LAYOUT.root} is a file, not a directory — point ledger_dir at a directory (new or of an earlier run)"

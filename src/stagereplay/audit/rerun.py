@@ -23,7 +23,8 @@ import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
 from stagereplay.experiments.compare import Side, first_divergence
-from stagereplay.ledger.layout import Ledger
+from stagereplay.ledger.layout import LedgerLayout
+from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import (
     COMPARISON_KEY,
     COMPARISON_SCHEMA,
@@ -32,7 +33,6 @@ from stagereplay.ledger.tables import (
     TRAJECTORY_SCHEMA,
     TRANSPLANT_KEY,
     TRANSPLANT_SCHEMA,
-    ObjectStore,
     read_table,
     row_key,
     stored_rows_digest,
@@ -346,7 +346,7 @@ def audit_models(saved_records: dict[str, dict], audited_records: dict[str, dict
     ]
 
 
-def _records(ledger: Ledger, checkpoints: list[str]) -> dict[str, dict]:
+def _records(ledger: LedgerLayout, checkpoints: list[str]) -> dict[str, dict]:
     records = {name: Path(ledger.model_record(name)) for name in checkpoints}
     return {name: json.loads(path.read_text()) for name, path in records.items() if path.is_file()}
 
@@ -354,7 +354,7 @@ def _records(ledger: Ledger, checkpoints: list[str]) -> dict[str, dict]:
 def audit_ledger(ledger: str | Path, checkpoints: list[str]) -> list[Check]:
     """Every check of the saved ledger at ``ledger`` against its recomputation in its audit tree
     (``ledger.audit``), for the model records of ``checkpoints`` (those the run used)."""
-    saved, audit = Ledger(ledger), Ledger(ledger).audit
+    saved, audit = LedgerLayout(ledger), LedgerLayout(ledger).audit
     saved_store, audit_store = ObjectStore(saved.objects), ObjectStore(audit.objects)
     checks = audit_models(_records(saved, checkpoints), _records(audit, checkpoints))
     checks += audit_trajectories(
@@ -493,7 +493,7 @@ def saved_table_digests(tables: dict[str, pa.Table | None]) -> dict[str, str | N
 
 
 def ledger_table_digests(ledger: str | Path) -> dict[str, str | None]:
-    saved = Ledger(ledger)
+    saved = LedgerLayout(ledger)
     return saved_table_digests(
         {name: read_table(saved.table(name)) for name in SAVED_TABLES if Path(saved.table(name)).exists()}
     )

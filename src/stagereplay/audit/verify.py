@@ -40,19 +40,18 @@ import pyarrow as pa
 
 from stagereplay.design.storage import StorageError, caches_may_be_absent, read_policy
 from stagereplay.ledger.fingerprint import fingerprint_tensor, fingerprint_tensors
-from stagereplay.ledger.layout import RELATIVE, Ledger
+from stagereplay.ledger.layout import RELATIVE, LedgerLayout
+from stagereplay.ledger.store import OBJECT_SUFFIX, ObjectStore
 from stagereplay.ledger.tables import (
     AUDIT_SCHEMA,
     COMPARISON_KEY,
     COMPARISON_SCHEMA,
-    OBJECT_SUFFIX,
     PROMPT_SCHEMA,
     TRAJECTORY_KEY,
     TRAJECTORY_SCHEMA,
     TRANSPLANT_KEY,
     TRANSPLANT_SCHEMA,
     LedgerError,
-    ObjectStore,
     is_object_id,
     read_table,
     row_key,
@@ -499,7 +498,7 @@ def verify_ledger(root: str | Path, documents: bool = True) -> Report:
             f"no ledger at {root} (no objects/, tables/ or runs/) — pass the ledger_dir of a run, e.g. ledger"
         )
     report = Report()
-    known = verify_objects(ObjectStore(Ledger(root).objects), report)
+    known = verify_objects(ObjectStore(LedgerLayout(root).objects), report)
     tables = verify_tables(root, report)
     verify_rows(tables, known, report, _caches_may_be_absent(root, report))
     verify_gathered(tables, report)

@@ -574,10 +574,10 @@ def project_config(config: dict, model_config: str | Path | None = None) -> tupl
     the embedded and random checkpoints and any folder, from the config itself), its items and, when
     the ledger holds them already, the run's measured prompt lengths."""
     from stagereplay.inputs.items import ItemError, load_items
-    from stagereplay.ledger.layout import Ledger
+    from stagereplay.ledger.layout import LedgerLayout
 
     name, spec = next(iter(config["checkpoints"].items()))
-    ledger = Ledger(config["ledger_dir"])
+    ledger = LedgerLayout(config["ledger_dir"])
     source = next(key for key in ("embedded", "folder", "gguf", "random_qwen2") if key in spec)
     if model_config is not None:
         shapes, described = read_model_config(model_config)

@@ -8,10 +8,6 @@ import jsonschema
 import yaml
 
 
-class ConfigError(ValueError):
-    """One-line message naming the key, the problem and the fix."""
-
-
 def config_problem(config: dict, schema_path: str | Path) -> str | None:
     """The most relevant schema violation as one line, or None when the config is valid."""
     schema = yaml.safe_load(Path(schema_path).read_text())
@@ -21,9 +17,3 @@ def config_problem(config: dict, schema_path: str | Path) -> str | None:
         return None
     key = ".".join(str(part) for part in error.absolute_path) or "(top level)"
     return f"config key {key}: {error.message} — fix it in your config file (allowed keys and values: {schema_path})"
-
-
-def check_config(config: dict, schema_path: str | Path) -> None:
-    problem = config_problem(config, schema_path)
-    if problem is not None:
-        raise ConfigError(problem)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,9 +66,6 @@ class Environment:
     engine: str = "transformers"
     engine_version: str = transformers.__version__
     engine_build: str = ""  # the engine's build options where it has its own (llama.cpp's CPU features)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

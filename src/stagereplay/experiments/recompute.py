@@ -33,7 +33,8 @@ from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.experiments.shards import store_cache
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import CacheFingerprint, fingerprint_cache
-from stagereplay.ledger.tables import LedgerError, ObjectStore
+from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.tables import LedgerError
 
 
 class CacheMismatch(LedgerError):

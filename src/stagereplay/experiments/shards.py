@@ -21,12 +21,12 @@ from stagereplay.inputs import items as items_mod
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.inputs.scoring import score
 from stagereplay.ledger.fingerprint import fingerprint_cache
+from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import (
     ENVIRONMENT_COLUMNS,
     PROMPT_SCHEMA,
     TRAJECTORY_SCHEMA,
     LedgerError,
-    ObjectStore,
     read_table,
     write_table,
 )

@@ -20,14 +20,8 @@ from stagereplay.experiments.shards import ShardSpec, environment_columns, eos_i
 from stagereplay.experiments.transplants import TransplantSpec, left_both, outcome, sweep_specs, transplant
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
-from stagereplay.ledger.tables import (
-    TRAJECTORY_SCHEMA,
-    TRANSPLANT_SCHEMA,
-    LedgerError,
-    ObjectStore,
-    read_table,
-    write_table,
-)
+from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, read_table, write_table
 
 
 @dataclass(frozen=True)

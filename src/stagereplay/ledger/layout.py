@@ -1,7 +1,7 @@
 """Where everything lies in a ledger: the one place that knows its layout.
 
 The workflow (``workflow/rules/common.smk``) builds every output path from a
-:class:`Ledger`, and the library (audit, verify, the CLI) reads through the same
+:class:`LedgerLayout`, and the library (audit, verify, the CLI) reads through the same
 object, so a path is never rebuilt by hand. Called with Snakemake wildcards
 (``"{checkpoint}"``) the methods give the rules' path patterns. The audit tree is
 a ledger of its own (``ledger.audit``), laid out like the saved one. No torch.
@@ -26,7 +26,7 @@ def construction_name(token: str) -> str:
 
 
 @dataclass(frozen=True)
-class Ledger:
+class LedgerLayout:
     root: Path
 
     def __init__(self, root: str | Path = "") -> None:
@@ -112,8 +112,8 @@ class Ledger:
 
     # E4: the audit tree, a ledger laid out like this one, and what the audit writes.
     @property
-    def audit(self) -> Ledger:
-        return Ledger(self.root / "audit")
+    def audit(self) -> LedgerLayout:
+        return LedgerLayout(self.root / "audit")
 
     @property
     def audit_verified(self) -> str:
@@ -137,4 +137,4 @@ class Ledger:
 
 
 # Paths relative to a ledger's root, as verify names them.
-RELATIVE = Ledger()
+RELATIVE = LedgerLayout()

@@ -92,9 +92,6 @@ class ItemRecord:
     def margins_at_divergence(self) -> tuple[float | None, float | None]:
         return tuple(_at(side.margins, self.first_divergence) for side in self.sides())
 
-    def tokens_at_divergence(self) -> tuple[str | None, str | None]:
-        return tuple(_at(side.tokens, self.first_divergence) for side in self.sides())
-
 
 def _at(values: tuple, index: int | None):
     return values[index] if index is not None and index < len(values) else None
@@ -279,7 +276,7 @@ def show_text(record: ItemRecord) -> str:
 def ledger_item(root: str | Path, item_id: str) -> list[ItemRecord]:
     """The records of one item of a finished ledger (one per checkpoint), for ``stagereplay show``."""
     from stagereplay.inputs.checkpoints import read_model_record
-    from stagereplay.ledger.layout import Ledger
+    from stagereplay.ledger.layout import LedgerLayout
     from stagereplay.ledger.tables import (
         COMPARISON_SCHEMA,
         TRAJECTORY_SCHEMA,
@@ -289,7 +286,7 @@ def ledger_item(root: str | Path, item_id: str) -> list[ItemRecord]:
     )
     from stagereplay.report.summary import checkpoint_order
 
-    ledger = Ledger(root)
+    ledger = LedgerLayout(root)
     if not Path(ledger.table("comparisons")).is_file():
         raise LedgerError(
             f"{root} holds no comparisons table ({ledger.table('comparisons')}) — give the ledger_dir of a finished run"
