@@ -91,7 +91,7 @@ class RunLedger:
         return json.loads(self.model_record.read_text())["folder"]
 
     def runtime(self, precision: str):
-        from stagereplay.engines.transformers_model import Runtime
+        from stagereplay.engines.transformers_engine import Runtime
 
         rt = self.config["runtime"]
         return Runtime(
@@ -102,7 +102,7 @@ class RunLedger:
         )
 
     def spec(self, precision: str, shard: int = 0, replica: int = 0):
-        from stagereplay.experiments.shards import ShardSpec
+        from stagereplay.experiments.job import ShardSpec
 
         return ShardSpec(self.checkpoint, precision, replica, shard, self.config["shard_size"])
 
@@ -135,24 +135,24 @@ def transplant_minimum(row: dict) -> int:
 
 
 class ForwardCounter:
-    """Counts every position fed through stagereplay.engines.transformers_cache.forward, the one entry point to the model."""
+    """Counts every position fed through TransformersEngine.forward, the engine's one entry point to the model."""
 
     def __init__(self):
-        import stagereplay.engines.transformers_cache as kv
+        from stagereplay.engines.transformers_engine import TransformersEngine
 
-        self.kv, self.original, self.counts = kv, kv.forward, Counter()
+        self.engine_class, self.original, self.counts = TransformersEngine, TransformersEngine.forward, Counter()
 
     def __enter__(self):
-        def counting(model, input_ids, cache):
+        def counting(engine, tokens, cache):
             self.counts["calls"] += 1
-            self.counts["tokens"] += int(input_ids.shape[1])
-            return self.original(model, input_ids, cache)
+            self.counts["tokens"] += len(tokens)
+            return self.original(engine, tokens, cache)
 
-        self.kv.forward = counting
+        self.engine_class.forward = counting
         return self.counts
 
     def __exit__(self, *exc):
-        self.kv.forward = self.original
+        self.engine_class.forward = self.original
 
 
 def fingerprints(rows_: list[dict], keys=("prefix_object", "cache_object", "suffix_object")) -> list[tuple]:
@@ -328,7 +328,7 @@ def section_b(ledger: RunLedger) -> None:
         f"{interpreter:.1f} s",
         f"imports alone {imports:.1f} s",
     )
-    from stagereplay.engines.transformers_model import load_model
+    from stagereplay.engines.transformers_engine import load_model
 
     seconds, _ = best_of(lambda: load_model(ledger.folder(), ledger.runtime(ledger.e1)), repeats=2)
     add("b", "  of which: model load from the converted folder", f"{seconds:.1f} s")
@@ -345,8 +345,8 @@ def store_shard_again(ledger: RunLedger) -> tuple[float, int]:
     """Fingerprint and store again every artifact of one live shard, into a scratch store."""
     import pyarrow.parquet as pq
 
-    from stagereplay.engines.transformers_cache import KVState
     from stagereplay.ledger.fingerprint import fingerprint_cache
+    from stagereplay.ledger.kvstate import KVState
     from stagereplay.ledger.store import ObjectStore
 
     source = ObjectStore(ledger.root / "objects")
@@ -372,8 +372,7 @@ def section_c(ledger: RunLedger) -> None:
     import pyarrow.parquet as pq
     import torch
 
-    from stagereplay.engines import transformers_cache as kv
-    from stagereplay.engines.transformers_model import load_model
+    from stagereplay.engines.transformers_engine import load_model
     from stagereplay.experiments.constructions import build_boundary_state
     from stagereplay.experiments.decode import continue_from
     from stagereplay.ledger.store import ObjectStore
@@ -382,20 +381,19 @@ def section_c(ledger: RunLedger) -> None:
     prefix = ObjectStore(ledger.root / "objects").get_tokens(row["prefix_object"])
     steps = ledger.config["stage"]["suffix_tokens"]
     for precision in sorted({ledger.e1, "fp32"}):
-        loaded = load_model(ledger.folder(), ledger.runtime(precision))
-        model = loaded.model
-        state = build_boundary_state(model, prefix, "prefill", row["prompt_length"])
+        engine = load_model(ledger.folder(), ledger.runtime(precision))
+        state = build_boundary_state(engine, prefix, "prefill", row["prompt_length"])
 
-        def ours(model=model, state=state):
-            return list(continue_from(model, state, prefix[-1], steps, frozenset()).tokens)
+        def ours(engine=engine, state=state):
+            return list(continue_from(engine, state, prefix[-1], steps, frozenset()).tokens)
 
-        def generate(model=model, state=state):
+        def generate(engine=engine, state=state):
             ids = torch.tensor([prefix])
             # The cache holds prefix[:-1]; generate feeds only the uncached pending token first.
-            output = model.generate(
+            output = engine.model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=kv.to_cache(state, model),
+                past_key_values=engine.to_cache(state),
                 max_new_tokens=steps,
                 min_new_tokens=steps,
                 do_sample=False,
@@ -423,8 +421,8 @@ def section_d(ledger: RunLedger) -> None:
     import torch
     import xxhash
 
-    from stagereplay.engines.transformers_cache import KVState
     from stagereplay.ledger.fingerprint import fingerprint_cache, fingerprint_tensor, tensor_buffer
+    from stagereplay.ledger.kvstate import KVState
     from stagereplay.ledger.store import ObjectStore
 
     big = torch.randn(64, 1024, 1024).to(torch.bfloat16)  # 128 MiB
@@ -470,7 +468,7 @@ def section_e(ledger: RunLedger) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stagereplay.engines.transformers_model import load_model
+    from stagereplay.engines.transformers_engine import load_model
 
     folder_s, _ = best_of(lambda: load_model(ledger.folder(), ledger.runtime(ledger.e1)), repeats=3)
     gguf = ledger.root / "downloads" / "embedded.gguf"

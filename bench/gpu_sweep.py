@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from stagereplay.engines import transformers_cache as kv
-from stagereplay.engines.transformers_model import Runtime, load_model
+from stagereplay.engines.base import Runtime
+from stagereplay.engines.transformers_engine import load_model
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.experiments.decode import continue_from
 from stagereplay.inputs.checkpoints import build_random_qwen2
@@ -76,12 +76,11 @@ def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(32, 97))] for _ in range(count)]
 
 
-def batch_rows(model, items: list[list[int]], index: int) -> tuple[bool, bool]:
+def batch_rows(engine, items: list[list[int]], index: int) -> tuple[bool, bool]:
     """Item ``index`` prefilled alone vs inside a left-padded batch: (cache rows differ, next token differs)."""
-    device = next(model.parameters()).device
-    alone_cache = kv.empty_cache(model)
-    with torch.inference_mode():
-        alone_logits = kv.forward(model, torch.tensor([items[index]], device=device), alone_cache)
+    model, device = engine.model, engine.device
+    alone_cache = engine.empty_cache()
+    alone_logits = engine.forward(items[index], alone_cache)
     members = [items[(index + offset) % len(items)] for offset in range(BATCH)]
     width = max(map(len, members))
     ids = torch.zeros(len(members), width, dtype=torch.long, device=device)
@@ -90,7 +89,7 @@ def batch_rows(model, items: list[list[int]], index: int) -> tuple[bool, bool]:
         ids[row, width - len(tokens) :] = torch.tensor(tokens, device=device)
         mask[row, width - len(tokens) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    batch_cache = kv.empty_cache(model)
+    batch_cache = engine.empty_cache()
     with torch.inference_mode():
         output = model(
             input_ids=ids,
@@ -101,7 +100,7 @@ def batch_rows(model, items: list[list[int]], index: int) -> tuple[bool, bool]:
             cache=batch_cache,
         )
     own = len(items[index])
-    alone, batched = kv.snapshot(alone_cache), kv.snapshot(batch_cache)
+    alone, batched = engine.snapshot(alone_cache), engine.snapshot(batch_cache)
     differ = any(
         not torch.equal(a[0], b[0:1, :, width - own :][0])
         for a, b in zip(alone.keys + alone.values, batched.keys + batched.values)
@@ -116,25 +115,25 @@ def run_setting(folder: Path, setting: Setting, device: str, items: list[list[in
     if setting.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    model, eos = loaded.model, {loaded.tokenizer.eos_token_id}
+    engine, eos = loaded, loaded.eos_ids
     caches_differ = suffixes_differ = bridge_exact = replicas_exact = batch_caches = batch_tokens = 0
     started = time.perf_counter()
     with sdpa_context(setting.backend):
         for index, prompt in enumerate(items):
             boundary = StageBoundary(max_new_tokens=STAGE_TOKENS)
-            live = build_live(model, prompt, boundary, eos, loaded.tokenizer)
-            again = build_live(model, prompt, boundary, eos, loaded.tokenizer)
+            live = build_live(engine, prompt, boundary, eos, loaded.tokenizer)
+            again = build_live(engine, prompt, boundary, eos, loaded.tokenizer)
             prefix, pending = list(live.prefix), live.prefix[-1]
-            prefill = build_boundary_state(model, prefix, "prefill", len(prompt))
-            incremental = build_boundary_state(model, prefix, "incremental", len(prompt))
+            prefill = build_boundary_state(engine, prefix, "prefill", len(prompt))
+            incremental = build_boundary_state(engine, prefix, "incremental", len(prompt))
             live_digest = fingerprint_cache(live.state).digest
             caches_differ += live_digest != fingerprint_cache(prefill).digest
             bridge_exact += live_digest == fingerprint_cache(incremental).digest
             replicas_exact += live_digest == fingerprint_cache(again.state).digest and live.prefix == again.prefix
-            live_suffix = continue_from(model, live.state, pending, SUFFIX_TOKENS, eos).tokens
-            prefill_suffix = continue_from(model, prefill, pending, SUFFIX_TOKENS, eos).tokens
+            live_suffix = continue_from(engine, live.state, pending, SUFFIX_TOKENS, eos).tokens
+            prefill_suffix = continue_from(engine, prefill, pending, SUFFIX_TOKENS, eos).tokens
             suffixes_differ += live_suffix != prefill_suffix
-            differ, flipped = batch_rows(model, items, index)
+            differ, flipped = batch_rows(engine, items, index)
             batch_caches += differ
             batch_tokens += flipped
     seconds = time.perf_counter() - started

@@ -10,9 +10,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from stagereplay.engines import transformers_cache as kv
-from stagereplay.engines.transformers_model import ModelError, Runtime, load_model
+from stagereplay.design.names import TransplantError
+from stagereplay.engines.transformers_engine import ModelError, Runtime, TransformersEngine, load_model
 from stagereplay.ledger.fingerprint import fingerprint_cache
+from stagereplay.ledger.kvstate import KVState
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 RUNTIME = Runtime(precision="fp32", device="cpu", threads=1)
@@ -77,35 +78,35 @@ def test_a_cache_for_a_sliding_model_built_outside_load_model_is_refused(tiny_fp
             "layer_types": None,
         }
     )
-    model = Qwen2ForCausalLM(config)
+    engine = TransformersEngine(Qwen2ForCausalLM(config), tiny_fp32.tokenizer, tiny_fp32.environment)
     with pytest.raises(ValueError, match="2 of 2 layers are not full attention"):
-        kv.empty_cache(model)
+        engine.empty_cache()
 
 
 def test_caches_are_built_from_the_model_config(tiny_fp32):
-    model = tiny_fp32.model
-    layers = model.config.num_hidden_layers
-    empty = kv.empty_cache(model)
+    engine = tiny_fp32
+    layers = engine.model.config.num_hidden_layers
+    empty = engine.empty_cache()
     # Built from the config, not grown lazily by the first forward.
     assert len(empty.layers) == layers and all(type(layer) is DynamicLayer for layer in empty.layers)
     with torch.inference_mode():
-        kv.forward(model, torch.tensor([PROMPT]), empty)
-    state = kv.snapshot(empty)
-    rebuilt = kv.to_cache(state, model)
+        engine.forward(PROMPT, empty)
+    state = engine.snapshot(empty)
+    rebuilt = engine.to_cache(state)
     assert len(rebuilt.layers) == layers and all(type(layer) is DynamicLayer for layer in rebuilt.layers)
     assert rebuilt.get_seq_length() == len(PROMPT)
-    assert fingerprint_cache(kv.snapshot(rebuilt)) == fingerprint_cache(state)
+    assert fingerprint_cache(engine.snapshot(rebuilt)) == fingerprint_cache(state)
     # A copy: feeding the rebuilt cache leaves the state it came from as it was.
     with torch.inference_mode():
-        kv.forward(model, torch.tensor([[PROMPT[-1]]]), rebuilt)
+        engine.forward([PROMPT[-1]], rebuilt)
     assert rebuilt.get_seq_length() == len(PROMPT) + 1 and state.num_positions == len(PROMPT)
 
 
 def test_a_state_of_another_depth_is_refused(tiny_fp32):
     with torch.inference_mode():
-        cache = kv.empty_cache(tiny_fp32.model)
-        kv.forward(tiny_fp32.model, torch.tensor([PROMPT]), cache)
-    state = kv.snapshot(cache)
-    one_layer = kv.KVState(state.keys[:1], state.values[:1])
-    with pytest.raises(kv.TransplantError, match="cache of 1 layers cannot feed a model of 2 layers"):
-        kv.to_cache(one_layer, tiny_fp32.model)
+        cache = tiny_fp32.empty_cache()
+        tiny_fp32.forward(PROMPT, cache)
+    state = tiny_fp32.snapshot(cache)
+    one_layer = KVState(state.keys[:1], state.values[:1])
+    with pytest.raises(TransplantError, match="cache of 1 layers cannot feed a model of 2 layers"):
+        tiny_fp32.to_cache(one_layer)

@@ -2,7 +2,6 @@ import pyarrow as pa
 import pytest
 import torch
 
-from stagereplay.engines.transformers_cache import KVState
 from stagereplay.experiments.compare import (
     compare_pair,
     comparison_table,
@@ -11,6 +10,7 @@ from stagereplay.experiments.compare import (
     replication_specs,
 )
 from stagereplay.experiments.difference import cache_difference, tensor_difference
+from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, LedgerError
 

@@ -7,7 +7,6 @@ from stagereplay.design.names import ConstructionError, parse_construction
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.experiments.decode import continue_from
 from stagereplay.experiments.difference import cache_difference
-from stagereplay.experiments.shards import eos_ids
 from stagereplay.ledger.fingerprint import fingerprint_cache
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
@@ -18,14 +17,14 @@ def text_of(loaded):
 
 
 def live_run(loaded, max_new_tokens=16, marker=None):
-    return build_live(loaded.model, PROMPT, StageBoundary(max_new_tokens, marker), frozenset(), loaded.tokenizer)
+    return build_live(loaded, PROMPT, StageBoundary(max_new_tokens, marker), frozenset(), loaded.tokenizer)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_live_and_prefill_give_identical_shapes_over_identical_tokens(precision, request):
     loaded = request.getfixturevalue(f"tiny_{precision}")
     live = live_run(loaded)
-    prefill = build_boundary_state(loaded.model, list(live.prefix), "prefill", len(PROMPT))
+    prefill = build_boundary_state(loaded, list(live.prefix), "prefill", len(PROMPT))
     assert live.reasoning.stop == "budget" and len(live.reasoning.tokens) == 16
     # The boundary cache covers the prefix less its pending last token.
     assert live.state.num_positions == prefill.num_positions == len(live.prefix) - 1
@@ -38,16 +37,16 @@ def test_live_and_prefill_give_identical_shapes_over_identical_tokens(precision,
 def test_incremental_is_bit_exact_with_live(precision, request):
     loaded = request.getfixturevalue(f"tiny_{precision}")
     live = live_run(loaded)
-    incremental = build_boundary_state(loaded.model, list(live.prefix), "incremental", len(PROMPT))
+    incremental = build_boundary_state(loaded, list(live.prefix), "incremental", len(PROMPT))
     assert fingerprint_cache(incremental) == fingerprint_cache(live.state)
 
 
 def test_prefill_cache_is_close_to_live_and_one_whole_chunk_equals_prefill(tiny_fp32):
     live = live_run(tiny_fp32)
-    prefill = build_boundary_state(tiny_fp32.model, list(live.prefix), "prefill", len(PROMPT))
+    prefill = build_boundary_state(tiny_fp32, list(live.prefix), "prefill", len(PROMPT))
     for a, b in zip(live.state.keys, prefill.keys):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    whole = build_boundary_state(tiny_fp32.model, list(live.prefix), "chunked:1000", len(PROMPT))
+    whole = build_boundary_state(tiny_fp32, list(live.prefix), "chunked:1000", len(PROMPT))
     assert fingerprint_cache(whole) == fingerprint_cache(prefill)
 
 
@@ -55,7 +54,7 @@ def test_bf16_prefill_cache_differs_in_bits_from_live(tiny_bf16):
     """The effect the workflow measures, on the tiny model: same integers, other operation order, other bits.
     (Which bits differ depends on the CPU's kernels; on the machines tried, layer 1 differs.)"""
     live = live_run(tiny_bf16)
-    prefill = build_boundary_state(tiny_bf16.model, list(live.prefix), "prefill", len(PROMPT))
+    prefill = build_boundary_state(tiny_bf16, list(live.prefix), "prefill", len(PROMPT))
     keys, values = cache_difference(live.state, prefill)
     assert fingerprint_cache(live.state).digest != fingerprint_cache(prefill).digest
     assert any(d.fraction_differ > 0 for d in keys + values)
@@ -102,7 +101,7 @@ def test_forward_calls_per_construction(tiny_fp32):
     assert context % 7, "choose a chunk size that leaves a shorter last chunk"
     for construction, (count, lengths) in calls_and_lengths.items():
         with ForwardCalls(model) as calls:
-            build_boundary_state(model, prefix, construction, len(PROMPT))
+            build_boundary_state(tiny_fp32, prefix, construction, len(PROMPT))
         assert len(calls.lengths) == count, construction
         assert calls.lengths == lengths and calls.tokens == prefix[:-1], construction
 
@@ -116,7 +115,7 @@ def test_several_chunks(precision, request):
     loaded = request.getfixturevalue(f"tiny_{precision}")
     prefix = list(live_run(loaded).prefix)
     context = len(prefix) - 1
-    model = loaded.model
+    model = loaded
     chunked = build_boundary_state(model, prefix, "chunked:7", len(PROMPT))
     assert chunked.num_positions == context and context > 3 * 7
     for chunks in (1, 2, 3):
@@ -136,8 +135,8 @@ def test_several_chunks(precision, request):
 def test_continuation_leaves_the_boundary_state_intact(tiny_fp32):
     live = live_run(tiny_fp32)
     before = fingerprint_cache(live.state)
-    first = continue_from(tiny_fp32.model, live.state, live.prefix[-1], 6, frozenset())
-    second = continue_from(tiny_fp32.model, live.state, live.prefix[-1], 6, frozenset())
+    first = continue_from(tiny_fp32, live.state, live.prefix[-1], 6, frozenset())
+    second = continue_from(tiny_fp32, live.state, live.prefix[-1], 6, frozenset())
     assert fingerprint_cache(live.state) == before
     assert first == second and len(first.tokens) == 6 and first.stop == "budget"
 
@@ -146,7 +145,7 @@ def test_continuing_live_equals_uninterrupted_generation(tiny_fp32):
     """The suffix after the boundary is what the decoder would have produced had it never stopped."""
     long = live_run(tiny_fp32, max_new_tokens=20)
     short = live_run(tiny_fp32, max_new_tokens=12)
-    suffix = continue_from(tiny_fp32.model, short.state, short.prefix[-1], 8, frozenset())
+    suffix = continue_from(tiny_fp32, short.state, short.prefix[-1], 8, frozenset())
     assert short.prefix + suffix.tokens == long.prefix
 
 
@@ -166,13 +165,13 @@ def test_boundary_at_marker_ends_on_the_token_that_completes_it(tiny_fp32):
 def test_boundary_at_eos(tiny_fp32):
     free = live_run(tiny_fp32, max_new_tokens=8)
     third = free.prefix[len(PROMPT) + 2]
-    stopped = build_live(tiny_fp32.model, PROMPT, StageBoundary(8), frozenset({third}), tiny_fp32.tokenizer)
+    stopped = build_live(tiny_fp32, PROMPT, StageBoundary(8), frozenset({third}), tiny_fp32.tokenizer)
     assert stopped.reasoning.stop == "eos"
     assert stopped.prefix[-1] == third and len(stopped.prefix) <= len(PROMPT) + 3
 
 
 def test_eos_ids_include_the_tokenizer_eos(tiny_fp32):
-    assert tiny_fp32.tokenizer.eos_token_id in eos_ids(tiny_fp32)
+    assert tiny_fp32.tokenizer.eos_token_id in tiny_fp32.eos_ids
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagereplay.engines.transformers_model import _disable_tf32, tf32_enabled
+from stagereplay.engines.transformers_engine import _disable_tf32, tf32_enabled
 
 
 @pytest.fixture
@@ -51,8 +51,8 @@ def test_a_convolution_left_on_tf32_counts_as_tf32(restore_tf32):
 
 @pytest.mark.parametrize("layers", [1, 12, 130])
 def test_cache_digest_is_the_stored_object_id(layers):
-    from stagereplay.engines.transformers_cache import KVState
     from stagereplay.ledger.fingerprint import fingerprint_cache, fingerprint_tensors
+    from stagereplay.ledger.kvstate import KVState
 
     generator = torch.Generator().manual_seed(layers)
     keys = tuple(torch.randn(1, 2, 3, 4, generator=generator).to(torch.bfloat16) for _ in range(layers))

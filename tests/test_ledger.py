@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from stagereplay.engines.transformers_cache import KVState
 from stagereplay.ledger.fingerprint import fingerprint_cache, fingerprint_tensors
+from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, LedgerError, concat_tables, read_table, write_table
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from workflow_helpers import skip_unless_required
 
-from stagereplay.engines import transformers_cache as kv
 from stagereplay.engines.llamacpp_state import LlamaStateError, parse_seq_state, write_seq_state
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.experiments.decode import continue_from
@@ -63,9 +62,9 @@ def _live(engine, tokens: int = 12):
 def _decoded_state(engine):
     prompt, _ = _live(engine)
     cache = engine.empty_cache()
-    kv.forward(engine, torch.tensor([prompt]), cache)
+    engine.forward(prompt, cache)
     for token in (5, 17, 40):
-        kv.forward(engine, torch.tensor([[token]]), cache)
+        engine.forward([token], cache)
     return cache, len(prompt) + 3
 
 
@@ -83,10 +82,10 @@ def test_state_parses_and_rewrites_to_identical_bytes(engine):
 def test_rewritten_state_continues_bit_identically(engine):
     cache, _ = _decoded_state(engine)
     raw = engine.state_bytes(cache)
-    original = [kv.forward(engine, torch.tensor([[token]]), cache) for token in (7, 9, 11)]
+    original = [engine.forward([token], cache) for token in (7, 9, 11)]
     fresh = engine.empty_cache()
     engine.write_state(write_seq_state(parse_seq_state(raw, engine.geometry)), fresh)
-    again = [kv.forward(engine, torch.tensor([[token]]), fresh) for token in (7, 9, 11)]
+    again = [engine.forward([token], fresh) for token in (7, 9, 11)]
     for first, second in zip(original, again):
         assert torch.equal(first, second)
 
@@ -97,12 +96,12 @@ def test_parsed_cache_is_transformers_cache_in_fp32(tiny_gguf, tiny_fp32):
     engine = _engine(tiny_gguf, "fp32")
     prompt, _ = _live(engine)
     cache = engine.empty_cache()
-    kv.forward(engine, torch.tensor([prompt]), cache)
+    engine.forward(prompt, cache)
     ours = engine.snapshot(cache)
-    hf_cache = kv.empty_cache(tiny_fp32.model)
+    hf_cache = tiny_fp32.empty_cache()
     with torch.inference_mode():
-        kv.forward(tiny_fp32.model, torch.tensor([prompt]), hf_cache)
-    theirs = kv.snapshot(hf_cache)
+        tiny_fp32.forward(prompt, hf_cache)
+    theirs = tiny_fp32.snapshot(hf_cache)
     for mine, reference in zip(ours.keys + ours.values, theirs.keys + theirs.values):
         assert mine.shape == reference.shape
         torch.testing.assert_close(mine, reference, atol=2e-4, rtol=1e-3)
@@ -170,4 +169,4 @@ def test_stale_cache_is_refused(engine):
     first = engine.empty_cache()
     engine.empty_cache()
     with pytest.raises(LlamaCppError, match="another sequence"):
-        kv.forward(engine, torch.tensor([[1]]), first)
+        engine.forward([1], first)

@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stagereplay.engines.transformers_model import Runtime, load_model
+from stagereplay.engines.transformers_engine import Runtime, load_model
 from stagereplay.experiments.constructions import MarkerMatcher, StageBoundary, build_live
-from stagereplay.experiments.shards import Budgets, ShardSpec, run_construction_shard, run_live_shard
+from stagereplay.experiments.job import ShardSpec
+from stagereplay.experiments.shards import Budgets, run_construction_shard, run_live_shard
 from stagereplay.inputs.checkpoints import write_model_record
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, PROMPT_SCHEMA, TRAJECTORY_SCHEMA, read_table, write_table
 
@@ -22,7 +23,7 @@ BUDGET = 16
 
 
 def free_run(loaded, budget=BUDGET):
-    return build_live(loaded.model, PROMPT, StageBoundary(budget), frozenset(), loaded.tokenizer)
+    return build_live(loaded, PROMPT, StageBoundary(budget), frozenset(), loaded.tokenizer)
 
 
 def choose_copy(model, generated: list[int]) -> tuple[int, int, float]:
@@ -85,7 +86,7 @@ def marker_loaded(marker_folder):
 
 def test_a_special_token_marker_ends_the_stage_on_its_token_id(marker_loaded):
     loaded, step, marker_id = marker_loaded
-    live = build_live(loaded.model, PROMPT, StageBoundary(BUDGET, MARKER), frozenset(), loaded.tokenizer)
+    live = build_live(loaded, PROMPT, StageBoundary(BUDGET, MARKER), frozenset(), loaded.tokenizer)
     assert live.reasoning.stop == "marker" and live.marker_match == "token_ids"
     assert len(live.reasoning.tokens) == step + 1 and live.prefix[-1] == marker_id
     assert live.state.num_positions == len(live.prefix) - 1
@@ -100,7 +101,7 @@ def test_a_marker_spanning_tokens_ends_the_stage_on_text(tiny_qwen2_folder, tiny
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_folder)
     tokenizer.add_tokens([marker])
     assert tokenizer.encode(marker, add_special_tokens=False) == [len(tokenizer) - 1]
-    live = build_live(tiny_fp32.model, PROMPT, StageBoundary(BUDGET, marker), frozenset(), tokenizer)
+    live = build_live(tiny_fp32, PROMPT, StageBoundary(BUDGET, marker), frozenset(), tokenizer)
     assert live.reasoning.stop == "marker" and live.marker_match == "text"
     assert list(live.reasoning.tokens) == generated[:earliest]
 
@@ -111,7 +112,7 @@ def test_text_matching_decodes_a_tail_window_not_the_whole_stage(tiny_fp32, monk
     monkeypatch.setattr(
         tiny_fp32.tokenizer, "decode", lambda tokens, **kw: decoded.append(len(tokens)) or decode(tokens, **kw)
     )
-    live = build_live(tiny_fp32.model, PROMPT, StageBoundary(BUDGET, "never said"), frozenset(), tiny_fp32.tokenizer)
+    live = build_live(tiny_fp32, PROMPT, StageBoundary(BUDGET, "never said"), frozenset(), tiny_fp32.tokenizer)
     window = MarkerMatcher.for_tokenizer("never said", tiny_fp32.tokenizer).window
     assert live.reasoning.stop == "budget" and live.marker_match is None
     assert len(decoded) == BUDGET and max(decoded) == window < BUDGET

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagereplay.engines import transformers_cache as kv
-from stagereplay.engines.transformers_model import ModelError
+from stagereplay.engines.transformers_engine import ModelError
 from stagereplay.experiments.decode import ReadoutCue, continue_from, read_out_state
 from stagereplay.experiments.prompts import READOUT_CUE, readout_tokens
 from stagereplay.inputs.checkpoints import build_byte_tokenizer
@@ -15,12 +14,12 @@ from stagereplay.inputs.items import LETTERS
 PROMPT = [5, 17, 3, 42, 8, 99, 23]
 
 
-def boundary(model, tokens):
+def boundary(engine, tokens):
     """The boundary state over tokens[:-1], by one prefill."""
-    cache = kv.empty_cache(model)
+    cache = engine.empty_cache()
     with torch.inference_mode():
-        kv.forward(model, torch.tensor([tokens[:-1]]), cache)
-    return kv.snapshot(cache)
+        engine.forward(tokens[:-1], cache)
+    return engine.snapshot(cache)
 
 
 def test_a_byte_tokenizer_spells_the_space_apart_so_it_goes_into_the_cue():
@@ -61,11 +60,11 @@ def test_a_tokenizer_that_spells_a_letter_with_another_after_the_space_is_refuse
 def test_the_readout_is_the_highest_letter_logit_of_a_fresh_forward_over_the_whole_text(tiny_fp32):
     """The readout from the continuation's final cache equals the argmax over the letters of one forward over
     prompt + suffix + cue without any cache reuse, and it is the same on a second run."""
-    model = tiny_fp32.model
+    engine, model = tiny_fp32, tiny_fp32.model
     cue = ReadoutCue((11, 12, 13), LETTERS, (30, 31, 32, 33))
-    state = boundary(model, PROMPT)
-    first = continue_from(model, state, PROMPT[-1], 6, eos_ids=(), readout=cue)
-    second = continue_from(model, state, PROMPT[-1], 6, eos_ids=(), readout=cue)
+    state = boundary(engine, PROMPT)
+    first = continue_from(engine, state, PROMPT[-1], 6, eos_ids=(), readout=cue)
+    second = continue_from(engine, state, PROMPT[-1], 6, eos_ids=(), readout=cue)
     assert first == second and first.readout is not None
     text = [*PROMPT, *first.tokens, *cue.tokens]
     with torch.inference_mode():
@@ -78,9 +77,9 @@ def test_the_readout_is_the_highest_letter_logit_of_a_fresh_forward_over_the_who
 
 
 def test_a_stage_that_ended_the_answer_reads_out_from_its_boundary_state(tiny_fp32):
-    model = tiny_fp32.model
+    engine, model = tiny_fp32, tiny_fp32.model
     cue = ReadoutCue((11, 12), LETTERS, (30, 31, 32, 33))
-    readout = read_out_state(model, boundary(model, PROMPT), PROMPT[-1], cue)
+    readout = read_out_state(engine, boundary(engine, PROMPT), PROMPT[-1], cue)
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([[*PROMPT, *cue.tokens]])).logits[0, -1].float()
     assert readout.answer == LETTERS[int(torch.argmax(logits[list(cue.letter_ids)]))]

@@ -10,11 +10,12 @@ from transformers import AutoTokenizer
 from workflow_helpers import copy_run, fingerprints, snakemake, stagereplay, write_config
 
 from stagereplay.design.storage import StorageError, read_policy
-from stagereplay.engines.transformers_model import Runtime
+from stagereplay.engines.transformers_engine import Runtime
 from stagereplay.experiments.constructions import StageBoundary
+from stagereplay.experiments.job import ShardSpec
 from stagereplay.experiments.prompts import readout_tokens
 from stagereplay.experiments.recompute import CacheMismatch, CacheSource, ModelPool, side_label
-from stagereplay.experiments.shards import Budgets, ShardSpec, run_construction_shard, run_live_shard
+from stagereplay.experiments.shards import Budgets, run_construction_shard, run_live_shard
 from stagereplay.inputs.checkpoints import write_model_record
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import PROMPT_SCHEMA, TRAJECTORY_SCHEMA, LedgerError, read_table, write_table

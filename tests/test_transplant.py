@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from stagereplay.design.names import SweepPlan, TransplantError, outcome_blind_sample
-from stagereplay.engines.transformers_cache import KVState
 from stagereplay.experiments.constructions import StageBoundary, build_live
 from stagereplay.experiments.decode import continue_from
 from stagereplay.experiments.transplants import (
@@ -17,6 +16,7 @@ from stagereplay.experiments.transplants import (
     transplant,
 )
 from stagereplay.ledger.fingerprint import fingerprint_cache
+from stagereplay.ledger.kvstate import KVState
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 
@@ -30,11 +30,11 @@ def perturbed(state: KVState, scale: float = 3.0) -> KVState:
 
 @pytest.fixture(scope="module")
 def divergent_pair(tiny_fp32):
-    live = build_live(tiny_fp32.model, PROMPT, StageBoundary(10), frozenset(), tiny_fp32.tokenizer)
+    live = build_live(tiny_fp32, PROMPT, StageBoundary(10), frozenset(), tiny_fp32.tokenizer)
     donor, recipient = live.state, perturbed(live.state)
     pending = live.prefix[-1]
-    donor_suffix = continue_from(tiny_fp32.model, donor, pending, 12, frozenset()).tokens
-    recipient_suffix = continue_from(tiny_fp32.model, recipient, pending, 12, frozenset()).tokens
+    donor_suffix = continue_from(tiny_fp32, donor, pending, 12, frozenset()).tokens
+    recipient_suffix = continue_from(tiny_fp32, recipient, pending, 12, frozenset()).tokens
     assert donor_suffix != recipient_suffix, "the perturbation must change the continuation"
     return donor, recipient, pending, list(donor_suffix), list(recipient_suffix)
 
@@ -44,10 +44,10 @@ def test_all_layer_transplant_follows_the_donor_both_ways(tiny_fp32, divergent_p
     every = TransplantSpec(tuple(range(donor.num_layers)))
     forward = transplant(donor, recipient, every)
     assert fingerprint_cache(forward) == fingerprint_cache(donor)
-    tokens = list(continue_from(tiny_fp32.model, forward, pending, 12, frozenset()).tokens)
+    tokens = list(continue_from(tiny_fp32, forward, pending, 12, frozenset()).tokens)
     assert outcome(tokens, donor_suffix, recipient_suffix) == "follows_donor"
     backward = transplant(recipient, donor, every)
-    tokens = list(continue_from(tiny_fp32.model, backward, pending, 12, frozenset()).tokens)
+    tokens = list(continue_from(tiny_fp32, backward, pending, 12, frozenset()).tokens)
     assert outcome(tokens, recipient_suffix, donor_suffix) == "follows_donor"
 
 

@@ -11,7 +11,7 @@ from . import __version__
 
 
 def _runtime(args):
-    from stagereplay.engines.transformers_model import Runtime
+    from stagereplay.engines.base import Runtime
 
     return Runtime(
         precision=args.precision,
@@ -207,7 +207,7 @@ def cmd_gather(args) -> None:
 
 def cmd_compare(args) -> None:
     from stagereplay.design.names import parse_construction
-    from stagereplay.engines.transformers_model import Runtime
+    from stagereplay.engines.base import Runtime
     from stagereplay.experiments.compare import comparison_table, pair_specs, replication_specs
     from stagereplay.experiments.recompute import CacheSource, ModelPool
     from stagereplay.ledger.store import ObjectStore
@@ -641,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from stagereplay.design.names import ConstructionError, TransplantError
     from stagereplay.design.projection import PlanError
-    from stagereplay.engines.transformers_model import ModelError
+    from stagereplay.engines.base import ModelError
     from stagereplay.inputs.checkpoints import CheckpointError
     from stagereplay.inputs.items import ItemError
     from stagereplay.ledger.tables import LedgerError

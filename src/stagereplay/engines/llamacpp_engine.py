@@ -12,21 +12,21 @@ as the GGUF holds them.
 
 The cache is read and written only through the sequence state
 (``llama_state_seq_get_data`` / ``set_data``), parsed by ``llamacpp_state``.
-The engine answers the four calls ``cache.py`` forwards to it, so constructions,
-decoding, fingerprints and transplants are the transformers engine's own code.
+The engine implements ``base.Engine``, so constructions, decoding, fingerprints and
+transplants run the same code on either engine.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
 from stagereplay.engines.llamacpp_state import (
     CACHE_TYPE_IDS,
     FORMAT,
@@ -35,7 +35,7 @@ from stagereplay.engines.llamacpp_state import (
     parse_seq_state,
     write_seq_state,
 )
-from stagereplay.engines.transformers_cache import ExternalCache, ExternalEngine, KVState
+from stagereplay.ledger.kvstate import KVState
 
 PINNED_VERSION = "0.3.36"
 # Architectures whose every layer is full attention over every position, with one-position cells:
@@ -87,7 +87,7 @@ class EngineSettings:
     n_ctx: int
 
 
-class LlamaCppCache(ExternalCache):
+class LlamaCppCache:
     """The engine's one sequence, valid until the engine starts another (a stale cache refuses to run)."""
 
     def __init__(self, engine: LlamaCppEngine, generation: int):
@@ -162,7 +162,7 @@ class LlamaCppTokenizer:
         return {"input_ids": self.encode(text, add_special_tokens=True)}
 
 
-class LlamaCppEngine(ExternalEngine):
+class LlamaCppEngine(Engine):
     """A GGUF loaded in llama.cpp with one single-sequence context."""
 
     def __init__(self, gguf_path: str | Path, settings: EngineSettings):
@@ -219,8 +219,9 @@ class LlamaCppEngine(ExternalEngine):
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.memory = llama_cpp.llama_get_memory(self.context)
         # llama.cpp's own end of generation: every token its vocabulary marks as one.
-        self.eos_ids = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
+        self.eog_ids = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
         self.tokenizer = LlamaCppTokenizer(self)
+        self.environment: Environment | None = None  # set by load_llamacpp, which knows the runtime
         self.generation = 0
         self.batch = llama_cpp.llama_batch_init(settings.n_ctx, 0, 1)
 
@@ -229,12 +230,16 @@ class LlamaCppEngine(ExternalEngine):
         length = self.llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buffer, 256)
         return buffer.value.decode() if length >= 0 else None
 
-    def parameters(self) -> Iterator[torch.Tensor]:
-        # The shared decoding code asks a model's first parameter for its device: this engine's
-        # outputs (logits, parsed caches) are host tensors.
-        yield torch.empty(0)
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        # The vocabulary's EOS and every token it marks as end of generation.
+        return frozenset({self.tokenizer.eos_token_id} | self.eog_ids) - {None}
 
-    # The four calls cache.py forwards to an external engine.
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.n_layer
+
+    # The engine protocol (base.Engine).
 
     def empty_cache(self) -> LlamaCppCache:
         self.llama_cpp.llama_memory_clear(self.memory, True)
@@ -321,3 +326,57 @@ class LlamaCppEngine(ExternalEngine):
             self.llama_cpp.llama_free(self.context)
             self.llama_cpp.llama_model_free(self.model)
             self.context = None
+
+
+# One context size for every llama.cpp job: a prefix is one micro-batch of at most this many tokens.
+LLAMACPP_N_CTX = 2048
+LLAMACPP_PRECISIONS = ("fp16", "fp32")  # llama.cpp cache types; the weights stay as the GGUF holds them
+
+
+def load_llamacpp(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:
+    """A GGUF loaded at ``runtime`` (the precision is the cache type), with its environment record."""
+    import transformers
+
+    from stagereplay.engines.transformers_engine import cpu_model
+
+    if runtime.precision not in LLAMACPP_PRECISIONS:
+        raise ModelError(
+            f"precision {runtime.precision} is not a llama.cpp cache type — use {' or '.join(LLAMACPP_PRECISIONS)} for a llamacpp checkpoint"
+        )
+    if runtime.device != "cpu":
+        raise ModelError(f"the llama.cpp engine runs on cpu only (asked for {runtime.device}) — set device: cpu")
+    if runtime.threads < 1:
+        raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")
+    settings = EngineSettings(
+        cache_type=runtime.precision, n_threads=runtime.threads, n_threads_batch=runtime.threads, n_ctx=LLAMACPP_N_CTX
+    )
+    engine = LlamaCppEngine(gguf, settings)
+    engine.environment = Environment(
+        device="cpu",
+        device_name=cpu_model(),
+        cpu_capability=build_info(),
+        precision=runtime.precision,
+        threads=runtime.threads,
+        attn_implementation="llamacpp:flash_attn=off",
+        tf32=False,
+        bf16_reduced_precision_reduction=False,
+        fp16_reduced_precision_reduction=False,
+        sdpa_backends="none",
+        float32_matmul_precision="n/a",
+        deterministic=False,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        engine="llamacpp",
+        engine_version=f"llama-cpp-python {PINNED_VERSION}",
+        engine_build=(
+            f"cpu; n_ctx=n_batch=n_ubatch={LLAMACPP_N_CTX}; n_threads=n_threads_batch={runtime.threads};"
+            f" cache={runtime.precision}; flash_attn=off; extra_bufts=off; weights as in the GGUF"
+        ),
+    )
+    return engine
+
+
+def gguf_tokenizer(gguf: str | Path) -> tuple[LlamaCppTokenizer, int]:
+    """The GGUF's own tokenizer and the context a prompt must fit, from a small context (no cache work)."""
+    engine = LlamaCppEngine(gguf, EngineSettings("fp16", 1, 1, 8))
+    return engine.tokenizer, min(engine.context_length or LLAMACPP_N_CTX, LLAMACPP_N_CTX)

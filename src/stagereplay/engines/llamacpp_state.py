@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stagereplay.engines.transformers_cache import KVState
+from stagereplay.ledger.kvstate import KVState
 
 FORMAT = "llama-cpp-python 0.3.36"
 # ggml_type ids (ggml.h) of the cache types stage replay reads: the f32 and f16 caches.

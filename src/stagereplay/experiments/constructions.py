@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from stagereplay.design.names import ConstructionError, parse_construction
-from stagereplay.engines import transformers_cache as kv
+from stagereplay.engines.base import Engine
 from stagereplay.experiments.decode import Decoded, decode_greedy
+from stagereplay.ledger.kvstate import KVState
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,14 @@ class MarkerMatcher:
 
 @dataclass(frozen=True)
 class LiveRun:
-    state: kv.KVState  # cache at the boundary
+    state: KVState  # cache at the boundary
     prefix: tuple[int, ...]  # prompt + generated stage tokens; the last one is pending
     reasoning: Decoded  # the generated stage tokens and why the stage ended
     marker_match: str | None = None  # "token_ids" or "text" when the stage ended at the marker
 
 
 def build_live(
-    model,
+    engine: Engine,
     prompt: list[int],
     boundary: StageBoundary,
     eos_ids: Collection[int],
@@ -87,32 +88,33 @@ def build_live(
     on_token: Callable[[], None] | None = None,
 ) -> LiveRun:
     """Generate from the prompt to the stage boundary, keeping the live cache."""
-    device = next(model.parameters()).device
-    cache = kv.empty_cache(model)
+    cache = engine.empty_cache()
     with torch.inference_mode():
-        logits = kv.forward(model, torch.tensor([prompt], device=device), cache)
+        logits = engine.forward(prompt, cache)
     matcher = MarkerMatcher.for_tokenizer(boundary.marker, tokenizer) if boundary.marker else None
     stop_at_marker = (lambda tokens: matcher.match(tokens) is not None) if matcher else None
     reasoning = decode_greedy(
-        model, cache, logits, boundary.max_new_tokens, eos_ids, stop_after=stop_at_marker, on_token=on_token
+        engine, cache, logits, boundary.max_new_tokens, eos_ids, stop_after=stop_at_marker, on_token=on_token
     )
     # Asked again rather than remembered from the loop: match is a pure function of the tokens.
     marker_match = matcher.match(list(reasoning.tokens)) if reasoning.stop == "marker" else None
     # The last generated token was chosen but never fed: it is the pending input,
     # and the cache covers exactly the prompt and the generated tokens before it.
     return LiveRun(
-        state=kv.snapshot(cache), prefix=(*prompt, *reasoning.tokens), reasoning=reasoning, marker_match=marker_match
+        state=engine.snapshot(cache),
+        prefix=(*prompt, *reasoning.tokens),
+        reasoning=reasoning,
+        marker_match=marker_match,
     )
 
 
-def build_boundary_state(model, prefix: list[int], construction: str, prompt_length: int) -> kv.KVState:
+def build_boundary_state(engine: Engine, prefix: list[int], construction: str, prompt_length: int) -> KVState:
     """The boundary cache over ``prefix[:-1]`` built by ``construction`` (not ``live``)."""
     kind, chunk = parse_construction(construction)
     if kind == "live":
         raise ConstructionError("the live construction is generated, not rebuilt — use build_live")
     if not 0 < prompt_length < len(prefix):
         raise ConstructionError(f"prompt length {prompt_length} must lie inside the prefix of {len(prefix)} tokens")
-    device = next(model.parameters()).device
     context = list(prefix[:-1])
     if kind == "prefill":
         pieces = [context]
@@ -120,8 +122,8 @@ def build_boundary_state(model, prefix: list[int], construction: str, prompt_len
         pieces = [context[:prompt_length]] + [[token] for token in context[prompt_length:]]
     else:
         pieces = [context[start : start + chunk] for start in range(0, len(context), chunk)]
-    cache = kv.empty_cache(model)
+    cache = engine.empty_cache()
     with torch.inference_mode():
         for piece in pieces:
-            kv.forward(model, torch.tensor([piece], device=device), cache)
-    return kv.snapshot(cache)
+            engine.forward(piece, cache)
+    return engine.snapshot(cache)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from stagereplay.engines import transformers_cache as kv
+from stagereplay.engines.base import Engine
+from stagereplay.ledger.kvstate import KVState
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def greedy_choice(logits: torch.Tensor) -> tuple[int, float]:
 
 
 def decode_greedy(
-    model,
+    engine: Engine,
     cache,
     logits: torch.Tensor,
     max_new_tokens: int,
@@ -64,7 +65,6 @@ def decode_greedy(
     """
     tokens: list[int] = []
     margins: list[float] = []
-    device = next(model.parameters()).device
     with torch.inference_mode():
         while True:
             token, margin = greedy_choice(logits)
@@ -78,31 +78,30 @@ def decode_greedy(
                 return Decoded(tuple(tokens), tuple(margins), stop_reason)
             if len(tokens) >= max_new_tokens:
                 return Decoded(tuple(tokens), tuple(margins), "budget")
-            logits = kv.forward(model, torch.tensor([[token]], device=device), cache)
+            logits = engine.forward([token], cache)
 
 
-def read_out(model, cache, pending: int, cue: ReadoutCue) -> Readout:
+def read_out(engine: Engine, cache, pending: int, cue: ReadoutCue) -> Readout:
     """Feed the unfed last token and the cue in one forward; the choice letter with the highest logit.
 
     Only the letters' logits are compared (ties go to the earlier letter, as argmax breaks them), so
     every continuation gets a label, whatever it wrote. Appends to ``cache``.
     """
-    device = next(model.parameters()).device
     with torch.inference_mode():
-        logits = kv.forward(model, torch.tensor([[pending, *cue.tokens]], device=device), cache)
+        logits = engine.forward([pending, *cue.tokens], cache)
     letter_logits = logits[list(cue.letter_ids)]
     best, margin = greedy_choice(letter_logits)
     return Readout(cue.letters[best], margin)
 
 
-def read_out_state(model, state: kv.KVState, pending: int, cue: ReadoutCue) -> Readout:
+def read_out_state(engine: Engine, state: KVState, pending: int, cue: ReadoutCue) -> Readout:
     """The readout from a boundary state (a copy of it), for a stage that ended the answer itself."""
-    return read_out(model, kv.to_cache(state, model), pending, cue)
+    return read_out(engine, engine.to_cache(state), pending, cue)
 
 
 def continue_from(
-    model,
-    state: kv.KVState,
+    engine: Engine,
+    state: KVState,
     pending: int,
     max_new_tokens: int,
     eos_ids: Collection[int],
@@ -113,14 +112,20 @@ def continue_from(
 ) -> Decoded:
     """The suffix: feed the pending token on a copy of the boundary cache, then decode greedily;
     with ``readout``, read the forced choice from the state the suffix ends in."""
-    device = next(model.parameters()).device
-    cache = kv.to_cache(state, model)
+    cache = engine.to_cache(state)
     with torch.inference_mode():
-        logits = kv.forward(model, torch.tensor([[pending]], device=device), cache)
+        logits = engine.forward([pending], cache)
     decoded = decode_greedy(
-        model, cache, logits, max_new_tokens, eos_ids, stop_after=stop_after, on_token=on_token, stop_reason=stop_reason
+        engine,
+        cache,
+        logits,
+        max_new_tokens,
+        eos_ids,
+        stop_after=stop_after,
+        on_token=on_token,
+        stop_reason=stop_reason,
     )
     if readout is None:
         return decoded
     # decode_greedy never feeds its last token: the cache covers everything before it.
-    return replace(decoded, readout=read_out(model, cache, decoded.tokens[-1], readout))
+    return replace(decoded, readout=read_out(engine, cache, decoded.tokens[-1], readout))

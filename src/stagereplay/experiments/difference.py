@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagereplay.engines.transformers_cache import KVState
+from stagereplay.ledger.kvstate import KVState
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stagereplay.engines.base import ModelError
 from stagereplay.engines.registry import checkpoint_tokenizer
-from stagereplay.engines.transformers_model import ModelError
 from stagereplay.inputs import items as items_mod
 from stagereplay.ledger.fingerprint import fingerprint_tokens
 from stagereplay.ledger.tables import PROMPT_SCHEMA, write_table

@@ -25,15 +25,14 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
+from stagereplay.engines.base import Engine, Runtime
 from stagereplay.engines.registry import load_checkpoint
-from stagereplay.engines.transformers_cache import KVState, to_host
-from stagereplay.engines.transformers_model import LoadedModel, Runtime
 from stagereplay.experiments.compare import Side
 from stagereplay.experiments.constructions import build_boundary_state
-from stagereplay.experiments.shards import store_cache
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import CacheFingerprint, fingerprint_cache
-from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.kvstate import KVState, to_host
+from stagereplay.ledger.store import ObjectStore, store_cache
 from stagereplay.ledger.tables import LedgerError
 
 
@@ -82,14 +81,14 @@ class ModelPool:
         self,
         records: dict[str, str | Path],
         runtime: Runtime,
-        preloaded: dict[tuple[str, str], LoadedModel] | None = None,
+        preloaded: dict[tuple[str, str], Engine] | None = None,
     ):
         self.records = {name: read_model_record(path) for name, path in records.items()}
         self.runtime = runtime
         self.loaded = dict(preloaded or {})
         self.pinned = set(self.loaded)
 
-    def model_for(self, row: dict) -> LoadedModel:
+    def model_for(self, row: dict) -> Engine:
         checkpoint, precision = row["checkpoint"], row["precision"]
         record = self.records.get(checkpoint)
         if record is None:
@@ -149,9 +148,7 @@ class CacheSource:
             )
         prefix = token_holder.get_tokens(row["prefix_object"])
         loaded = self.models.model_for(row)
-        state = to_host(
-            build_boundary_state(loaded.model, list(prefix), rebuild_construction(row), row["prompt_length"])
-        )
+        state = to_host(build_boundary_state(loaded, list(prefix), rebuild_construction(row), row["prompt_length"]))
         fingerprint = fingerprint_cache(state)
         mismatch = first_mismatch(fingerprint, row)
         if mismatch is None and fingerprint.digest != row["cache_object"]:

@@ -10,35 +10,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
+from stagereplay.engines.base import Engine, Runtime
 from stagereplay.engines.registry import load_checkpoint
-from stagereplay.engines.transformers_cache import KVState, to_host
-from stagereplay.engines.transformers_model import Environment, LoadedModel, Runtime
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live, parse_construction
 from stagereplay.experiments.decode import Decoded, ReadoutCue, continue_from, read_out_state
+from stagereplay.experiments.job import ShardSpec, environment_columns, progress_bar
 from stagereplay.inputs import items as items_mod
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.inputs.scoring import score
 from stagereplay.ledger.fingerprint import fingerprint_cache
-from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.kvstate import KVState, to_host
+from stagereplay.ledger.store import ObjectStore, store_cache
 from stagereplay.ledger.tables import (
-    ENVIRONMENT_COLUMNS,
     PROMPT_SCHEMA,
     TRAJECTORY_SCHEMA,
     LedgerError,
     read_table,
     write_table,
 )
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    checkpoint: str
-    precision: str
-    replica: int
-    shard: int
-    shard_size: int
 
 
 @dataclass(frozen=True)
@@ -56,19 +45,12 @@ def shard_slice(rows: list, shard: int, shard_size: int) -> list:
     return chosen
 
 
-def eos_ids(loaded: LoadedModel) -> frozenset[int]:
-    ids = {loaded.tokenizer.eos_token_id}
-    configured = getattr(loaded.model.generation_config, "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return frozenset(i for i in ids if i is not None)
-
-
 class ShardRecorder:
     """Stores a trajectory's artifacts and builds its ledger row."""
 
     def __init__(
         self,
-        loaded: LoadedModel,
+        engine: Engine,
         record: dict,
         spec: ShardSpec,
         store: ObjectStore,
@@ -79,7 +61,7 @@ class ShardRecorder:
         self.prefix_precision = prefix_precision
         # False at store_caches selected or none: the row keeps the cache's fingerprints, not its tensors.
         self.store_caches = store_caches
-        self.loaded = loaded
+        self.engine = engine
         self.record = record
         self.spec = spec
         self.store = store
@@ -87,7 +69,7 @@ class ShardRecorder:
         self.rows: list[dict] = []
 
     def text(self, tokens) -> str:
-        return self.loaded.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        return self.engine.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     def add(
         self,
@@ -139,47 +121,19 @@ class ShardRecorder:
                 "readout_answer": readout.answer,
                 "readout_correct": readout.answer == item.answer,
                 "readout_margin": readout.margin,
-                **environment_columns(self.loaded.environment),
+                **environment_columns(self.engine.environment),
                 "model_seconds": seconds,
             }
         )
 
 
-def store_cache(store: ObjectStore, state: KVState, digest: str, model_fingerprint: str, precision: str) -> str:
-    """Store a boundary cache as the object ``digest`` (its fingerprint), with what built it as metadata."""
-    metadata = {"model_fingerprint": model_fingerprint, "precision": precision}
-    return store.put(
-        state.named_tensors(),
-        {"kind": "kv_cache", "positions": f"0:{state.num_positions}", **metadata},
-        object_id=digest,
-    )
-
-
-def environment_columns(environment: Environment) -> dict:
-    return {name: getattr(environment, name) for name in ENVIRONMENT_COLUMNS}
-
-
 def _continue(
-    loaded: LoadedModel, state: KVState, prefix, boundary_reason: str, budget: int, eos, on_token, cue: ReadoutCue
+    engine: Engine, state: KVState, prefix, boundary_reason: str, budget: int, eos, on_token, cue: ReadoutCue
 ) -> Decoded:
     """The suffix and its forced-choice readout."""
     if boundary_reason == "eos":  # the stage ended the answer itself: nothing to continue, the readout still reads
-        return Decoded((), (), "eos", readout=read_out_state(loaded.model, state, prefix[-1], cue))
-    return continue_from(loaded.model, state, prefix[-1], budget, eos, on_token=on_token, readout=cue)
-
-
-def progress_bar(total: int, label: str) -> tuple[tqdm, callable]:
-    bar = tqdm(total=total, desc=label, unit="item", mininterval=2.0)
-    # Set from the start, so even a job with nothing to decode ends its log with a tok_s figure.
-    bar.set_postfix(tok_s="0.0", refresh=False)
-    counter = {"tokens": 0}
-    started = time.perf_counter()
-
-    def on_token() -> None:
-        counter["tokens"] += 1
-        bar.set_postfix(tok_s=f"{counter['tokens'] / max(time.perf_counter() - started, 1e-9):.1f}", refresh=False)
-
-    return bar, on_token
+        return Decoded((), (), "eos", readout=read_out_state(engine, state, prefix[-1], cue))
+    return continue_from(engine, state, prefix[-1], budget, eos, on_token=on_token, readout=cue)
 
 
 def run_live_shard(
@@ -196,16 +150,16 @@ def run_live_shard(
     record = read_model_record(model_record)
     item_list = shard_slice(items_mod.load_items(items_path), spec.shard, spec.shard_size)
     prompts = prompt_rows_by_item(prompts_path)
-    loaded = load_checkpoint(record, runtime)
-    recorder = ShardRecorder(loaded, record, spec, ObjectStore(store_root), "live", spec.precision, store_caches)
-    eos = eos_ids(loaded)
+    engine = load_checkpoint(record, runtime)
+    recorder = ShardRecorder(engine, record, spec, ObjectStore(store_root), "live", spec.precision, store_caches)
+    eos = engine.eos_ids
     bar, on_token = progress_bar(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
     for item in item_list:
         prompt = prompts[item.item_id]["prompt_tokens"]
         started = time.perf_counter()
-        live = build_live(loaded.model, prompt, budgets.boundary, eos, loaded.tokenizer, on_token=on_token)
+        live = build_live(engine, prompt, budgets.boundary, eos, engine.tokenizer, on_token=on_token)
         suffix = _continue(
-            loaded,
+            engine,
             live.state,
             live.prefix,
             live.reasoning.stop,
@@ -257,10 +211,10 @@ def run_construction_shard(
         raise LedgerError(f"{source_shard} is not a live shard — rebuild constructions only from saved live prefixes")
     store = ObjectStore(store_root)
     source_store = ObjectStore(source_store_root or store_root)
-    loaded = load_checkpoint(record, runtime)
+    engine = load_checkpoint(record, runtime)
     prefix_precision = source[0]["precision"] if source else spec.precision
-    recorder = ShardRecorder(loaded, record, spec, store, construction, prefix_precision, store_caches)
-    eos = eos_ids(loaded)
+    recorder = ShardRecorder(engine, record, spec, store, construction, prefix_precision, store_caches)
+    eos = engine.eos_ids
     bar, on_token = progress_bar(len(source), f"{construction} {spec.precision} rep{spec.replica} shard {spec.shard}")
     for row in source:
         if row["model_fingerprint"] != record["fingerprint"]:
@@ -269,9 +223,9 @@ def run_construction_shard(
             )
         prefix = tuple(source_store.get_tokens(row["prefix_object"]))
         started = time.perf_counter()
-        state = build_boundary_state(loaded.model, list(prefix), construction, row["prompt_length"])
+        state = build_boundary_state(engine, list(prefix), construction, row["prompt_length"])
         suffix = _continue(
-            loaded,
+            engine,
             state,
             prefix,
             row["boundary_reason"],

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagereplay.design.names import check_plan
-from stagereplay.engines.registry import load_checkpoint, model_layers
-from stagereplay.engines.transformers_model import Runtime
+from stagereplay.engines.base import Runtime
+from stagereplay.engines.registry import load_checkpoint
 from stagereplay.experiments.compare import Side, first_divergence
 from stagereplay.experiments.decode import Decoded, continue_from
+from stagereplay.experiments.job import ShardSpec, environment_columns, progress_bar
 from stagereplay.experiments.recompute import CacheSource, ModelPool
-from stagereplay.experiments.shards import ShardSpec, environment_columns, eos_ids, progress_bar
 from stagereplay.experiments.transplants import TransplantSpec, left_both, outcome, sweep_specs, transplant
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
@@ -57,12 +57,12 @@ def run_transplant_shard(
     source_store = ObjectStore(source_store_root or store_root)
     loaded = load_checkpoint(record, runtime)
     if job.plan:
-        check_plan(job.plan, model_layers(loaded.model))
+        check_plan(job.plan, loaded.num_layers)
     models = ModelPool({spec.checkpoint: model_record}, runtime, {(spec.checkpoint, spec.precision): loaded})
     keep = store if store_rebuilt_caches else None
     caches = CacheSource([source_store] + ([store] if store.root != source_store.root else []), models, keep)
     environment = environment_columns(loaded.environment)
-    eos = eos_ids(loaded)
+    eos = loaded.eos_ids
     rows = []
     work = []
     for donor_path, recipient_path in job.pairs:
@@ -98,11 +98,11 @@ def run_transplant_shard(
             elif job.selection == "cross_precision":
                 # Decoded to the full budget: the cast live and cast prefill continuations are compared
                 # with each other (does the divergence survive the cast?), not only with the two suffixes.
-                suffix = continue_from(loaded.model, state, prefix[-1], suffix_tokens, eos, on_token=on_token)
+                suffix = continue_from(loaded, state, prefix[-1], suffix_tokens, eos, on_token=on_token)
             else:
                 # Once the continuation has left both suffixes it can follow neither: stop there.
                 suffix = continue_from(
-                    loaded.model,
+                    loaded,
                     state,
                     prefix[-1],
                     suffix_tokens,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from stagereplay.design.names import SweepPlan, TransplantError
-from stagereplay.engines.transformers_cache import KVState
 from stagereplay.experiments.compare import first_divergence
+from stagereplay.ledger.kvstate import KVState
 
 KV_PARTS = ("kv", "k", "v")
 

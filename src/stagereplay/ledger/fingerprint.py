@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 if TYPE_CHECKING:
-    from stagereplay.engines.transformers_cache import KVState
+    from stagereplay.ledger.kvstate import KVState
 
 if sys.byteorder != "little":  # pragma: no cover - no such torch platform today
     raise RuntimeError("stagereplay fingerprints assume a little-endian host")

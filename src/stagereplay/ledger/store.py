@@ -19,6 +19,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from stagereplay.atomic import atomic_write
 from stagereplay.ledger.fingerprint import fingerprint_tensors
+from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.tables import LedgerError, is_object_id
 
 OBJECT_SUFFIX = ".safetensors"
@@ -102,3 +103,13 @@ class ObjectStore:
 
     def get_tokens(self, object_id: str) -> list[int]:
         return self.get(object_id)["tokens"].tolist()
+
+
+def store_cache(store: ObjectStore, state: KVState, digest: str, model_fingerprint: str, precision: str) -> str:
+    """Store a boundary cache as the object ``digest`` (its fingerprint), with what built it as metadata."""
+    metadata = {"model_fingerprint": model_fingerprint, "precision": precision}
+    return store.put(
+        state.named_tensors(),
+        {"kind": "kv_cache", "positions": f"0:{state.num_positions}", **metadata},
+        object_id=digest,
+    )

@@ -1,23 +1,35 @@
-"""Load a checkpoint at a precision, on a device, with a fixed runtime.
+"""The transformers engine: a Hugging Face model folder loaded at a precision, on a device, with a fixed runtime.
 
 Bit-exact replicas depend on everything that changes the order of floating
 point operations: dtype, device, intra-op thread count, attention kernel and,
 on CUDA, TF32 and cuBLAS determinism. All of it is set here from explicit
 arguments and returned as a record that goes into every ledger row.
+
+This is the one module that touches the transformers cache API. Caches are built
+from the model's config, so each layer gets the cache class the model expects.
+Only models whose every layer is full attention are accepted
+(``unsupported_attention``): a sliding-window or recurrent layer keeps less than
+every position, so a boundary cache, a last-W transplant or a cache difference
+would mean something else there.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import platform
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from stagereplay.engines.transformers_cache import unsupported_attention
+from stagereplay.design.names import TransplantError
+from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
+from stagereplay.ledger.kvstate import KVState
 
 PRECISIONS: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
@@ -27,56 +39,101 @@ PRECISIONS: dict[str, torch.dtype] = {
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
-class ModelError(RuntimeError):
-    """One-line message naming the problem and the fix."""
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    # Built-in models take ``cache``; a trust_remote_code model may still name only ``past_key_values``.
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
-@dataclass(frozen=True)
-class Runtime:
-    precision: str
-    device: str  # "cpu", "cuda" or "auto"
-    threads: int
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
-    # What the fit check at load time needs: the longest sequence a job holds (prompt, stage and
-    # suffix; 0: weights only) and the device memory it may use (None: the device's free memory).
-    max_positions: int = 0
-    device_memory_gb: float | None = None
+def unsupported_attention(config, name: str) -> str | None:
+    """One line refusing a model whose layers are not all full attention, or None when they all are.
+
+    Asks DynamicCache itself which cache class each layer gets, so the check follows transformers'
+    own reading of the config (``layer_types``, ``sliding_window``, ``attention_chunk_size``, ...).
+    """
+    layers = DynamicCache(config=config).layers
+    other = [index for index, layer in enumerate(layers) if type(layer) is not DynamicLayer]
+    if layers and not other:
+        return None
+    if not layers:
+        found = "no attention layers in its config"
+    else:
+        layer_types = getattr(config.get_text_config(decoder=True), "layer_types", None) or []
+        first = other[0]
+        kind = layer_types[first] if first < len(layer_types) else type(layers[first]).__name__
+        found = f"{len(other)} of {len(layers)} layers are not full attention (layer {first}: {kind})"
+    return (
+        f"model {name}: {found} — stage replay needs every position cached in every layer; use a model whose"
+        " layers are all full attention (Qwen2/Mistral-style configs: use_sliding_window false, sliding_window null)"
+    )
 
 
-@dataclass(frozen=True)
-class Environment:
-    """What the numbers depend on besides the inputs; recorded per ledger row."""
+class TransformersEngine(Engine):
+    """A Hugging Face causal LM with its tokenizer: caches are ``DynamicCache``s built from its config.
 
-    device: str
-    device_name: str  # the GPU's name, or the CPU model
-    cpu_capability: str  # the SIMD level torch picked CPU kernels for (e.g. AVX2, AVX512)
-    precision: str
-    threads: int
-    attn_implementation: str
-    tf32: bool
-    # May bf16/fp16 matmuls reduce in reduced precision (cuBLAS split-K): changes sums on CUDA.
-    bf16_reduced_precision_reduction: bool
-    fp16_reduced_precision_reduction: bool
-    sdpa_backends: str  # enabled scaled-dot-product-attention kernels, e.g. "flash,mem_efficient,math,cudnn"
-    float32_matmul_precision: str  # torch.get_float32_matmul_precision(): highest, high or medium
-    deterministic: bool
-    torch_version: str
-    transformers_version: str
-    engine: str = "transformers"
-    engine_version: str = transformers.__version__
-    engine_build: str = ""  # the engine's build options where it has its own (llama.cpp's CPU features)
+    transformers changes its cache classes and keyword names between releases (verified in
+    5.24.0: Qwen2's forward takes ``cache``, and ``past_key_values`` is a deprecated alias to be
+    removed in 5.40), so every call that builds, reads or feeds a cache is a method here.
+    """
 
-
-@dataclass(frozen=True)
-class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: object
-    environment: Environment
+    def __init__(self, model: torch.nn.Module, tokenizer, environment: Environment):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.environment = environment
+        self.device = next(model.parameters()).device
 
     @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+    def eos_ids(self) -> frozenset[int]:
+        ids = {self.tokenizer.eos_token_id}
+        configured = getattr(self.model.generation_config, "eos_token_id", None)
+        ids.update(configured if isinstance(configured, list) else [configured])
+        return frozenset(i for i in ids if i is not None)
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.get_text_config().num_hidden_layers
+
+    def empty_cache(self) -> DynamicCache:
+        """An empty cache with the layer classes the model's config asks for."""
+        cache = DynamicCache(config=self.model.config)
+        # load_model refuses such models first; this guards a model built any other way (a test, a notebook).
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            config = self.model.config
+            raise ValueError(
+                unsupported_attention(config, getattr(config, "name_or_path", "") or type(self.model).__name__)
+            )
+        return cache
+
+    def forward(self, tokens: list[int], cache: DynamicCache) -> torch.Tensor:
+        """Feed ``tokens`` [1, n] through the model, appending to ``cache``.
+
+        Returns the float32 logits of the last position. ``logits_to_keep=1`` is
+        used on every call, so the lm_head always sees the same shape.
+        """
+        input_ids = torch.tensor([list(tokens)], device=self.device)
+        keyword = _cache_keyword(type(self.model))
+        with torch.inference_mode():
+            output = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
+        return output.logits[0, -1].float()
+
+    def snapshot(self, cache: DynamicCache) -> KVState:
+        layers = cache.layers
+        return KVState(
+            keys=tuple(layer.keys.detach().clone() for layer in layers),
+            values=tuple(layer.values.detach().clone() for layer in layers),
+        )
+
+    def to_cache(self, state: KVState) -> DynamicCache:
+        cache = self.empty_cache()
+        if state.num_layers != len(cache.layers):
+            raise TransplantError(
+                f"a cache of {state.num_layers} layers cannot feed a model of {len(cache.layers)} layers — continue a state only on the model that built it"
+            )
+        for index, (key, value) in enumerate(zip(state.keys, state.values)):
+            # DynamicLayer.update concatenates onto an empty tensor, so the cache holds a copy, never ``state`` itself.
+            cache.update(key.to(self.device), value.to(self.device), index)
+        return cache
 
 
 def resolve_device(device: str) -> str:
@@ -131,6 +188,8 @@ def configure_runtime(runtime: Runtime) -> Environment:
         deterministic=torch.are_deterministic_algorithms_enabled(),
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
+        engine="transformers",
+        engine_version=transformers.__version__,
     )
 
 
@@ -216,7 +275,31 @@ def _check_precision_runs(device: str, precision: str) -> None:
         ) from None
 
 
-def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
+def check_fits(config: dict, runtime: Runtime, device: str) -> None:
+    """Stop before the weights are read when the job cannot fit the device: one line now, not an
+    out-of-memory error an hour in. Needed: weights at the precision plus caches and activations
+    (storage_plan.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
+    device's free memory (CUDA) or the host's available RAM, capped by runtime.device_memory_gb."""
+    from stagereplay.design.projection import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
+
+    try:
+        shapes = ModelShapes.from_config(config)
+    except PlanError:
+        return  # an architecture whose shapes we cannot read: nothing to check against
+    needed = job_memory_bytes(shapes, runtime.precision, runtime.max_positions)
+    available = int(torch.cuda.mem_get_info()[0]) if device == "cuda" else available_host_memory_bytes()
+    limit = "free"
+    if runtime.device_memory_gb is not None and runtime.device_memory_gb * 1e9 < available:
+        available, limit = int(runtime.device_memory_gb * 1e9), "runtime.device_memory_gb"
+    if needed > available:
+        raise ModelError(
+            f"the model needs {needed / 1e9:.2f} GB on {device} at {runtime.precision} ({runtime.max_positions} positions)"
+            f" but {available / 1e9:.2f} GB are available ({limit}) — use a larger device, a lower precision or"
+            " shorter token budgets, or raise runtime.device_memory_gb"
+        )
+
+
+def load_model(folder: str | Path, runtime: Runtime) -> TransformersEngine:
     """Load a Hugging Face model folder (weights, config, tokenizer) at ``runtime``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -249,33 +332,4 @@ def load_model(folder: str | Path, runtime: Runtime) -> LoadedModel:
     )
     model.to(environment.device).eval()
     model.requires_grad_(False)
-    return LoadedModel(model=model, tokenizer=tokenizer, environment=environment)
-
-
-def check_fits(config: dict, runtime: Runtime, device: str) -> None:
-    """Stop before the weights are read when the job cannot fit the device: one line now, not an
-    out-of-memory error an hour in. Needed: weights at the precision plus caches and activations
-    (storage_plan.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
-    device's free memory (CUDA) or the host's available RAM, capped by runtime.device_memory_gb."""
-    from stagereplay.design.projection import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
-
-    try:
-        shapes = ModelShapes.from_config(config)
-    except PlanError:
-        return  # an architecture whose shapes we cannot read: nothing to check against
-    needed = job_memory_bytes(shapes, runtime.precision, runtime.max_positions)
-    available = int(torch.cuda.mem_get_info()[0]) if device == "cuda" else available_host_memory_bytes()
-    limit = "free"
-    if runtime.device_memory_gb is not None and runtime.device_memory_gb * 1e9 < available:
-        available, limit = int(runtime.device_memory_gb * 1e9), "runtime.device_memory_gb"
-    if needed > available:
-        raise ModelError(
-            f"the model needs {needed / 1e9:.2f} GB on {device} at {runtime.precision} ({runtime.max_positions} positions)"
-            f" but {available / 1e9:.2f} GB are available ({limit}) — use a larger device, a lower precision or"
-            " shorter token budgets, or raise runtime.device_memory_gb"
-        )
-
-
-def context_length(model: torch.nn.Module) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return int(getattr(config, "max_position_embeddings", 0) or 0)
+    return TransformersEngine(model, tokenizer, environment)

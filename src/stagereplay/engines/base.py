@@ -1,0 +1,95 @@
+"""What every engine is: the one protocol the experiments use, and the records it fills in.
+
+An engine runs one checkpoint at one runtime (precision, device, threads, kernels). The experiments
+only ever ask it to start an empty cache, feed tokens into a cache (getting the last position's
+float32 logits back), export the cache as a ``KVState`` and import one, and read its tokenizer,
+its end-of-generation ids, its layer count and its environment record. Two engines implement it:
+transformers (``transformers_engine``) and llama.cpp (``llamacpp_engine``); ``registry`` picks one
+from a model record. Nothing outside this package asks which engine it holds.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from stagereplay.ledger.kvstate import KVState
+
+
+class ModelError(RuntimeError):
+    """One-line message naming the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    precision: str
+    device: str  # "cpu", "cuda" or "auto"
+    threads: int
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    # What the fit check at load time needs: the longest sequence a job holds (prompt, stage and
+    # suffix; 0: weights only) and the device memory it may use (None: the device's free memory).
+    max_positions: int = 0
+    device_memory_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the numbers depend on besides the inputs; recorded per ledger row."""
+
+    device: str
+    device_name: str  # the GPU's name, or the CPU model
+    cpu_capability: str  # the SIMD level torch picked CPU kernels for (e.g. AVX2, AVX512)
+    precision: str
+    threads: int
+    attn_implementation: str
+    tf32: bool
+    # May bf16/fp16 matmuls reduce in reduced precision (cuBLAS split-K): changes sums on CUDA.
+    bf16_reduced_precision_reduction: bool
+    fp16_reduced_precision_reduction: bool
+    sdpa_backends: str  # enabled scaled-dot-product-attention kernels, e.g. "flash,mem_efficient,math,cudnn"
+    float32_matmul_precision: str  # torch.get_float32_matmul_precision(): highest, high or medium
+    deterministic: bool
+    torch_version: str
+    transformers_version: str
+    engine: str = "transformers"
+    engine_version: str = ""  # the engine library's version (transformers, llama-cpp-python)
+    engine_build: str = ""  # the engine's build options where it has its own (llama.cpp's CPU features)
+
+
+class Engine(ABC):
+    """One checkpoint loaded at one runtime: a tokenizer, a cache to feed, and the record of how it runs."""
+
+    tokenizer: object  # encode/decode/apply_chat_template/convert_ids_to_tokens, eos_token_id
+    environment: Environment  # recorded in every ledger row the engine's outputs fill
+
+    @property
+    @abstractmethod
+    def eos_ids(self) -> frozenset[int]:
+        """The token ids that end a greedy continuation (the checkpoint's generation settings)."""
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int:
+        """Layers of the K/V cache, as ``KVState`` exports them."""
+
+    @abstractmethod
+    def empty_cache(self) -> object:
+        """A new, empty cache of this engine (only this engine's own calls read it)."""
+
+    @abstractmethod
+    def forward(self, tokens: list[int], cache: object) -> torch.Tensor:
+        """Feed ``tokens`` after what ``cache`` holds, in one call; the float32 logits of the last position."""
+
+    @abstractmethod
+    def snapshot(self, cache: object) -> KVState:
+        """A detached copy of the cache as it stands now (later decoding never changes it)."""
+
+    @abstractmethod
+    def to_cache(self, state: KVState) -> object:
+        """A fresh cache holding a copy of ``state`` (decoding from it leaves ``state`` intact)."""
+
+    def close(self) -> None:  # noqa: B027 - most engines hold nothing outside Python's memory
+        """Free what the engine holds outside Python's memory (nothing by default)."""
