@@ -100,6 +100,7 @@ def cmd_prompts(args) -> None:
         args.max_new_tokens,
         args.suffix_tokens,
         args.out,
+        args.vocab_out,
         use_chat_template=not args.no_chat_template,
         trust_remote_code=args.trust_remote_code,
     )
@@ -306,7 +307,7 @@ def cmd_report(args) -> None:
         read_table,
     )
     from stagereplay.report.card import provenance, write_results_card
-    from stagereplay.report.item_view import item_records, load_tokenizers
+    from stagereplay.report.item_view import item_records, read_vocabularies
     from stagereplay.report.plots import PLOT_FILES, write_plots
 
     summary_path = Path(args.summary)
@@ -323,9 +324,8 @@ def cmd_report(args) -> None:
     shown = summary if e4 is None else {**summary, "E4": e4}
     # The plots first: the HTML card carries them inline.
     plots = dict(zip(PLOT_FILES, write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)))
-    items = item_records(
-        summary["checkpoints"], args.items, trajectories, comparisons, transplants, load_tokenizers(records)
-    )
+    vocabularies = read_vocabularies(dict(args.vocab))
+    items = item_records(summary["checkpoints"], args.items, trajectories, comparisons, transplants, vocabularies)
     write_results_card(
         shown,
         provenance(summary, args.item_source, args.items, records),
@@ -470,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat-template", action="store_true", help="plain prompt text (base models)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--out", required=True)
+    p.add_argument("--vocab-out", required=True, help="the checkpoint's token spellings, for the report (Parquet)")
     p.set_defaults(func=cmd_prompts)
 
     p = sub.add_parser("live", help="E1 live side: generate to the stage boundary, keep the cache, continue")
@@ -623,6 +624,14 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar=("NAME", "RECORD"),
         help="a checkpoint's name and its model.json (repeat for every checkpoint the run used)",
+    )
+    p.add_argument(
+        "--vocab",
+        nargs=2,
+        action="append",
+        required=True,
+        metavar=("NAME", "TABLE"),
+        help="a checkpoint's name and its vocabulary table, written by the prompts job (repeat per checkpoint)",
     )
     p.add_argument(
         "--e4",

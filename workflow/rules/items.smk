@@ -30,7 +30,8 @@ rule prompts:
         model=LAYOUT.model_record("{checkpoint}"),
         item_file=LAYOUT.items,
     output:
-        LAYOUT.prompts("{checkpoint}"),
+        prompts=LAYOUT.prompts("{checkpoint}"),
+        vocab=LAYOUT.vocab("{checkpoint}"),
     log:
         LAYOUT.log("prompts", "{checkpoint}.log"),
     threads: 1
@@ -51,4 +52,4 @@ rule prompts:
     shell:
         "stagereplay prompts --model-record {input.model:q} --items {input.item_file:q}"
         " --max-new-tokens {params.max_new_tokens} --suffix-tokens {params.suffix_tokens} {params.flags}"
-        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --out {output.prompts:q} --vocab-out {output.vocab:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"

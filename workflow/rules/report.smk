@@ -18,6 +18,7 @@ rule report:
         comparisons=LAYOUT.table("comparisons"),
         transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
         models=[LAYOUT.model_record(name) for name in USED_CHECKPOINTS],
+        vocab=[LAYOUT.vocab(name) for name in USED_CHECKPOINTS],
         item_file=LAYOUT.items,
     output:
         **{
@@ -37,12 +38,15 @@ rule report:
         models=lambda wildcards, input: " ".join(
             f"--model {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.models)
         ),
+        vocab=lambda wildcards, input: " ".join(
+            f"--vocab {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.vocab)
+        ),
         e4=e4_option,
         e4_version=e4_version,
         item_source=config["items"]["source"],
         plots_dir=lambda wildcards, output: str(Path(output.card_html).parent),
     shell:
         "stagereplay report --summary {input.summary:q} --trajectories {input.trajectories:q}"
-        " --comparisons {input.comparisons:q} {params.transplants} {params.models} {params.e4} --items {input.item_file:q}"
+        " --comparisons {input.comparisons:q} {params.transplants} {params.models} {params.vocab} {params.e4} --items {input.item_file:q}"
         " --item-source {params.item_source:q} --card {output.card:q} --card-html {output.card_html:q}"
         " --plots-dir {params.plots_dir:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"

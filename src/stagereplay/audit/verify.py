@@ -51,6 +51,7 @@ from stagereplay.ledger.tables import (
     TRAJECTORY_SCHEMA,
     TRANSPLANT_KEY,
     TRANSPLANT_SCHEMA,
+    VOCAB_SCHEMA,
     LedgerError,
     is_object_id,
     read_table,
@@ -109,6 +110,8 @@ def table_schema(relative: Path) -> pa.Schema | None:
         return TRANSPLANT_SCHEMA if parts[1] == "transplant" else TRAJECTORY_SCHEMA
     if parts[0] == "prompts":
         return PROMPT_SCHEMA
+    if parts[0] == "vocab":
+        return VOCAB_SCHEMA
     return {
         "trajectories.parquet": TRAJECTORY_SCHEMA,
         "comparisons.parquet": COMPARISON_SCHEMA,
@@ -160,7 +163,7 @@ def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject
 def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
     tables: dict[str, pa.Table] = {}
     candidates = [
-        path for folder in ("tables", "runs", "prompts") for path in sorted((root / folder).rglob("*.parquet"))
+        path for folder in ("tables", "runs", "prompts", "vocab") for path in sorted((root / folder).rglob("*.parquet"))
     ]
     for path in candidates:
         relative = path.relative_to(root)

@@ -105,6 +105,9 @@ class LlamaCppTokenizer:
         template = engine.llama_cpp.llama_model_chat_template(engine.model, None)
         self.chat_template = template.decode() if template else None
 
+    def __len__(self) -> int:
+        return self.engine.n_vocab
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         llama_cpp = self.engine.llama_cpp
         raw = text.encode("utf-8")

@@ -14,7 +14,7 @@ from stagereplay.engines.base import ModelError
 from stagereplay.engines.registry import checkpoint_tokenizer
 from stagereplay.inputs import items as items_mod
 from stagereplay.ledger.fingerprint import fingerprint_tokens
-from stagereplay.ledger.tables import PROMPT_SCHEMA, write_table
+from stagereplay.ledger.tables import PROMPT_SCHEMA, VOCAB_SCHEMA, write_table
 
 _INSTRUCTION = (
     "Answer the following multiple-choice question. Think step by step, "
@@ -82,10 +82,12 @@ def tokenize_prompts(
     max_new_tokens: int,
     suffix_tokens: int,
     out_path: str | Path,
+    vocab_path: str | Path,
     use_chat_template: bool = True,
     trust_remote_code: bool = False,
 ) -> Path:
     tokenizer, context = checkpoint_tokenizer(model_record, trust_remote_code)
+    write_vocabulary(tokenizer, vocab_path)
     cue, letter_ids = readout_tokens(tokenizer)
     rows = []
     for item in items_mod.load_items(items_path):
@@ -105,3 +107,19 @@ def tokenize_prompts(
             }
         )
     return write_table(rows, PROMPT_SCHEMA, out_path)
+
+
+def spelling(tokenizer, token: int) -> str:
+    """A token decoded alone (special tokens kept: an end-of-turn token is part of what was generated).
+
+    A token holding part of a multi-byte character decodes alone to U+FFFD, which would make two different
+    tokens look the same: such a token is spelled as the tokenizer's own name for it, in ‹ ›.
+    """
+    text = tokenizer.decode([token], skip_special_tokens=False)
+    return f"‹{tokenizer.convert_ids_to_tokens(token)}›" if "\ufffd" in text else text
+
+
+def write_vocabulary(tokenizer, out_path: str | Path) -> Path:
+    """Every token id's spelling, so the report reads tokens from the ledger instead of loading a tokenizer."""
+    rows = [{"token_id": token, "text": spelling(tokenizer, token)} for token in range(len(tokenizer))]
+    return write_table(rows, VOCAB_SCHEMA, out_path)

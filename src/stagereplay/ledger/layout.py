@@ -43,6 +43,10 @@ class LedgerLayout:
     def prompts(self, checkpoint: str) -> str:
         return self.path("prompts", f"{checkpoint}.parquet")
 
+    def vocab(self, checkpoint: str) -> str:
+        """Each token id of the checkpoint as the report spells it (tables.VOCAB_SCHEMA)."""
+        return self.path("vocab", f"{checkpoint}.parquet")
+
     def model_dir(self, checkpoint: str) -> str:
         """Where a checkpoint is converted or built (a user's own folder is used where it lies)."""
         return self.path("models", checkpoint)

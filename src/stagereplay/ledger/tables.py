@@ -172,6 +172,15 @@ PROMPT_SCHEMA = pa.schema(
 )
 
 # One row per audited artifact (E4): a saved fingerprint against its recomputation.
+# How each token id of a checkpoint is spelled, written by the prompts job (which holds the
+# tokenizer) so that the report and `stagereplay show` spell tokens without loading an engine.
+VOCAB_SCHEMA = pa.schema(
+    [
+        ("token_id", pa.int64()),
+        ("text", pa.string()),
+    ]
+)
+
 AUDIT_SCHEMA = pa.schema(
     [
         ("kind", pa.string()),  # trajectory, comparison, transplant, selection or model

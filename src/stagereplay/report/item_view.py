@@ -3,7 +3,7 @@
 One record per item and checkpoint, built from the ledger tables (never computed
 anew: the first divergence, the margins and the per-layer cache differences are
 the comparison row's, the labels the trajectory rows', the outcomes the
-transplant rows'), and the tokenizer only to spell the suffix tokens. The HTML
+transplant rows'), and the checkpoint's vocabulary table (written by the prompts job) to spell the suffix tokens. The HTML
 card (render.py) and ``stagereplay show`` lay these records out; neither counts
 anything of its own.
 
@@ -101,23 +101,15 @@ def _side_label(row: dict) -> str:
     return Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
 
 
-def spell(tokenizer, token_ids: list[int]) -> tuple[str, ...]:
-    """Each token decoded alone (special tokens kept: an end-of-turn token is part of what was generated).
-
-    A token holding part of a multi-byte character decodes alone to U+FFFD, which would make two different
-    tokens look the same: such a token is shown as the tokenizer's own name for it, in ‹ ›.
-    """
-    spelled = []
-    for token in token_ids:
-        text = tokenizer.decode([token], skip_special_tokens=False)
-        spelled.append(f"‹{tokenizer.convert_ids_to_tokens(token)}›" if "\ufffd" in text else text)
-    return tuple(spelled)
+def spell(vocabulary: dict[int, str], token_ids: list[int]) -> tuple[str, ...]:
+    """Each token as the prompts job spelled it from the checkpoint's tokenizer (experiments.prompts.spelling)."""
+    return tuple(vocabulary[token] for token in token_ids)
 
 
-def _side_view(row: dict, tokenizer) -> SideView:
+def _side_view(row: dict, vocabulary: dict[int, str]) -> SideView:
     return SideView(
         label=_side_label(row),
-        tokens=spell(tokenizer, row["suffix_tokens"]),
+        tokens=spell(vocabulary, row["suffix_tokens"]),
         margins=tuple(row["suffix_margins"]),
         stop=row["suffix_stop"],
         parsed_answer=row["answer"],
@@ -134,7 +126,7 @@ def item_records(
     trajectories: pa.Table,
     comparisons: pa.Table,
     transplants: pa.Table | None,
-    tokenizers: dict,
+    vocabularies: dict[str, dict[int, str]],
 ) -> list[ItemRecord]:
     """One record per E1 live-vs-prefill pair, in the card's order (``checkpoints``: summary.json's order)."""
     items = {item.item_id: item for item in items_mod.load_items(items_path)}
@@ -149,7 +141,7 @@ def item_records(
         if pair["experiment"] != "E1" or pair["relation"] != "construction":
             continue
         checkpoint, item_id = pair["checkpoint"], pair["item_id"]
-        item, tokenizer = items[item_id], tokenizers[checkpoint]
+        item, vocabulary = items[item_id], vocabularies[checkpoint]
         records.append(
             ItemRecord(
                 checkpoint=checkpoint,
@@ -158,8 +150,8 @@ def item_records(
                 question=item.question,
                 choices=item.choices,
                 answer=item.answer,
-                live=_side_view(by_label[(checkpoint, item_id, pair["a"])], tokenizer),
-                prefill=_side_view(by_label[(checkpoint, item_id, pair["b"])], tokenizer),
+                live=_side_view(by_label[(checkpoint, item_id, pair["a"])], vocabulary),
+                prefill=_side_view(by_label[(checkpoint, item_id, pair["b"])], vocabulary),
                 first_divergence=pair["first_divergence"],
                 cache_exact=pair["cache_exact"],
                 layers_differ=pair["layers_differ"],
@@ -182,11 +174,15 @@ def item_records(
     )
 
 
-def load_tokenizers(model_records: dict[str, dict]) -> dict:
-    """Each checkpoint's own tokenizer, whatever its engine (no transformers weights are read)."""
-    from stagereplay.engines.registry import checkpoint_tokenizer
+def read_vocabularies(paths: dict[str, str | Path]) -> dict[str, dict[int, str]]:
+    """Each checkpoint's token spellings from its vocabulary table (no tokenizer, no engine is loaded)."""
+    from stagereplay.ledger.tables import VOCAB_SCHEMA, read_table
 
-    return {name: checkpoint_tokenizer(record)[0] for name, record in model_records.items()}
+    vocabularies = {}
+    for name, path in paths.items():
+        table = read_table(path, VOCAB_SCHEMA)
+        vocabularies[name] = dict(zip(table.column("token_id").to_pylist(), table.column("text").to_pylist()))
+    return vocabularies
 
 
 # --- text, for the terminal and for Markdown ---------------------------------------------
@@ -275,7 +271,6 @@ def show_text(record: ItemRecord) -> str:
 
 def ledger_item(root: str | Path, item_id: str) -> list[ItemRecord]:
     """The records of one item of a finished ledger (one per checkpoint), for ``stagereplay show``."""
-    from stagereplay.inputs.checkpoints import read_model_record
     from stagereplay.ledger.layout import LedgerLayout
     from stagereplay.ledger.tables import (
         COMPARISON_SCHEMA,
@@ -307,5 +302,5 @@ def ledger_item(root: str | Path, item_id: str) -> list[ItemRecord]:
         transplants = read_table(ledger.table("transplants"), TRANSPLANT_SCHEMA)
         transplants = transplants.filter(pa.compute.equal(transplants.column("item_id"), item_id))
     checkpoints = checkpoint_order(comparisons)
-    records = {name: read_model_record(ledger.model_record(name)) for name in checkpoints}
-    return item_records(checkpoints, ledger.items, trajectories, chosen, transplants, load_tokenizers(records))
+    vocabularies = read_vocabularies({name: ledger.vocab(name) for name in checkpoints})
+    return item_records(checkpoints, ledger.items, trajectories, chosen, transplants, vocabularies)
