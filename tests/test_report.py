@@ -22,8 +22,9 @@ from workflow_helpers import REPO, snakemake
 
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.tables import COMPARISON_SCHEMA, ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, read_table
-from stagereplay.report.card import provenance, write_results_card
+from stagereplay.report.card import write_results_card
 from stagereplay.report.plots import PLOT_FILES, plot_transplant_follow_donor
+from stagereplay.report.provenance import provenance
 from stagereplay.report.stats import (
     mcnemar_exact,
     paired_difference_ci,

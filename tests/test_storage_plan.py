@@ -10,15 +10,8 @@ import pytest
 import torch
 from workflow_helpers import REPO, check_storage_plan, stagereplay, write_config
 
-from stagereplay.design.projection import (
-    ModelShapes,
-    cache_object_bytes,
-    job_memory_bytes,
-    load_config,
-    project,
-    read_model_config,
-    token_object_bytes,
-)
+from stagereplay.design.projection import cache_object_bytes, load_config, project, token_object_bytes
+from stagereplay.design.shapes import ModelShapes, job_memory_bytes, read_model_config
 from stagereplay.ledger.store import ObjectStore
 
 

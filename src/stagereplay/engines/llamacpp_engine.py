@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
+from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
 from stagereplay.engines.llamacpp_state import (
     CACHE_TYPE_IDS,
     FORMAT,
@@ -339,8 +339,6 @@ LLAMACPP_PRECISIONS = ("fp16", "fp32")  # llama.cpp cache types; the weights sta
 def load_llamacpp(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:
     """A GGUF loaded at ``runtime`` (the precision is the cache type), with its environment record."""
     import transformers
-
-    from stagereplay.engines.transformers_engine import cpu_model
 
     if runtime.precision not in LLAMACPP_PRECISIONS:
         raise ModelError(

@@ -18,8 +18,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
@@ -28,7 +26,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from stagereplay.design.names import TransplantError
-from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
+from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
 from stagereplay.ledger.kvstate import KVState
 
 PRECISIONS: dict[str, torch.dtype] = {
@@ -193,34 +191,6 @@ def configure_runtime(runtime: Runtime) -> Environment:
     )
 
 
-def cpu_model() -> str:
-    """The CPU's model, not just its architecture: two x86_64 machines can run different kernels."""
-    if platform.system() == "Darwin":
-        try:
-            brand = subprocess.run(
-                ["sysctl", "-n", "machdep.cpu.brand_string"], check=False, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            brand = ""
-        if brand:
-            return brand
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                if not line.strip() and fields:
-                    break  # the first processor describes them all
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass  # not Linux
-    if fields.get("model name"):
-        return fields["model name"]
-    if fields.get("CPU implementer") and fields.get("CPU part"):  # Arm Linux names no model, only these ids
-        return f"{platform.machine()} (implementer {fields['CPU implementer']}, part {fields['CPU part']})"
-    return platform.processor() or platform.machine()
-
-
 def sdpa_backends() -> str:
     """The scaled-dot-product-attention kernels torch may choose from, read back now."""
     cuda = torch.backends.cuda
@@ -280,7 +250,7 @@ def check_fits(config: dict, runtime: Runtime, device: str) -> None:
     out-of-memory error an hour in. Needed: weights at the precision plus caches and activations
     (storage_plan.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
     device's free memory (CUDA) or the host's available RAM, capped by runtime.device_memory_gb."""
-    from stagereplay.design.projection import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
+    from stagereplay.design.shapes import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
 
     try:
         shapes = ModelShapes.from_config(config)

@@ -12,13 +12,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
 from stagereplay.atomic import atomic_write_text
 from stagereplay.report.item_view import ItemRecord
+from stagereplay.report.provenance import Provenance
 from stagereplay.report.reading import AUDIT_HOW, reading
-from stagereplay.report.render import experiment_name, percent, points, to_html, to_markdown
+from stagereplay.report.render import to_html, to_markdown
 from stagereplay.report.stamp import stamp
+from stagereplay.report.text import experiment_name, percent, points
 
 WILSON = "Wilson score 95%"
 NOT_RUN = "not run"
@@ -34,18 +34,6 @@ class Figure:
     estimate: str  # "75.0%", "+25.0 pts", "p = 1.000"
     interval: str  # "[30.1%, 95.4%]"
     method: str  # how the estimate and interval were computed
-
-
-@dataclass(frozen=True)
-class Provenance:
-    """What a reader needs to rerun the figures: the model, the items, the environment."""
-
-    version: str
-    item_source: str
-    item_count: int
-    item_digest: str
-    models: list[dict]  # model.json records, each with its checkpoint name
-    environment: list[dict]  # summary.json's environment entries
 
 
 NOT_MEASURED = "not measured"
@@ -251,18 +239,6 @@ def all_figures(summary: dict) -> list[Figure]:
 
 
 # --- provenance and the document ----------------------------------------------------------
-
-
-def provenance(summary: dict, item_source: str, items_path: str | Path, model_records: dict[str, dict]) -> Provenance:
-    items = Path(items_path).read_bytes()
-    return Provenance(
-        version=summary["stagereplay_version"],
-        item_source=item_source,
-        item_count=sum(1 for line in items.splitlines() if line.strip()),
-        item_digest=xxhash.xxh3_128(items).hexdigest(),
-        models=[{"checkpoint": name, **record} for name, record in model_records.items()],
-        environment=summary["environment"],
-    )
 
 
 ENVIRONMENT_COLUMNS = [

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stagereplay.report.render import experiment_name, percent, points
+from stagereplay.report.text import experiment_name, percent, points
 
 if TYPE_CHECKING:
-    from stagereplay.report.card import Provenance
+    from stagereplay.report.provenance import Provenance
 
 AUDIT_HOW = "snakemake --cores N audit"
 

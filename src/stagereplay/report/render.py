@@ -19,20 +19,6 @@ import re
 from stagereplay.report.item_view import ItemRecord, cache_text, divergence_text, label_text, visible
 
 
-def percent(fraction: float) -> str:
-    return f"{100 * fraction:.1f}%"
-
-
-def points(fraction: float) -> str:
-    return f"{100 * fraction:+.1f}"
-
-
-def experiment_name(experiment: str, precision: str | None, checkpoint: str, summary: dict) -> str:
-    """'E1 matched (bf16)'; with several checkpoints, 'E1 matched (bf16, tiny-b)'."""
-    where = ", ".join(part for part in (precision, checkpoint if len(summary["checkpoints"]) > 1 else None) if part)
-    return f"{experiment} ({where})" if where else experiment
-
-
 def _markdown_cell(value: object) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
