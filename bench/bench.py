@@ -37,6 +37,8 @@ from pathlib import Path
 
 import yaml
 
+from stagereplay.ledger.layout import LedgerLayout
+
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = "abcdefg"
 rows: list[tuple[str, str, str, str]] = []  # (section, measurement, value, reference or note)
@@ -69,13 +71,13 @@ class RunLedger:
     """A completed ledger of one config: its paths come from stagereplay.ledger.layout, as the workflow's do."""
 
     def __init__(self, root: Path, config: dict):
-        from stagereplay.ledger.layout import LedgerLayout as Layout
-
-        self.root, self.config, self.layout = root, config, Layout(root)
+        self.root, self.config, self.layout = root, config, LedgerLayout(root)
         self.checkpoint = next(iter(config["checkpoints"]))
         self.e1 = config["matched"]["precision"]
-        if not (root / "summary.json").is_file():
-            sys.exit(f"bench: {root}/summary.json not found — run the workflow to the end first (snakemake --cores 2)")
+        if not Path(self.layout.summary).is_file():
+            sys.exit(
+                f"bench: {self.layout.summary} not found — run the workflow to the end first (snakemake --cores 2)"
+            )
 
     def live(self, precision: str, shard: str = "000", replica: int = 0) -> Path:
         return Path(self.layout.live_table(self.checkpoint, precision, replica, shard))
@@ -165,8 +167,8 @@ def section_a(ledger: RunLedger) -> None:
     from stagereplay.experiments.transplant_job import TransplantJob, run_transplant_shard
     from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
 
-    trajectories = read_table(ledger.root / "tables/trajectories.parquet", TRAJECTORY_SCHEMA).to_pylist()
-    transplants_path = ledger.root / "tables/transplants.parquet"
+    trajectories = read_table(ledger.layout.table("trajectories"), TRAJECTORY_SCHEMA).to_pylist()
+    transplants_path = Path(ledger.layout.table("transplants"))
     transplants = read_table(transplants_path, TRANSPLANT_SCHEMA).to_pylist() if transplants_path.exists() else []
     keys = Counter(
         (r["checkpoint"], r["precision"], r["construction"], r["replica"], r["prefix_precision"], r["item_id"])
@@ -205,12 +207,12 @@ def section_a(ledger: RunLedger) -> None:
         # A hard-linked copy of the store: the re-executed shards read the saved prefixes and
         # caches from it and write their objects there, never into the ledger.
         store = scratch / "objects"
-        shutil.copytree(ledger.root / "objects", store, copy_function=os.link)
+        shutil.copytree(ledger.layout.objects, store, copy_function=os.link)
         jobs = {
             "live": lambda: run_live_shard(
                 ledger.model_record,
-                ledger.root / "items.jsonl",
-                ledger.root / "prompts" / f"{ledger.checkpoint}.parquet",
+                ledger.layout.items,
+                ledger.layout.prompts(ledger.checkpoint),
                 ledger.spec(ledger.e1),
                 ledger.runtime(ledger.e1),
                 budgets,
@@ -219,8 +221,8 @@ def section_a(ledger: RunLedger) -> None:
             ),
             "rebuild": lambda: run_construction_shard(
                 ledger.model_record,
-                ledger.root / "items.jsonl",
-                ledger.root / "prompts" / f"{ledger.checkpoint}.parquet",
+                ledger.layout.items,
+                ledger.layout.prompts(ledger.checkpoint),
                 ledger.live(ledger.e1),
                 "prefill",
                 ledger.spec(ledger.e1),
@@ -232,7 +234,7 @@ def section_a(ledger: RunLedger) -> None:
         }
         reference = {"live": ledger.live(ledger.e1), "rebuild": ledger.rebuilt(ledger.e1, "prefill")}
         if transplants:
-            selection = json.loads((ledger.root / "transplants/selection.json").read_text())
+            selection = json.loads(Path(ledger.layout.selection).read_text())
             live, prefill = str(ledger.live(ledger.e1)), str(ledger.rebuilt(ledger.e1, "prefill"))
             job = TransplantJob(
                 "outcome_blind",
@@ -249,8 +251,8 @@ def section_a(ledger: RunLedger) -> None:
                 store,
                 scratch / "transplant.parquet",
             )
-            reference["transplant"] = (
-                ledger.root / "runs/transplant/outcome_blind" / ledger.checkpoint / ledger.e1 / "shard-000.parquet"
+            reference["transplant"] = Path(
+                ledger.layout.transplant_table("outcome_blind", ledger.checkpoint, ledger.e1, "000")
             )
         for kind, run in jobs.items():
             with ForwardCounter() as counts:
@@ -286,15 +288,15 @@ def section_b(ledger: RunLedger) -> None:
     import pyarrow.parquet as pq
 
     jobs = []
-    for tsv in sorted((ledger.root / "benchmarks").rglob("*.tsv")):
-        relative = tsv.relative_to(ledger.root / "benchmarks").with_suffix(".parquet")
-        table = ledger.root / "runs" / relative
-        if not table.exists() or relative.parts[0] == "transplant":
+    for tsv in ledger.layout.job_benchmarks():
+        table = Path(ledger.layout.benchmarked_table(tsv))
+        kind = table.relative_to(ledger.root).parts[1]  # live, rebuild or transplant
+        if not table.exists() or kind == "transplant":
             continue  # transplant rows carry no model_seconds
         wall = float(tsv.read_text().splitlines()[1].split("\t")[0])
         cpu = float(tsv.read_text().splitlines()[1].split("\t")[-1])
         model = sum(pq.read_table(table, columns=["model_seconds"]).column("model_seconds").to_pylist())
-        jobs.append((relative.parts[0], wall, cpu, model, pq.read_metadata(table).num_rows))
+        jobs.append((kind, wall, cpu, model, pq.read_metadata(table).num_rows))
     if not jobs:
         add("b", "model work vs job", "no benchmarks/*.tsv with a shard table", "run the workflow first")
         return
@@ -349,7 +351,7 @@ def store_shard_again(ledger: RunLedger) -> tuple[float, int]:
     from stagereplay.ledger.kvstate import KVState
     from stagereplay.ledger.store import ObjectStore
 
-    source = ObjectStore(ledger.root / "objects")
+    source = ObjectStore(ledger.layout.objects)
     shard = pq.read_table(ledger.live(ledger.e1)).to_pylist()
     states = [KVState.from_named_tensors(source.get(row["cache_object"])) for row in shard]
     tokens = [(source.get_tokens(row["prefix_object"]), row["suffix_tokens"]) for row in shard]
@@ -378,7 +380,7 @@ def section_c(ledger: RunLedger) -> None:
     from stagereplay.ledger.store import ObjectStore
 
     row = pq.read_table(ledger.live(ledger.e1)).to_pylist()[0]
-    prefix = ObjectStore(ledger.root / "objects").get_tokens(row["prefix_object"])
+    prefix = ObjectStore(ledger.layout.objects).get_tokens(row["prefix_object"])
     steps = ledger.config["stage"]["suffix_tokens"]
     for precision in sorted({ledger.e1, "fp32"}):
         engine = load_model(ledger.folder(), ledger.runtime(precision))
@@ -440,7 +442,7 @@ def section_d(ledger: RunLedger) -> None:
     )
 
     row = pq.read_table(ledger.live(ledger.e1)).to_pylist()[0]
-    state = KVState.from_named_tensors(ObjectStore(ledger.root / "objects").get(row["cache_object"]))
+    state = KVState.from_named_tensors(ObjectStore(ledger.layout.objects).get(row["cache_object"]))
     tensors = state.keys + state.values
     size = sum(t.numel() * t.element_size() for t in tensors)
 
@@ -471,7 +473,7 @@ def section_e(ledger: RunLedger) -> None:
     from stagereplay.engines.transformers_engine import load_model
 
     folder_s, _ = best_of(lambda: load_model(ledger.folder(), ledger.runtime(ledger.e1)), repeats=3)
-    gguf = ledger.root / "downloads" / "embedded.gguf"
+    gguf = Path(ledger.layout.embedded_gguf)
     if not gguf.is_file():
         add("e", "model load", f"folder {folder_s:.1f} s", f"no {gguf} to compare with")
         return
@@ -501,13 +503,13 @@ def snakemake(*args: str) -> tuple[float, subprocess.CompletedProcess]:
 
 def section_f(ledger_200: Path, config_200: Path) -> None:
     config = ["--configfile", str(config_200), "--config", f"ledger_dir={ledger_200}"]
-    if not (ledger_200 / "summary.json").is_file():
+    if not Path(LedgerLayout(ledger_200).summary).is_file():
         print(f"  (f) building the 200-item ledger in {ledger_200} (once)...", file=sys.stderr, flush=True)
         seconds, result = snakemake(*config, "--cores", str(os.cpu_count() or 2))
         if result.returncode != 0:
             sys.exit(f"bench: building {ledger_200} failed:\n{result.stderr[-3000:]}")
         add("f", "building the 200-item ledger (tiny random Qwen2)", f"{seconds:.0f} s")
-    jobs = len(list((ledger_200 / "runs").rglob("*.parquet")))
+    jobs = len(LedgerLayout(ledger_200).shard_tables())
     timings = {}
     for label, extra in (("dry-run", ("--dry-run",)), ("no-op rerun", ("--cores", "2"))):
         samples = []

@@ -33,13 +33,13 @@ rule audit_verify:
     output:
         LAYOUT.audit_verified,
     log:
-        LAYOUT.log("audit", "verify.log"),
+        LAYOUT.audit_log("verify"),
     threads: 1
     resources:
         mem_mb=2000,
         runtime=30,
     params:
-        ledger=lambda wildcards: LAYOUT.path(),  # the whole saved ledger is checked, not one file
+        ledger=lambda wildcards: LAYOUT.directory,  # the whole saved ledger is checked, not one file
     shell:
         "stagereplay verify {params.ledger:q} --audit-inputs --out {output:q} > {log:q} 2>&1"
         " || {{ grep -m 3 'fault:' {log:q} >&2; tail -n 1 {log:q} >&2; exit 1; }}"
@@ -52,7 +52,7 @@ use rule register_model as audit_register_model with:
     output:
         LAYOUT.audit.model_record("{checkpoint}"),
     log:
-        LAYOUT.log("audit", "register_model", "{checkpoint}.log"),
+        LAYOUT.audit_log("register_model", "{checkpoint}"),
 
 
 use rule live as audit_live with:
@@ -63,9 +63,9 @@ use rule live as audit_live with:
     output:
         LAYOUT.audit.live_table("{checkpoint}", "{precision}", "{replica}", "{shard}"),
     log:
-        LAYOUT.log("audit", "live", "{checkpoint}", "{precision}", "rep{replica}", "shard-{shard}.log"),
+        LAYOUT.job_log(LAYOUT.audit.live_table("{checkpoint}", "{precision}", "{replica}", "{shard}")),
     benchmark:
-        LAYOUT.benchmark("audit", "live", "{checkpoint}", "{precision}", "rep{replica}", "shard-{shard}.tsv")
+        LAYOUT.job_benchmark(LAYOUT.audit.live_table("{checkpoint}", "{precision}", "{replica}", "{shard}"))
     threads: AUDIT_RUNTIME["threads"]
     resources:
         **AUDIT_MODEL_RESOURCES,
@@ -85,26 +85,16 @@ use rule rebuild as audit_rebuild with:
             "{checkpoint}", "{prefix_precision}", "{precision}", "{construction}", "{replica}", "{shard}"
         ),
     log:
-        LAYOUT.log(
-            "audit",
-            "rebuild",
-            "{checkpoint}",
-            "{prefix_precision}-prefix",
-            "{precision}",
-            "{construction}",
-            "rep{replica}",
-            "shard-{shard}.log",
+        LAYOUT.job_log(
+            LAYOUT.audit.rebuilt_table(
+                "{checkpoint}", "{prefix_precision}", "{precision}", "{construction}", "{replica}", "{shard}"
+            )
         ),
     benchmark:
-        LAYOUT.benchmark(
-            "audit",
-            "rebuild",
-            "{checkpoint}",
-            "{prefix_precision}-prefix",
-            "{precision}",
-            "{construction}",
-            "rep{replica}",
-            "shard-{shard}.tsv",
+        LAYOUT.job_benchmark(
+            LAYOUT.audit.rebuilt_table(
+                "{checkpoint}", "{prefix_precision}", "{precision}", "{construction}", "{replica}", "{shard}"
+            )
         )
     threads: AUDIT_RUNTIME["threads"]
     resources:
@@ -123,9 +113,9 @@ use rule transplant as audit_transplant with:
     output:
         LAYOUT.audit.transplant_table("{selection}", "{checkpoint}", "{precision}", "{shard}"),
     log:
-        LAYOUT.log("audit", "transplant", "{selection}", "{checkpoint}", "{precision}", "shard-{shard}.log"),
+        LAYOUT.job_log(LAYOUT.audit.transplant_table("{selection}", "{checkpoint}", "{precision}", "{shard}")),
     benchmark:
-        LAYOUT.benchmark("audit", "transplant", "{selection}", "{checkpoint}", "{precision}", "shard-{shard}.tsv")
+        LAYOUT.job_benchmark(LAYOUT.audit.transplant_table("{selection}", "{checkpoint}", "{precision}", "{shard}"))
     threads: AUDIT_RUNTIME["threads"]
     resources:
         **AUDIT_MODEL_RESOURCES,
@@ -140,7 +130,7 @@ use rule gather as audit_gather with:
     output:
         LAYOUT.audit.table("trajectories"),
     log:
-        LAYOUT.log("audit", "gather.log"),
+        LAYOUT.audit_log("gather"),
 
 
 use rule compare as audit_compare with:
@@ -150,7 +140,7 @@ use rule compare as audit_compare with:
     output:
         LAYOUT.audit.table("comparisons"),
     log:
-        LAYOUT.log("audit", "compare.log"),
+        LAYOUT.audit_log("compare"),
     threads: AUDIT_RUNTIME["threads"] if AUDIT_COMPARE_REBUILDS else 1
     resources:
         **(AUDIT_MODEL_RESOURCES if AUDIT_COMPARE_REBUILDS else dict(mem_mb=4000, runtime=30)),
@@ -167,7 +157,7 @@ use rule gather_transplants as audit_gather_transplants with:
     output:
         LAYOUT.audit.table("transplants"),
     log:
-        LAYOUT.log("audit", "gather_transplants.log"),
+        LAYOUT.audit_log("gather_transplants"),
 
 
 use rule select_transplants as audit_select_transplants with:
@@ -176,7 +166,7 @@ use rule select_transplants as audit_select_transplants with:
     output:
         LAYOUT.audit.selection,
     log:
-        LAYOUT.log("audit", "select_transplants.log"),
+        LAYOUT.audit_log("select_transplants"),
 
 
 rule audit_ledger:
@@ -186,13 +176,13 @@ rule audit_ledger:
         table=LAYOUT.table("audit"),
         e4=LAYOUT.e4,
     log:
-        LAYOUT.log("audit", "audit.log"),
+        LAYOUT.audit_log("audit"),
     threads: 1
     resources:
         mem_mb=4000,
         runtime=30,
     params:
-        ledger=lambda wildcards: LAYOUT.path(),  # the saved ledger and its audit tree, read as a whole
+        ledger=lambda wildcards: LAYOUT.directory,  # the saved ledger and its audit tree, read as a whole
         checkpoints=" ".join(AUDITED_CHECKPOINTS),
         runtime=shlex.quote(
             json.dumps({key: AUDIT_RUNTIME[key] for key in ("device", "threads", "attn_implementation")})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from stagereplay.ledger.layout import LedgerLayout, construction_token
+from stagereplay.ledger.layout import LedgerLayout
 
 REPO = Path(workflow.basedir)
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
@@ -169,13 +169,13 @@ def model_folder(name):
     source = checkpoint_source(name)
     if engine_of(name) == "llamacpp":
         if source == "random_qwen2":
-            return LAYOUT.path("models", name, "random.gguf")
-        return repo_path(CHECKPOINTS[name]["gguf"]) if source == "gguf" else LAYOUT.path("downloads", "embedded.gguf")
+            return LAYOUT.random_gguf(name)
+        return repo_path(CHECKPOINTS[name]["gguf"]) if source == "gguf" else LAYOUT.embedded_gguf
     if source == "folder":
         return repo_path(CHECKPOINTS[name]["folder"])
     if source == "random_qwen2":
-        return LAYOUT.path("models", name, "random")
-    return LAYOUT.path("models", name, "converted")
+        return LAYOUT.random_model(name)
+    return LAYOUT.converted_model(name)
 
 
 def outcome_blind_ids():
@@ -292,7 +292,8 @@ AUDIT_COMPARE_REBUILDS = AUDIT_STORE_CACHES != "all"
 def parse_time_max_positions():
     """The longest sequence a model job holds: the longest prompt (estimated from the items' text:
     the prompt tokens do not exist yet), the stage and the suffix."""
-    from stagereplay.design.projection import checkpoint_shapes, estimate_prompt_tokens
+    from stagereplay.design.projection import estimate_prompt_tokens
+    from stagereplay.design.shapes import checkpoint_shapes
 
     shapes = checkpoint_shapes(CHECKPOINTS[PRIMARY], model_folder(PRIMARY))
     byte_level = shapes is not None and shapes.vocab <= 512
@@ -306,13 +307,21 @@ def device_memory_mb(runtime):
     """A model job's expected device memory (storage_plan.job_memory_bytes: weights at the precision,
     caches, activations), as the resource gpu_mem_mb: the profiles run as many model jobs per GPU as
     fit. 0 on the CPU, and for a GGUF not converted yet (its shapes are unknown until then)."""
-    from stagereplay.design.projection import checkpoint_shapes, job_memory_bytes
+    from stagereplay.design.shapes import checkpoint_shapes, job_memory_bytes
+
+    def job_mb(checkpoint, precision):
+        shapes = checkpoint_shapes(CHECKPOINTS[checkpoint], model_folder(checkpoint))
+        return job_memory_bytes(shapes, precision, MAX_POSITIONS) // 2**20 if shapes else 0
 
     def gpu_mem_mb(wildcards):
         if runtime["device"] == "cpu":
             return 0
-        shapes = checkpoint_shapes(CHECKPOINTS[wildcards.checkpoint], model_folder(wildcards.checkpoint))
-        return job_memory_bytes(shapes, wildcards.precision, MAX_POSITIONS) // 2**20 if shapes else 0
+        if hasattr(wildcards, "checkpoint"):
+            return job_mb(wildcards.checkpoint, wildcards.precision)
+        # compare, rebuilding caches that are not stored: one model at a time, of any compared
+        # checkpoint and precision; it declares the largest of them.
+        precisions = {E1, *FIXED["precisions"]}
+        return max(job_mb(name, precision) for name in COMPARED_CHECKPOINTS for precision in precisions)
 
     return gpu_mem_mb
 
@@ -335,7 +344,7 @@ AUDIT_MODEL_RESOURCES = {
 
 def gguf_for(wildcards):
     spec = CHECKPOINTS[wildcards.checkpoint]
-    return repo_path(spec["gguf"]) if "gguf" in spec else LAYOUT.path("downloads", "embedded.gguf")
+    return repo_path(spec["gguf"]) if "gguf" in spec else LAYOUT.embedded_gguf
 
 
 def gguf_sha256(wildcards):

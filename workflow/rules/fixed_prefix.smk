@@ -16,24 +16,16 @@ rule rebuild:
             "{checkpoint}", "{prefix_precision}", "{precision}", "{construction}", "{replica}", "{shard}"
         ),
     log:
-        LAYOUT.log(
-            "rebuild",
-            "{checkpoint}",
-            "{prefix_precision}-prefix",
-            "{precision}",
-            "{construction}",
-            "rep{replica}",
-            "shard-{shard}.log",
+        LAYOUT.job_log(
+            LAYOUT.rebuilt_table(
+                "{checkpoint}", "{prefix_precision}", "{precision}", "{construction}", "{replica}", "{shard}"
+            )
         ),
     benchmark:
-        LAYOUT.benchmark(
-            "rebuild",
-            "{checkpoint}",
-            "{prefix_precision}-prefix",
-            "{precision}",
-            "{construction}",
-            "rep{replica}",
-            "shard-{shard}.tsv",
+        LAYOUT.job_benchmark(
+            LAYOUT.rebuilt_table(
+                "{checkpoint}", "{prefix_precision}", "{precision}", "{construction}", "{replica}", "{shard}"
+            )
         )
     threads: RUNTIME["threads"]
     resources:

@@ -11,7 +11,7 @@ rule items:
     output:
         LAYOUT.items,
     log:
-        LAYOUT.log("items.log"),
+        LAYOUT.log("items"),
     threads: 1
     resources:
         mem_mb=500,
@@ -33,7 +33,7 @@ rule prompts:
         prompts=LAYOUT.prompts("{checkpoint}"),
         vocab=LAYOUT.vocab("{checkpoint}"),
     log:
-        LAYOUT.log("prompts", "{checkpoint}.log"),
+        LAYOUT.log("prompts", "{checkpoint}"),
     threads: 1
     resources:
         mem_mb=2000,

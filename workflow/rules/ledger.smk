@@ -20,7 +20,7 @@ rule store_caches_policy:
     output:
         LAYOUT.storage,
     log:
-        LAYOUT.log("store_caches_policy.log"),
+        LAYOUT.log("store_caches_policy"),
     threads: 1
     resources:
         mem_mb=500,
@@ -38,7 +38,7 @@ rule gather:
     output:
         LAYOUT.table("trajectories"),
     log:
-        LAYOUT.log("gather.log"),
+        LAYOUT.log("gather"),
     threads: 1
     resources:
         mem_mb=2000,
@@ -54,7 +54,7 @@ rule compare:
     output:
         LAYOUT.table("comparisons"),
     log:
-        LAYOUT.log("compare.log"),
+        LAYOUT.log("compare"),
     threads: RUNTIME["threads"] if COMPARE_REBUILDS else 1
     resources:
         **(MODEL_RESOURCES if COMPARE_REBUILDS else dict(mem_mb=4000, runtime=30)),
@@ -83,7 +83,7 @@ rule gather_transplants:
     output:
         LAYOUT.table("transplants"),
     log:
-        LAYOUT.log("gather_transplants.log"),
+        LAYOUT.log("gather_transplants"),
     threads: 1
     resources:
         mem_mb=2000,
@@ -101,7 +101,7 @@ rule summary:
     output:
         LAYOUT.summary,
     log:
-        LAYOUT.log("summary.log"),
+        LAYOUT.log("summary"),
     threads: 1
     resources:
         mem_mb=1000,

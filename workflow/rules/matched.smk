@@ -16,9 +16,9 @@ rule live:
     output:
         LAYOUT.live_table("{checkpoint}", "{precision}", "{replica}", "{shard}"),
     log:
-        LAYOUT.log("live", "{checkpoint}", "{precision}", "rep{replica}", "shard-{shard}.log"),
+        LAYOUT.job_log(LAYOUT.live_table("{checkpoint}", "{precision}", "{replica}", "{shard}")),
     benchmark:
-        LAYOUT.benchmark("live", "{checkpoint}", "{precision}", "rep{replica}", "shard-{shard}.tsv")
+        LAYOUT.job_benchmark(LAYOUT.live_table("{checkpoint}", "{precision}", "{replica}", "{shard}"))
     threads: RUNTIME["threads"]
     resources:
         **MODEL_RESOURCES,

@@ -3,9 +3,9 @@
 
 rule embedded_gguf:
     output:
-        LAYOUT.path("downloads", "embedded.gguf"),
+        LAYOUT.embedded_gguf,
     log:
-        LAYOUT.log("embedded_gguf.log"),
+        LAYOUT.log("embedded_gguf"),
     threads: 1
     resources:
         mem_mb=1000,
@@ -24,9 +24,9 @@ rule convert_gguf:
     input:
         gguf_for,
     output:
-        directory(LAYOUT.path("models", "{checkpoint}", "converted")),
+        directory(LAYOUT.converted_model("{checkpoint}")),
     log:
-        LAYOUT.log("convert_gguf", "{checkpoint}.log"),
+        LAYOUT.log("convert_gguf", "{checkpoint}"),
     threads: 1
     resources:
         mem_mb=8000,
@@ -39,9 +39,9 @@ rule convert_gguf:
 
 rule random_qwen2:
     output:
-        directory(LAYOUT.path("models", "{checkpoint}", "random")),
+        directory(LAYOUT.random_model("{checkpoint}")),
     log:
-        LAYOUT.log("random_qwen2", "{checkpoint}.log"),
+        LAYOUT.log("random_qwen2", "{checkpoint}"),
     threads: 1
     resources:
         mem_mb=1000,
@@ -60,11 +60,11 @@ rule random_qwen2:
 
 rule random_gguf:
     input:
-        LAYOUT.path("models", "{checkpoint}", "random"),
+        LAYOUT.random_model("{checkpoint}"),
     output:
-        LAYOUT.path("models", "{checkpoint}", "random.gguf"),
+        LAYOUT.random_gguf("{checkpoint}"),
     log:
-        LAYOUT.log("random_gguf", "{checkpoint}.log"),
+        LAYOUT.log("random_gguf", "{checkpoint}"),
     threads: 1
     resources:
         mem_mb=1000,
@@ -79,7 +79,7 @@ rule register_model:
     output:
         LAYOUT.model_record("{checkpoint}"),
     log:
-        LAYOUT.log("register_model", "{checkpoint}.log"),
+        LAYOUT.log("register_model", "{checkpoint}"),
     threads: 1
     resources:
         mem_mb=1000,

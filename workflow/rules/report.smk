@@ -22,13 +22,13 @@ rule report:
         item_file=LAYOUT.items,
     output:
         **{
-            name: report(LAYOUT.path("report", file), caption=f"../report/{name}.rst", category="2. Plots")
+            name: report(LAYOUT.plot(file), caption=f"../report/{name}.rst", category="2. Plots")
             for name, file in PLOT_FILES.items()
         },
         card=LAYOUT.card,
         card_html=report(LAYOUT.card_html, caption="../report/results_card.rst", category="1. Results card"),
     log:
-        LAYOUT.log("report.log"),
+        LAYOUT.log("report"),
     threads: 1
     resources:
         mem_mb=2000,

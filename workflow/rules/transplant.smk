@@ -14,7 +14,7 @@ rule select_transplants:
     output:
         LAYOUT.selection,
     log:
-        LAYOUT.log("select_transplants.log"),
+        LAYOUT.log("select_transplants"),
     threads: 1
     resources:
         mem_mb=1000,
@@ -39,9 +39,9 @@ rule transplant:
     output:
         LAYOUT.transplant_table("{selection}", "{checkpoint}", "{precision}", "{shard}"),
     log:
-        LAYOUT.log("transplant", "{selection}", "{checkpoint}", "{precision}", "shard-{shard}.log"),
+        LAYOUT.job_log(LAYOUT.transplant_table("{selection}", "{checkpoint}", "{precision}", "{shard}")),
     benchmark:
-        LAYOUT.benchmark("transplant", "{selection}", "{checkpoint}", "{precision}", "shard-{shard}.tsv")
+        LAYOUT.job_benchmark(LAYOUT.transplant_table("{selection}", "{checkpoint}", "{precision}", "{shard}"))
     threads: RUNTIME["threads"]
     resources:
         **MODEL_RESOURCES,

@@ -103,21 +103,19 @@ class Report:
         return f"verify: ledger OK — {checked}{leftovers}"
 
 
+SCHEMA_OF_KIND = {
+    "trajectories": TRAJECTORY_SCHEMA,
+    "transplants": TRANSPLANT_SCHEMA,
+    "comparisons": COMPARISON_SCHEMA,
+    "audit": AUDIT_SCHEMA,
+    "prompts": PROMPT_SCHEMA,
+    "vocab": VOCAB_SCHEMA,
+}
+
+
 def table_schema(relative: Path) -> pa.Schema | None:
-    """The schema a table must have, by where it lies in the ledger."""
-    parts = relative.parts
-    if parts[0] == "runs":
-        return TRANSPLANT_SCHEMA if parts[1] == "transplant" else TRAJECTORY_SCHEMA
-    if parts[0] == "prompts":
-        return PROMPT_SCHEMA
-    if parts[0] == "vocab":
-        return VOCAB_SCHEMA
-    return {
-        "trajectories.parquet": TRAJECTORY_SCHEMA,
-        "comparisons.parquet": COMPARISON_SCHEMA,
-        "transplants.parquet": TRANSPLANT_SCHEMA,
-        "audit.parquet": AUDIT_SCHEMA,
-    }.get(relative.name)
+    """The schema a table must have, by what the layout says lies where it lies."""
+    return SCHEMA_OF_KIND.get(LedgerLayout.table_kind(relative))
 
 
 def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject]:
@@ -162,10 +160,7 @@ def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject
 
 def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
     tables: dict[str, pa.Table] = {}
-    candidates = [
-        path for folder in ("tables", "runs", "prompts", "vocab") for path in sorted((root / folder).rglob("*.parquet"))
-    ]
-    for path in candidates:
+    for path in LedgerLayout(root).table_files():
         relative = path.relative_to(root)
         schema = table_schema(relative)
         if schema is None:
@@ -496,7 +491,7 @@ def verify_ledger(root: str | Path, documents: bool = True) -> Report:
     """Every check of the ledger at ``root``; ``documents=False`` leaves out summary.json, the card, the
     audit table and e4.json (what the audit reads nothing of, and verifies before they are rewritten)."""
     root = Path(root)
-    if not root.is_dir() or not any((root / part).exists() for part in ("objects", "tables", "runs")):
+    if not LedgerLayout(root).exists():
         raise LedgerError(
             f"no ledger at {root} (no objects/, tables/ or runs/) — pass the ledger_dir of a run, e.g. ledger"
         )

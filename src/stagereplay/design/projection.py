@@ -434,7 +434,7 @@ def project_config(config: dict, model_config: str | Path | None = None) -> tupl
         shapes, described = read_model_config(model_config)
         name = Path(described).stem if Path(described).parent == MODEL_CONFIGS else described
     else:
-        folder = _repo_path(spec["folder"]) if "folder" in spec else ledger.path("models", name, "converted")
+        folder = _repo_path(spec["folder"]) if "folder" in spec else ledger.converted_model(name)
         shapes = checkpoint_shapes(spec, folder)
         if shapes is None:
             raise PlanError(
