@@ -1,7 +1,7 @@
 # stagereplay: does continuing from the live KV cache differ from continuing
 # after a one-shot prefill of the very same tokens?  See README.md.
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from stagereplay.design.schema import load_config
 from stagereplay.ledger.layout import LedgerLayout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,14 +58,6 @@ def best_of(function, repeats: int = 3) -> tuple[float, object]:
         result = function()
         best = min(best, time.perf_counter() - started)
     return best, result
-
-
-def load_config(path: Path) -> dict:
-    from snakemake.utils import validate
-
-    config = yaml.safe_load(path.read_text())
-    validate(config, str(REPO / "workflow/schemas/config.schema.yaml"))  # fills in the defaults
-    return config
 
 
 class RunLedger:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from workflow_helpers import REPO, check_storage_plan, stagereplay, write_config
 
-from stagereplay.design.projection import cache_object_bytes, load_config, project, token_object_bytes
+from stagereplay.design.projection import cache_object_bytes, project, token_object_bytes
+from stagereplay.design.schema import load_config
 from stagereplay.design.shapes import ModelShapes, job_memory_bytes, read_model_config
 from stagereplay.ledger.store import ObjectStore
 
@@ -120,7 +121,7 @@ def test_a_model_that_cannot_fit_stops_at_load_with_one_line(tiny_qwen2_folder):
 def test_the_plan_imports_no_torch():
     # It runs when snakemake parses the workflow and before any model is at hand.
     code = (
-        "import sys; from stagereplay.design.projection import load_config, project_config;"
+        "import sys; from stagereplay.design.projection import project_config; from stagereplay.design.schema import load_config;"
         " project_config(load_config('config/paper.yaml'), 'qwen2.5-14b-instruct');"
         " print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

@@ -243,7 +243,8 @@ def cmd_summarize(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    from stagereplay.design.projection import load_config, project_config, render
+    from stagereplay.design.projection import project_config, render
+    from stagereplay.design.schema import load_config
 
     config = load_config(args.configfile, {"ledger_dir": args.ledger_dir} if args.ledger_dir else None)
     projection, shapes, model = project_config(config, args.model_config)
@@ -654,7 +655,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from stagereplay.design.names import ConstructionError, TransplantError
+    from stagereplay.design.schema import ConfigError
     from stagereplay.design.shapes import PlanError
+    from stagereplay.design.storage import StorageError
     from stagereplay.engines.base import ModelError
     from stagereplay.inputs.checkpoints import CheckpointError
     from stagereplay.inputs.items import ItemError
@@ -665,11 +668,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except (
         CheckpointError,
+        ConfigError,
         ConstructionError,
         ItemError,
         LedgerError,
         ModelError,
         PlanError,
+        StorageError,
         TransplantError,
     ) as error:
         print(f"stagereplay: error: {error}", file=sys.stderr)

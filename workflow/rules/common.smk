@@ -9,22 +9,24 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from stagereplay.design.jobs import job_list
 from stagereplay.ledger.layout import LedgerLayout
 
 REPO = Path(workflow.basedir)
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 
 
-def _check_config():
-    from stagereplay.design.schema import config_problem
+def _resolve_config():
+    """The config checked and completed with the schema's defaults, as `stagereplay plan` resolves it."""
+    from stagereplay.design.schema import ConfigError, resolve_config
 
-    problem = config_problem(config, SCHEMA)
-    if problem:
-        raise WorkflowError(problem)
-    validate(config, str(SCHEMA))  # fills in the schema's defaults
+    try:
+        resolve_config(config, SCHEMA)
+    except ConfigError as error:
+        raise WorkflowError(str(error)) from None
 
 
-_check_config()
+_resolve_config()
 
 # Rules call the CLI as the command `stagereplay`: a shell function running it on the interpreter
 # snakemake runs on, so rules work without an activated venv (and on a cluster node, which parses
@@ -56,8 +58,10 @@ AUDIT_RUNTIME = {
 # stores none of its recomputed caches unless audit.keep_caches asks it to.
 STORE_CACHES = config["store_caches"]
 AUDIT_STORE_CACHES = "all" if config["audit"]["keep_caches"] else "none"
+# Every trajectory and transplant job the config schedules (the projection counts the same list).
+JOBS = job_list(config)
 # Checkpoints other than the primary one: only the outcome-blind replication's, with E1 live and prefill (rep0).
-REPLICATIONS = [BLIND_CHECKPOINT] if TRANSPLANT["enabled"] and BLIND_CHECKPOINT != PRIMARY else []
+REPLICATIONS = list(JOBS.replications)
 # The checkpoints the run uses (a configured but unused checkpoint is never registered).
 USED_CHECKPOINTS = sorted({PRIMARY} | ({BLIND_CHECKPOINT} if TRANSPLANT["enabled"] else set()))
 # The model records the audit compares (as before: the outcome-blind checkpoint's even without E5).
@@ -360,60 +364,16 @@ def registered_folder_input(wildcards):
     return folder
 
 
-# --- E1, E2, E3: which shard tables each experiment needs -----------------------------------------
+# --- the job list (stagereplay.design.jobs) as shard tables ------------------------------------
 
 
-def matched_tables():
-    """E1: live and prefill at the E1 precision, each with its replicas."""
-    return [
-        table
-        for replica in range(MATCHED["replicas"])
-        for shard in SHARDS
-        for table in (
-            LAYOUT.live_table(PRIMARY, E1, replica, shard),
-            LAYOUT.rebuilt_table(PRIMARY, E1, E1, "prefill", replica, shard),
-        )
-    ]
-
-
-def fixed_prefix_tables():
-    """E2: every construction rebuilt from the E1 live prefix at every precision (a table shared
-    with E1, prefill at the E1 precision, is one job)."""
-    return [
-        LAYOUT.rebuilt_table(PRIMARY, E1, precision, construction, 0, shard)
-        for precision in FIXED["precisions"]
-        for construction in CONSTRUCTIONS
-        for shard in SHARDS
-    ]
-
-
-def bridge_tables():
-    """E3: at each precision, the live run and incremental over its own prefix (at the E1 precision
-    both exist already: E1 live, E2 incremental)."""
-    return [
-        table
-        for precision in FIXED["precisions"]
-        for shard in SHARDS
-        for table in (
-            LAYOUT.live_table(PRIMARY, precision, 0, shard),
-            LAYOUT.rebuilt_table(PRIMARY, precision, precision, "incremental", 0, shard),
-        )
-    ]
+def shard_table(ledger, trajectory, shard):
+    return ledger.trajectory_table(*trajectory.fields(), shard)
 
 
 def all_shard_tables():
-    """Every trajectory table; transplant jobs add the outcome-blind checkpoint's E1 tables."""
-    tables = matched_tables() + fixed_prefix_tables() + bridge_tables()
-    tables += [
-        table
-        for checkpoint in REPLICATIONS
-        for shard in SHARDS
-        for table in (
-            LAYOUT.live_table(checkpoint, E1, 0, shard),
-            LAYOUT.rebuilt_table(checkpoint, E1, E1, "prefill", 0, shard),
-        )
-    ]
-    return sorted(set(tables))
+    """Every trajectory table of the job list: E1, E2, E3 and the outcome-blind checkpoint's E1."""
+    return sorted({shard_table(LAYOUT, trajectory, shard) for trajectory in JOBS.trajectories for shard in SHARDS})
 
 
 # --- E5 (transplant.smk) -------------------------------------------------------------------------
@@ -432,19 +392,9 @@ def sweep_args():
 
 
 def transplant_pairs(wildcards):
-    """(donor, recipient) shard tables of one transplant job, both directions."""
-    name, precision, shard = wildcards.checkpoint, wildcards.precision, wildcards.shard
-    live = lambda p: LAYOUT.live_table(name, p, 0, shard)  # noqa: E731
-    rebuilt = lambda p, c: LAYOUT.rebuilt_table(name, E1, p, c, 0, shard)  # noqa: E731
-    if wildcards.selection in ("selected", "outcome_blind"):
-        pairs = [(live(E1), rebuilt(E1, "prefill"))]
-    elif precision == CROSS:  # E1-precision caches cast up into the other precision's continuation
-        pairs = [(live(E1), rebuilt(CROSS, "incremental")), (rebuilt(E1, "prefill"), rebuilt(CROSS, "prefill"))]
-    else:  # and back
-        pairs = [(rebuilt(CROSS, "incremental"), live(E1)), (rebuilt(CROSS, "prefill"), rebuilt(E1, "prefill"))]
-    if wildcards.selection != "cross_precision":
-        pairs += [(recipient, donor) for donor, recipient in pairs]
-    return pairs
+    """(donor, recipient) shard tables of one transplant job, in the order the job list gives."""
+    job = JOBS.transplant(wildcards.selection, wildcards.checkpoint, wildcards.precision)
+    return [tuple(shard_table(LAYOUT, side, wildcards.shard) for side in pair) for pair in job.pairs]
 
 
 def transplant_inputs(wildcards):
@@ -456,24 +406,19 @@ def transplant_pair_args(wildcards):
 
 
 def transplant_tables():
-    if not TRANSPLANT["enabled"]:
-        return []
-    tables = [LAYOUT.transplant_table("selected", PRIMARY, E1, shard) for shard in SHARDS]
-    tables += [LAYOUT.transplant_table("outcome_blind", BLIND_CHECKPOINT, E1, shard) for shard in SHARDS]
-    if CROSS:
-        tables += [
-            LAYOUT.transplant_table("cross_precision", PRIMARY, precision, shard)
-            for precision in (CROSS, E1)
-            for shard in SHARDS
-        ]
-    return tables
+    return [
+        LAYOUT.transplant_table(job.selection, job.checkpoint, job.precision, shard)
+        for job in JOBS.transplants
+        for shard in SHARDS
+    ]
 
 
 def selection_inputs(ledger):
     """The E1 tables (rep0) select_transplants reads, in ``ledger`` or its audit tree."""
+    live, prefill = JOBS.e1_pair(PRIMARY)
     return {
-        "live": [ledger.live_table(PRIMARY, E1, 0, shard) for shard in SHARDS],
-        "prefill": [ledger.rebuilt_table(PRIMARY, E1, E1, "prefill", 0, shard) for shard in SHARDS],
+        "live": [shard_table(ledger, live, shard) for shard in SHARDS],
+        "prefill": [shard_table(ledger, prefill, shard) for shard in SHARDS],
     }
 
 

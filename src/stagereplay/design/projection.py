@@ -19,10 +19,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stagereplay.design.jobs import JobList, job_list, sweep_subsets
 from stagereplay.design.shapes import MODEL_CONFIGS, ModelShapes, PlanError, checkpoint_shapes, read_model_config
+from stagereplay.design.storage import DEFAULT, POLICIES, check_policy
 
 SAFETENSORS_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
-POLICIES = ("all", "selected", "none")
 # An object's metadata holds a model fingerprint: 32 hex digits (xxh3-128).
 _FINGERPRINT = "0" * 32
 
@@ -70,62 +71,52 @@ def token_object_bytes(count: int) -> int:
 
 @dataclass(frozen=True)
 class Design:
-    """The parts of a (schema-checked) config that decide what is stored."""
+    """What a resolved config schedules (the job list, design.jobs) in the terms the byte counts need."""
 
-    e1: str
+    jobs: JobList
     replicas: int
     precisions: tuple[str, ...]
-    constructions: tuple[str, ...]
     max_new_tokens: int
     suffix_tokens: int
     transplant: bool
     first_k: int | None
     blind_sample: int
-    blind_on_primary: bool
     cross: str | None
     sweep_subsets: int  # subsets tried per selected item and direction besides all layers
-    store_caches: str = "all"
+    store_caches: str = DEFAULT
 
     @classmethod
     def from_config(cls, config: dict, layers: int) -> Design:
-        """From a config completed with the schema's defaults (load_config, or the workflow's)."""
+        """From a config completed with the schema's defaults (design.schema.resolve_config)."""
         transplant = config["transplant"]
-        sweep = transplant["sweep"]
-        single = sweep["single_layers"]
-        singles = layers if single == "all" else 0 if single == "none" else len(single)
-        subsets = singles + 2 * len(sweep["block_sizes"]) + 2 * sweep["kv_only"] + len(sweep["windows"])
-        blind = transplant["outcome_blind"]
-        # Until the workflow knows the key, a config without it stores every cache, as today.
-        policy = config.get("store_caches", "all")
-        if policy not in POLICIES:
-            raise PlanError(f"store_caches {policy!r} is not a policy — use one of {', '.join(POLICIES)}")
         return cls(
-            e1=config["matched"]["precision"],
+            jobs=job_list(config),
             replicas=config["matched"]["replicas"],
             precisions=tuple(config["fixed_prefix"]["precisions"]),
-            constructions=tuple(config["fixed_prefix"]["constructions"]),
             max_new_tokens=config["stage"]["max_new_tokens"],
             suffix_tokens=config["stage"]["suffix_tokens"],
             transplant=transplant["enabled"],
             first_k=transplant["selected"]["first_k"],
-            blind_sample=blind["sample"],
-            blind_on_primary=blind["checkpoint"] in (None, next(iter(config["checkpoints"]))),
+            blind_sample=transplant["outcome_blind"]["sample"],
             cross=transplant["cross_precision"],
-            sweep_subsets=subsets,
-            store_caches=policy,
+            sweep_subsets=sweep_subsets(transplant["sweep"], layers),
+            store_caches=check_policy(config["store_caches"]),
         )
+
+    @property
+    def e1(self) -> str:
+        return self.jobs.e1
+
+    @property
+    def blind_on_primary(self) -> bool:
+        return not self.jobs.replications
 
     def trajectories(self) -> list[tuple[str, str, str, int]]:
         """(construction, precision, prefix precision, replica) of every trajectory row of one item
-        on the primary checkpoint: E1 live and prefill with replicas, E2 every construction at every
-        precision over the E1 prefix, E3 each precision's own live run and incremental twin
-        (the job lists of workflow/rules/common.smk, without paths)."""
-        rows = {("live", self.e1, self.e1, r) for r in range(self.replicas)}
-        rows |= {("prefill", self.e1, self.e1, r) for r in range(self.replicas)}
-        rows |= {(c, p, self.e1, 0) for p in self.precisions for c in self.constructions}
-        rows |= {("live", p, p, 0) for p in self.precisions}
-        rows |= {("incremental", p, p, 0) for p in self.precisions}
-        return sorted(rows)
+        on the primary checkpoint, from the job list."""
+        return sorted(
+            (t.construction, t.precision, t.prefix_precision, t.replica) for t in self.jobs.of(self.jobs.primary)
+        )
 
     def cache_objects(self, shared_prefix: bool = False) -> list[tuple[str, str, str]]:
         """(construction, precision, prefix precision) of each distinct boundary cache of one item:
@@ -144,12 +135,11 @@ class Design:
         return sorted(distinct)
 
     def transplants_per_item(self) -> dict[str, int]:
-        """Transplant rows per item in each selection (both directions; the sweep on selected)."""
-        if not self.transplant:
-            return {}
-        counts = {"selected": 2 * (1 + self.sweep_subsets), "outcome_blind": 2}
-        if self.cross:
-            counts["cross_precision"] = 4  # live and prefill cast up, and the cross-precision pair cast back
+        """Transplant rows per item in each selection, from the job list's pairs (the sweep on selected)."""
+        counts: dict[str, int] = {}
+        for job in self.jobs.transplants:
+            rows = len(job.pairs) * (1 + (self.sweep_subsets if job.sweep else 0))
+            counts[job.selection] = counts.get(job.selection, 0) + rows
         return counts
 
 
@@ -383,42 +373,6 @@ def measured_prompt_tokens(prompts_table: str | Path) -> list[int] | None:
 
 # --- a config file's projection --------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[3]
-SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
-
-
-def with_defaults(config: dict, schema: dict) -> dict:
-    """The config with the schema's defaults filled in, as snakemake's validation fills them."""
-    result = dict(config)
-    for key, spec in schema.get("properties", {}).items():
-        if key not in result and "default" in spec:
-            result[key] = spec["default"]
-        if isinstance(result.get(key), dict) and spec.get("type") == "object":
-            result[key] = with_defaults(result[key], spec)
-    if isinstance(schema.get("additionalProperties"), dict):
-        for key, value in result.items():
-            if key not in schema.get("properties", {}) and isinstance(value, dict):
-                result[key] = with_defaults(value, schema["additionalProperties"])
-    return result
-
-
-def load_config(path: str | Path, overrides: dict | None = None) -> dict:
-    """A config file, checked against the workflow's schema and completed with its defaults."""
-    import yaml
-
-    from stagereplay.design.schema import config_problem
-
-    try:
-        config = {**(yaml.safe_load(Path(path).read_text()) or {}), **(overrides or {})}
-    except OSError as error:
-        raise PlanError(
-            f"config file {path} not readable ({error.strerror}) — give the --configfile of the run"
-        ) from None
-    problem = config_problem(config, SCHEMA)
-    if problem:
-        raise PlanError(problem)
-    return with_defaults(config, yaml.safe_load(SCHEMA.read_text()))
-
 
 def project_config(config: dict, model_config: str | Path | None = None) -> tuple[Projection, ModelShapes, str]:
     """The projection of a loaded config: the primary checkpoint's shapes (``model_config`` or, for
@@ -459,6 +413,9 @@ def project_config(config: dict, model_config: str | Path | None = None) -> tupl
     in_ledger = source == "gguf" or (source != "folder" and model_config is None)
     projection = project(config, shapes, prompts, measured is not None, model_in_ledger=in_ledger)
     return projection, shapes, name if model_config is not None else f"{name} ({described})"
+
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _repo_path(path: str | Path) -> str:

@@ -1,4 +1,9 @@
-"""Check a workflow config against its JSON schema with one readable line per problem."""
+"""A workflow config checked against its JSON schema and completed with the schema's defaults.
+
+The defaults live in one place, ``workflow/schemas/config.schema.yaml``, and one function fills
+them in: ``resolve_config``, which the workflow (common.smk) and ``stagereplay plan`` both call,
+so a key's default can never differ between what runs and what is projected.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,14 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+SCHEMA = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
 
-def config_problem(config: dict, schema_path: str | Path) -> str | None:
+
+class ConfigError(ValueError):
+    """One-line message naming the key, the problem and the fix."""
+
+
+def config_problem(config: dict, schema_path: str | Path = SCHEMA) -> str | None:
     """The most relevant schema violation as one line, or None when the config is valid."""
     schema = yaml.safe_load(Path(schema_path).read_text())
     validator = jsonschema.Draft202012Validator(schema)
@@ -17,3 +28,39 @@ def config_problem(config: dict, schema_path: str | Path) -> str | None:
         return None
     key = ".".join(str(part) for part in error.absolute_path) or "(top level)"
     return f"config key {key}: {error.message} — fix it in your config file (allowed keys and values: {schema_path})"
+
+
+def _filling_defaults(validator_class):
+    """A validator that sets each property's schema default where the config leaves it out, wherever
+    validation reaches (nested objects, every checkpoint's entry), as snakemake's ``validate`` does."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, subschema in properties.items():
+                if "default" in subschema:
+                    instance.setdefault(name, subschema["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+def resolve_config(config: dict, schema_path: str | Path = SCHEMA) -> dict:
+    """``config`` checked (ConfigError: one line) and completed, in place, with the schema's defaults."""
+    problem = config_problem(config, schema_path)
+    if problem:
+        raise ConfigError(problem)
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    _filling_defaults(jsonschema.Draft202012Validator)(schema).validate(config)
+    return config
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> dict:
+    """A config file, with ``overrides`` on top, resolved as the workflow resolves it."""
+    try:
+        config = {**(yaml.safe_load(Path(path).read_text()) or {}), **(overrides or {})}
+    except OSError as error:
+        raise ConfigError(
+            f"config file {path} not readable ({error.strerror}) — give the --configfile of the run"
+        ) from None
+    return resolve_config(config)

@@ -105,6 +105,14 @@ class LedgerLayout:
             f"shard-{shard}.parquet",
         )
 
+    def trajectory_table(
+        self, checkpoint: str, construction: str, precision: str, prefix_precision: str, replica: int | str, shard: str
+    ) -> str:
+        """The shard table of a trajectory (design.jobs.Trajectory.fields(), then the shard)."""
+        if construction == "live":
+            return self.live_table(checkpoint, precision, replica, shard)
+        return self.rebuilt_table(checkpoint, prefix_precision, precision, construction, replica, shard)
+
     def transplant_table(self, selection: str, checkpoint: str, precision: str, shard: str) -> str:
         return self._path("runs", "transplant", selection, checkpoint, precision, f"shard-{shard}.parquet")
 
