@@ -35,6 +35,10 @@ window.addEventListener("load", () => {
     scrollWidth: root.scrollWidth,
     clientWidth: root.clientWidth,
     images: [...document.images].map(img => ({alt: img.alt, complete: img.complete, width: img.naturalWidth})),
+    firstTable: (document.querySelector("table") || {}).id || null,
+    panel: [...document.querySelectorAll("table.answer tr")].slice(1).map(tr => [...tr.cells].map(cell => cell.textContent)),
+    panelTop: (document.querySelector("table.answer") || {getBoundingClientRect: () => ({top: -1})}).getBoundingClientRect().top,
+    readingTop: ([...document.querySelectorAll("h2")].find(h => h.textContent.startsWith("Reading")) || {getBoundingClientRect: () => ({top: -1})}).getBoundingClientRect().top,
     entries: [...document.querySelectorAll(".item-entry")].map(entry => ({
       item: entry.dataset.item,
       divergent: entry.classList.contains("divergent"),
@@ -87,6 +91,44 @@ def expected(ledger: Path) -> dict[str, int | None]:
     }
 
 
+def panel_expected(ledger: Path) -> dict[str, str]:
+    """The answer panel's "this run" figure per experiment, from summary.json (x/N of the primary checkpoint)."""
+    summary = json.loads((ledger / "summary.json").read_text())
+    primary = summary["checkpoints"][0]
+    e1 = summary["E1"]["checkpoints"][primary]["suffixes_differ"]
+    e2 = summary["E2"]["checkpoints"][primary]["precisions"]["fp32"]["incremental_vs_prefill"]["decoded_disagreements"]
+    e3 = summary["E3"]["checkpoints"][primary]["precisions"]
+    e5 = summary["E5"]["all_layers"]
+    return {
+        "E1 matched": f"{e1['count']}/{e1['n']}",
+        "E2 fixed prefix": f"{e2['count']}/{e2['n']}",
+        "E3 bridge": "; ".join(f"{p}: {arm['bit_exact']['count']}/{arm['bit_exact']['n']}" for p, arm in e3.items()),
+        "E4 audit": "not run yet",
+        "E5 transplant": "; ".join(
+            f"{key}: {fig['follows_donor']['count']}/{fig['follows_donor']['n']}" for key, fig in e5.items()
+        ),
+    }
+
+
+def panel_problems(report: dict, wanted: dict[str, str]) -> list[str]:
+    """The answer panel is the card's first table, above the reading, one row per experiment, and each row's
+    figure is summary.json's (the count/N text; E3 and E5 list theirs per arm)."""
+    found = []
+    if report["firstTable"] != "answer":
+        found.append(f"the first table is {report['firstTable']!r}, not the answer panel")
+    if not 0 <= report["panelTop"] < report["readingTop"]:
+        found.append("the answer panel is not above the reading")
+    shown = {row[0]: row[2] for row in report["panel"]}
+    if list(shown) != list(wanted):
+        found.append(f"panel rows {list(shown)}, expected {list(wanted)}")
+    for experiment, figure in wanted.items():
+        cell = shown.get(experiment, "")
+        parts = figure.split("; ")
+        if not all(part in cell for part in parts):
+            found.append(f"panel {experiment}: {cell!r} does not show {figure!r}")
+    return found
+
+
 def problems(report: dict, divergence: dict[str, int | None]) -> list[str]:
     found = []
     entries = {entry["item"]: entry for entry in report["entries"]}
@@ -113,6 +155,7 @@ def test_the_card_renders_every_item_every_mark_and_every_image(test_run, tmp_pa
     assert any(at is not None for at in divergence.values()), "config/test.yaml is meant to diverge on some items"
     report = rendered(ledger / "report" / "results.html", tmp_path)
     assert problems(report, divergence) == []
+    assert panel_problems(report, panel_expected(ledger)) == []
     # The card's five plots and one per-layer plot per divergent item, each decoded by the browser.
     divergent = sum(at is not None for at in divergence.values())
     assert len(report["images"]) == 5 + divergent
@@ -141,3 +184,19 @@ def test_the_check_fails_on_a_missing_entry_mark_or_image(test_run, tmp_path):
     assert any(line.startswith("image ") and line.endswith("did not load") for line in found)
     if agreeing:
         assert f"{agreeing[0]}: no entry" in found
+
+
+def test_the_panel_check_fails_on_a_wrong_number_or_a_missing_panel(test_run, tmp_path):
+    _, ledger, _ = test_run
+    wanted = panel_expected(ledger)
+    text = (ledger / "report" / "results.html").read_text()
+    e1 = wanted["E1 matched"]
+    count, n = e1.split("/")
+    wrong = tmp_path / "wrong.html"
+    wrong.write_text(text.replace(f">{e1} (", f">{int(count) + 1}/{n} (", 1))
+    assert "panel E1 matched: " in "\n".join(panel_problems(rendered(wrong, tmp_path), wanted))
+    start = text.index('<table class="answer"')
+    missing = tmp_path / "missing.html"
+    missing.write_text(text[:start] + text[text.index("</table>", start) + len("</table>") :])
+    found = panel_problems(rendered(missing, tmp_path), wanted)
+    assert any(line.startswith("the first table is") for line in found), found

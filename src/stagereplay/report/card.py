@@ -78,8 +78,8 @@ def e1_figures(summary: dict) -> list[Figure]:
             ]
             if key == "parsed":  # the readout always yields a letter: only the parsed labeling has unparsable answers
                 figures += [
-                    proportion(name, "unparsable answers, live (parsed)", e1["unparsable_proportion"]["live"]),
-                    proportion(name, "unparsable answers, prefill (parsed)", e1["unparsable_proportion"]["prefill"]),
+                    proportion(name, "unparsable answers, live (parsed)", e1["unparsable"]["live"]),
+                    proportion(name, "unparsable answers, prefill (parsed)", e1["unparsable"]["prefill"]),
                 ]
         for side in ("live", "prefill"):
             figures.append(proportion(name, f"exact replicas, {side}", e1["replicas_exact"][side]))
@@ -183,20 +183,12 @@ def e5_figures(e5: dict | None) -> list[Figure]:
     figures = []
     for key, figure in e5["all_layers"].items():
         figures.append(proportion(name, f"all layers, {key}: follow the donor", figure["follows_donor"]))
-        figures.append(
-            proportion(name, f"all layers, {key}: follow the recipient", figure["follows_recipient_proportion"])
-        )
-        figures.append(proportion(name, f"all layers, {key}: follow neither", figure["neither_proportion"]))
-        for direction, counted in figure["by_direction_follows_donor"].items():
+        figures.append(proportion(name, f"all layers, {key}: follow the recipient", figure["follows_recipient"]))
+        figures.append(proportion(name, f"all layers, {key}: follow neither", figure["neither"]))
+        for direction, counted in figure["by_direction"].items():
             figures.append(proportion(name, f"all layers, {key}, {direction}: follow the donor", counted))
     for entry in e5["sweep"]:
-        counted = {
-            "count": entry["follows_donor"],
-            "n": entry["n"],
-            "rate": entry["fraction"],
-            "wilson95": entry["wilson95"],
-        }
-        figures.append(proportion(name, f"sweep {entry['subset']}: follow the donor", counted))
+        figures.append(proportion(name, f"sweep {entry['subset']}: follow the donor", entry["follows_donor"]))
     cross = e5["cross_precision"]
     for precision, counted in cross["divergence_survives_cast"].items():
         figures.append(
@@ -265,8 +257,105 @@ ENVIRONMENT_COLUMNS = [
 FIGURE_COLUMNS = ["Experiment", "Figure", "Count / N", "Estimate", "95% interval", "Method"]
 
 
+# The paper's figure for the same design (200 GPQA items, a Qwen2.5-derived reasoning model, BF16 E1;
+# the abstract of arXiv 2607.28495), beside each experiment's answer on the card's first panel.
+PAPER_FIGURES = {
+    "E1": "166/200 suffixes differ (BF16), replicas exact",
+    "E2": "0/200 FP32 decoded disagreements (Wilson 95% upper bound 1.88%)",
+    "E3": "12/12 bit-exact",
+    "E4": "every retained trajectory and comparison fingerprint reproduced (all 200)",
+    "E5": "24/24 selected, 43/43 outcome-blind follow the donor (all 48 layers)",
+}
+PANEL_COLUMNS = ["Experiment", "The figure that answers it", "This run", "The paper"]
+
+
+def _counted(counted: dict) -> str:
+    return NOT_MEASURED if counted["n"] == 0 else f"{counted['count']}/{counted['n']} ({percent(counted['rate'])})"
+
+
+def answer_panel(summary: dict) -> list[list[str]]:
+    """Per experiment, the one figure that answers it, as summary.json (and e4.json) hold it."""
+    primary = summary["checkpoints"][0]
+    e1 = summary["E1"]["checkpoints"][primary]
+    rows = [
+        [
+            "E1 matched",
+            f"suffixes that differ, live vs prefill ({e1['precision']})",
+            _counted(e1["suffixes_differ"]),
+            PAPER_FIGURES["E1"],
+        ]
+    ]
+    fp32 = summary["E2"]["checkpoints"].get(primary, {}).get("precisions", {}).get("fp32")
+    rows.append(
+        [
+            "E2 fixed prefix",
+            "FP32 decoded disagreements, incremental vs prefill",
+            _counted(fp32["incremental_vs_prefill"]["decoded_disagreements"])
+            if fp32
+            else "not run (fp32 is not in fixed_prefix.precisions)",
+            PAPER_FIGURES["E2"],
+        ]
+    )
+    bridge = summary["E3"]["checkpoints"].get(primary, {}).get("precisions", {})
+    rows.append(
+        [
+            "E3 bridge",
+            "caches bit-exact, incremental vs live",
+            "; ".join(f"{precision}: {_counted(arm['bit_exact'])}" for precision, arm in bridge.items()) or "not run",
+            PAPER_FIGURES["E3"],
+        ]
+    )
+    e4 = summary.get("E4")
+    rows.append(
+        [
+            "E4 audit",
+            "trajectories reproduced from the saved ledger",
+            _counted(e4["trajectories"]) if e4 else f"not run yet ({AUDIT_HOW})",
+            PAPER_FIGURES["E4"],
+        ]
+    )
+    e5 = summary.get("E5")
+    transplants = (
+        "; ".join(f"{key}: {_counted(figure['follows_donor'])}" for key, figure in e5["all_layers"].items())
+        if e5
+        else "not run (transplant.enabled is false)"
+    )
+    rows.append(
+        [
+            "E5 transplant",
+            "divergent continuations that follow the donor cache (all layers)",
+            transplants or "no divergent item to transplant",
+            PAPER_FIGURES["E5"],
+        ]
+    )
+    return rows
+
+
+def grouped_figures(figures: list[Figure]) -> list[tuple]:
+    """The detailed figures, one collapsible section per experiment (E1 .. E5), in the card's order."""
+    groups: dict[str, list[Figure]] = {}
+    for figure in figures:
+        groups.setdefault(figure.experiment.split(" ")[0], []).append(figure)
+    return [
+        (
+            "details",
+            f"{experiment}: {len(chosen)} figure(s)",
+            [
+                (
+                    "table",
+                    FIGURE_COLUMNS,
+                    [[f.experiment, f.figure, f.count, f.estimate, f.interval, f.method] for f in chosen],
+                )
+            ],
+        )
+        for experiment, chosen in groups.items()
+    ]
+
+
 # The card's blocks, written as Markdown and as HTML by render.py.
-def document(figures: list[Figure], prov: Provenance, lines_of_reading: list[str]) -> list[tuple]:
+def document(
+    panel: list[list[str]], figures: list[Figure], prov: Provenance, lines_of_reading: list[str]
+) -> list[tuple]:
     return [
         ("heading", 1, "stagereplay results card"),
         (
@@ -274,14 +363,12 @@ def document(figures: list[Figure], prov: Provenance, lines_of_reading: list[str
             "Live KV cache versus one-shot prefill of the same tokens. Every number below is computed from"
             " this ledger (summary.json and tables/*.parquet) by `stagereplay report`; nothing is typed in.",
         ),
-        ("heading", 2, "Figures"),
-        (
-            "table",
-            FIGURE_COLUMNS,
-            [[f.experiment, f.figure, f.count, f.estimate, f.interval, f.method] for f in figures],
-        ),
+        ("heading", 2, "The answer, per experiment"),
+        ("panel", PANEL_COLUMNS, panel),
         ("heading", 2, "Reading: what this run shows and does not show"),
         ("bullets", lines_of_reading),
+        ("heading", 2, "Figures, per experiment"),
+        *grouped_figures(figures),
         ("heading", 2, "Provenance"),
         (
             "bullets",
@@ -314,7 +401,7 @@ def document(figures: list[Figure], prov: Provenance, lines_of_reading: list[str
 
 
 def results_card(summary: dict, prov: Provenance) -> list[tuple]:
-    return document(all_figures(summary), prov, reading(summary, prov))
+    return document(answer_panel(summary), all_figures(summary), prov, reading(summary, prov))
 
 
 # The card's plots (plots.PLOT_FILES), in the order shown, with what each one shows.
@@ -338,8 +425,9 @@ def plot_blocks(plots: dict[str, Path], card_path: str | Path) -> list[tuple]:
     ]
 
 
-def item_blocks(records: list[ItemRecord]) -> list[tuple]:
-    """The per-item view, one section per checkpoint: its records with their per-layer plots."""
+def item_blocks(records: list[ItemRecord], summary: dict) -> list[tuple]:
+    """The per-item view, one section per checkpoint: its records with their per-layer plots (the counts are
+    summary.json's)."""
     from stagereplay.report.plots import item_layer_difference_png
 
     if not records:
@@ -347,13 +435,13 @@ def item_blocks(records: list[ItemRecord]) -> list[tuple]:
     blocks: list[tuple] = [("heading", 2, "Per item: where the live and prefill continuations part")]
     for checkpoint in dict.fromkeys(record.checkpoint for record in records):
         chosen = [record for record in records if record.checkpoint == checkpoint]
-        divergent = sum(record.divergent for record in chosen)
+        differ = summary["E1"]["checkpoints"][checkpoint]["suffixes_differ"]
         blocks.append(
             (
                 "paragraph",
-                f"E1 live vs prefill ({chosen[0].precision}, checkpoint `{checkpoint}`): {divergent}/{len(chosen)}"
+                f"E1 live vs prefill ({chosen[0].precision}, checkpoint `{checkpoint}`): {differ['count']}/{differ['n']}"
                 " items whose suffixes differ, earliest first divergence first; then the"
-                f" {len(chosen) - divergent}/{len(chosen)} whose suffixes agree. Labels: parsed `Answer: X` and"
+                f" {differ['n'] - differ['count']}/{differ['n']} whose suffixes agree. Labels: parsed `Answer: X` and"
                 " the forced-choice readout, as in the figures.",
             )
         )
@@ -380,7 +468,7 @@ def write_results_card(
     """Both cards, stamped with the summary.json bytes they come from (unstamped without them:
     `stagereplay verify` then says so), so an edited or outdated card is caught. ``plots`` (written
     before) are linked from the Markdown and inlined into the HTML; ``items`` is the per-item view."""
-    blocks = results_card(summary, prov) + plot_blocks(plots or {}, markdown_path) + item_blocks(items or [])
+    blocks = results_card(summary, prov) + plot_blocks(plots or {}, markdown_path) + item_blocks(items or [], summary)
 
     def stamped(text: str) -> str:
         return text if summary_bytes is None else stamp(text, summary_bytes)

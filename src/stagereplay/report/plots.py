@@ -224,18 +224,7 @@ def plot_transplant_follow_donor(e5: dict | None, out_path: str | Path, transpla
         _message(axes, "E5 not run in this ledger")
         return _save(figure, out_path)
     bars = [(f"all layers, {key}", entry["follows_donor"]) for key, entry in e5["all_layers"].items()]
-    bars += [
-        (
-            f"sweep {entry['subset']}",
-            {
-                "count": entry["follows_donor"],
-                "n": entry["n"],
-                "rate": entry["fraction"],
-                "wilson95": entry["wilson95"],
-            },
-        )
-        for entry in e5["sweep"]
-    ]
+    bars += [(f"sweep {entry['subset']}", entry["follows_donor"]) for entry in e5["sweep"]]
     bars += [(f"cross precision {short(key)}", entry) for key, entry in e5["cross_precision"]["follows_donor"].items()]
     bars = [bar for bar in bars if bar[1]["n"]]
     if not bars:

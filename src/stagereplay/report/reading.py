@@ -47,10 +47,10 @@ def e1_checkpoint_reading(name: str, e1: dict) -> list[str]:
     for key, title in (("parsed", "Accuracy (parsed 'Answer: X')"), ("readout", "Accuracy (forced-choice readout)")):
         lines.append(accuracy_reading(title, labelings[key], n, differ))
     lines.append(replica_reading(e1["replicas_exact"]))
-    unparsable = e1["unparsable"]
-    if unparsable["live"] or unparsable["prefill"]:
+    live, prefill = e1["unparsable"]["live"]["count"], e1["unparsable"]["prefill"]["count"]
+    if live or prefill:
         lines.append(
-            f"{unparsable['live']}/{n} live and {unparsable['prefill']}/{n} prefill answers have no parsable"
+            f"{live}/{n} live and {prefill}/{n} prefill answers have no parsable"
             " 'Answer: X' and count as wrong in the parsed labeling; the readout labels every item."
         )
     return lines
@@ -199,8 +199,8 @@ def e5_reading(e5: dict | None) -> list[str]:
             )
         else:
             lines.append(
-                f"E5 ({key}): {followed}/{n} continuations follow the donor cache, {figure['follows_recipient']}"
-                f" their own side, {figure['neither']} neither: the cache carries only part of the difference."
+                f"E5 ({key}): {followed}/{n} continuations follow the donor cache, {figure['follows_recipient']['count']}"
+                f" their own side, {figure['neither']['count']} neither: the cache carries only part of the difference."
             )
     lines += sweep_reading(e5) + cross_precision_reading(e5["cross_precision"])
     if e5.get("outcome_blind_checkpoint"):
@@ -209,7 +209,7 @@ def e5_reading(e5: dict | None) -> list[str]:
 
 
 def sweep_reading(e5: dict) -> list[str]:
-    counted = [entry for entry in e5.get("sweep", []) if entry["n"]]
+    counted = [entry for entry in e5.get("sweep", []) if entry["follows_donor"]["n"]]
     if not counted:
         return []
     full = max(entry["layers"] for entry in counted)
@@ -228,10 +228,11 @@ def sweep_reading(e5: dict) -> list[str]:
             f" {smallest['subset']} ({smallest['layers']} of {full} layers)."
         ]
     if partial:
-        best = max(partial, key=lambda entry: (entry["fraction"], -entry["layers"]))
+        best = max(partial, key=lambda entry: (entry["follows_donor"]["rate"], -entry["layers"]))
+        followed = best["follows_donor"]
         lines.append(
             f"Of the partial transplants (fewer layers, K only, V only, last positions), {best['subset']} comes"
-            f" closest: {best['follows_donor']}/{best['n']} follow the donor."
+            f" closest: {followed['count']}/{followed['n']} follow the donor."
         )
     return lines
 

@@ -37,6 +37,11 @@ def to_markdown(blocks: list[tuple]) -> str:
             out.append(f"![{caption}]({relative})")
         elif kind == "items":
             out.append(_items_markdown(body[0]))
+        elif kind == "details":  # a collapsible section in HTML; a headed one in Markdown
+            title, inner = body
+            out.append(f"### {title}\n\n" + to_markdown(inner).rstrip("\n"))
+        elif kind == "panel":
+            out.append(to_markdown([("table", *body)]).rstrip("\n"))
         else:
             header, rows = body
             lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -50,11 +55,16 @@ def _html_text(value: object) -> str:
 
 
 def to_html(blocks: list[tuple]) -> str:
-    out = [
+    head = [
         "<!DOCTYPE html>",
         '<html><head><meta charset="utf-8"><title>stagereplay results card</title>',
         f"<style>{STYLE}</style></head><body>",
     ]
+    return "\n".join([*head, _html_body(blocks), "</body></html>"]) + "\n"
+
+
+def _html_body(blocks: list[tuple]) -> str:
+    out = []
     for kind, *body in blocks:
         if kind == "heading":
             out.append(f"<h{body[0]}>{_html_text(body[1])}</h{body[0]}>")
@@ -70,10 +80,14 @@ def to_html(blocks: list[tuple]) -> str:
             )
         elif kind == "items":
             out.append(_items_html(*body))
+        elif kind == "details":
+            title, inner = body
+            out.append(f"<details><summary>{_html_text(title)}</summary>{_html_body(inner)}</details>")
+        elif kind == "panel":
+            out.append(_html_table(*body).replace("<table>", '<table class="answer" id="answer">', 1))
         else:
             out.append(_html_table(*body))
-    out.append("</body></html>")
-    return "\n".join(out) + "\n"
+    return "\n".join(out)
 
 
 STYLE = (
@@ -94,6 +108,8 @@ STYLE = (
     ".side-label{font-size:85%;color:#444}"
     "table.transplants,table.labels{font-size:90%;margin:.3em 0}"
     "img.layers{display:block;max-width:100%;height:auto}"
+    "table.answer{margin:.5em 0 1em 0}table.answer td{font-size:100%}"
+    "details{margin:.3em 0}details summary{cursor:pointer;font-weight:bold}"
 )
 
 

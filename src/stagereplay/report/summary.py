@@ -97,10 +97,6 @@ def e1_figures(rows: list[dict]) -> dict:
         "accuracy": parsed["accuracy"],
         "labelings": labelings,
         "unparsable": {
-            "live": int(sum(not row["a_parsed"] for row in pairs)),
-            "prefill": int(sum(not row["b_parsed"] for row in pairs)),
-        },
-        "unparsable_proportion": {
             "live": proportion(sum(not row["a_parsed"] for row in pairs), n),
             "prefill": proportion(sum(not row["b_parsed"] for row in pairs), n),
         },
@@ -218,8 +214,12 @@ def _is_all_layers(row: dict) -> bool:
     return row["kv"] == "kv" and row["last_positions"] is None and len(row["layers"]) == len(row["layer_k"])
 
 
+def _counted(rows: list[dict], outcome: str) -> dict:
+    return proportion(sum(row["outcome"] == outcome for row in rows), len(rows))
+
+
 def _follows_donor(rows: list[dict]) -> dict:
-    return proportion(sum(row["outcome"] == "follows_donor" for row in rows), len(rows))
+    return _counted(rows, "follows_donor")
 
 
 def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
@@ -244,42 +244,31 @@ def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
                 if row["selection"] == selection and row["checkpoint"] == checkpoint and _is_all_layers(row)
             ]
             all_layers[f"{selection}/{checkpoint}"] = {
-                "follows_donor": _follows_donor(chosen),
-                "follows_recipient": int(sum(row["outcome"] == "follows_recipient" for row in chosen)),
-                "neither": int(sum(row["outcome"] == "neither" for row in chosen)),
+                outcome: _counted(chosen, outcome) for outcome in ("follows_donor", "follows_recipient", "neither")
+            } | {
                 "by_direction": {
-                    direction: f"{sum(r['outcome'] == 'follows_donor' for r in group)}/{len(group)}"
-                    for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
-                },
-                "follows_recipient_proportion": proportion(
-                    sum(row["outcome"] == "follows_recipient" for row in chosen), len(chosen)
-                ),
-                "neither_proportion": proportion(sum(row["outcome"] == "neither" for row in chosen), len(chosen)),
-                "by_direction_follows_donor": {
                     direction: _follows_donor(group)
                     for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
-                },
+                }
             }
     figures["all_layers"] = all_layers
     sweep_rows = [row for row in rows if row["selection"] == "selected"]
     sweep = []
     for subset, group in _group(sweep_rows, lambda r: r["subset"]).items():
-        followed = sum(row["outcome"] == "follows_donor" for row in group)
         sweep.append(
             {
                 "subset": subset,
                 "layers": len(group[0]["layers"]),
                 "kv": group[0]["kv"],
                 "positions": group[0]["last_positions"],
-                "follows_donor": followed,
-                "n": len(group),
-                "fraction": followed / len(group),
-                "wilson95": proportion(followed, len(group))["wilson95"],
+                "follows_donor": _follows_donor(group),
             }
         )
     figures["sweep"] = sweep
     sufficient = [
-        entry for entry in sweep if entry["fraction"] == 1.0 and entry["kv"] == "kv" and entry["positions"] is None
+        entry
+        for entry in sweep
+        if entry["follows_donor"]["rate"] == 1.0 and entry["kv"] == "kv" and entry["positions"] is None
     ]
     figures["smallest_sufficient_layer_set"] = (
         min(sufficient, key=lambda e: e["layers"])["subset"] if sufficient else None
