@@ -389,7 +389,7 @@ def _add_store_caches(parser: argparse.ArgumentParser) -> None:
         "--store-caches",
         default=DEFAULT,
         choices=POLICIES,
-        help="which boundary caches are stored as tensors (the config's store_caches; see storage.py)",
+        help="which boundary caches are stored as tensors (the config's store_caches; see design/storage.py)",
     )
 
 

@@ -308,7 +308,7 @@ MAX_POSITIONS = parse_time_max_positions()
 
 
 def device_memory_mb(runtime):
-    """A model job's expected device memory (storage_plan.job_memory_bytes: weights at the precision,
+    """A model job's expected device memory (design.shapes.job_memory_bytes: weights at the precision,
     caches, activations), as the resource gpu_mem_mb: the profiles run as many model jobs per GPU as
     fit. 0 on the CPU, and for a GGUF not converted yet (its shapes are unknown until then)."""
     from stagereplay.design.shapes import checkpoint_shapes, job_memory_bytes

@@ -241,7 +241,7 @@ def project(
         2 * cache_object_bytes(other, design.e1, _positions(p, design)) if other else 0 for p in prompt_tokens
     ]
     all_bytes = sum(per_item) + sum(other_per_item)
-    # `selected`: only the caches the transplant jobs read (common.smk's transplant_pairs): E1 live and
+    # `selected`: only the caches the transplant jobs read (the job list's transplant pairs, design.jobs): E1 live and
     # prefill of E5's selected first_k items and of the outcome-blind sample, and on the selected items
     # also the cross-precision recipients (incremental and prefill at that precision over the E1 prefix).
     # Which items diverge is known only after E1, so the largest items stand in for them.

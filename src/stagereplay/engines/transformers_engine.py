@@ -248,7 +248,7 @@ def _check_precision_runs(device: str, precision: str) -> None:
 def check_fits(config: dict, runtime: Runtime, device: str) -> None:
     """Stop before the weights are read when the job cannot fit the device: one line now, not an
     out-of-memory error an hour in. Needed: weights at the precision plus caches and activations
-    (storage_plan.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
+    (design.shapes.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
     device's free memory (CUDA) or the host's available RAM, capped by runtime.device_memory_gb."""
     from stagereplay.design.shapes import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
 

@@ -23,7 +23,7 @@ class LedgerError(RuntimeError):
     """One-line message naming the problem and the fix."""
 
 
-# What the numbers depend on besides the inputs (model.Environment, less the precision,
+# What the numbers depend on besides the inputs (engines.base.Environment, less the precision,
 # which is a key column): recorded in every trajectory and transplant row, compared by
 # the audit, listed in summary.json and on the results card.
 _ENVIRONMENT_FIELDS = (
