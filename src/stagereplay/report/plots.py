@@ -63,6 +63,24 @@ def short(label: str) -> str:
     return re.sub(r"/rep\d+|<-\w+", "", label)
 
 
+def arm_counts(summary: dict, row: dict) -> tuple[str, str]:
+    """How summary.json counts the arm of this comparison row: (its suffixes that differ, its caches), as text."""
+    checkpoint, precision = row["checkpoint"], row["precision"]
+    if row["experiment"] == "E1":
+        e1 = summary["E1"]["checkpoints"][checkpoint]
+        suffixes, caches = e1["suffixes_differ"], e1["caches_differ"]
+    elif row["experiment"] == "E2":
+        arm = summary["E2"]["checkpoints"][checkpoint]["precisions"][precision][
+            f"incremental_vs_{row['b'].split('/')[0]}"
+        ]
+        suffixes, caches = arm["decoded_disagreements"], arm["caches_differ"]
+    else:
+        e3 = summary["E3"]["checkpoints"][checkpoint]["precisions"][precision]
+        identical, exact = e3["suffixes_identical"], e3["bit_exact"]
+        return f"{identical['count']}/{identical['n']} identical", f"{exact['count']}/{exact['n']} bit-exact"
+    return f"{suffixes['count']}/{suffixes['n']} diverged", f"{caches['count']}/{caches['n']} differ"
+
+
 def arms(comparisons: pa.Table, experiments: tuple[str, ...]) -> dict[str, list[dict]]:
     """Construction comparisons grouped by arm: 'E2 incremental vs prefill, fp32' -> rows.
 
@@ -79,7 +97,7 @@ def arms(comparisons: pa.Table, experiments: tuple[str, ...]) -> dict[str, list[
     return dict(sorted(grouped.items()))
 
 
-def plot_first_divergence(comparisons: pa.Table, out_path: str | Path) -> Path:
+def plot_first_divergence(summary: dict, comparisons: pa.Table, out_path: str | Path) -> Path:
     """One row per arm, one dot per divergent item at its first differing suffix token (stacked when tied)."""
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(9, 4.5))
@@ -91,7 +109,7 @@ def plot_first_divergence(comparisons: pa.Table, out_path: str | Path) -> Path:
     if not grouped:
         _message(axes, "E1 and E2 not run in this ledger")
     elif not any(positions.values()):
-        counts = "\n".join(f"{arm}: 0/{len(rows)} diverged" for arm, rows in grouped.items())
+        counts = "\n".join(f"{arm}: {arm_counts(summary, rows[0])[0]}" for arm, rows in grouped.items())
         _message(axes, f"No suffix diverged in any arm, so there is no first divergence to place.\n{counts}")
     else:
         for index, values in enumerate(positions.values()):
@@ -103,7 +121,7 @@ def plot_first_divergence(comparisons: pa.Table, out_path: str | Path) -> Path:
             axes.scatter(sorted(values), stacked, s=36, alpha=0.8)
         axes.set_yticks(
             range(len(positions)),
-            [f"{arm}\n{len(positions[arm])}/{len(rows)} diverged" for arm, rows in grouped.items()],
+            [f"{arm}\n{arm_counts(summary, rows[0])[0]}" for arm, rows in grouped.items()],
             fontsize=8,
         )
         axes.set_ylim(-0.5, len(positions) - 0.2)
@@ -163,7 +181,7 @@ def plot_margin_at_divergence(comparisons: pa.Table, trajectories: pa.Table, out
     return _save(figure, out_path)
 
 
-def plot_layer_cache_difference(comparisons: pa.Table, out_path: str | Path) -> Path:
+def plot_layer_cache_difference(summary: dict, comparisons: pa.Table, out_path: str | Path) -> Path:
     """Per layer, the largest |difference| between the two constructions' caches, over items, K and V."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
@@ -189,7 +207,6 @@ def plot_layer_cache_difference(comparisons: pa.Table, out_path: str | Path) -> 
     for axes, column, name in ((k_axes, "k_max_abs", "K"), (v_axes, "v_max_abs", "V")):
         for arm, rows in grouped.items():
             per_layer = np.max(np.array([row[column] for row in rows]), axis=0)
-            exact = sum(row["cache_exact"] for row in rows)
             linestyle, marker = styles.get(rows[0]["experiment"], ("-", "o"))
             hollow = (
                 rows[0]["experiment"] == "E1"
@@ -202,7 +219,7 @@ def plot_layer_cache_difference(comparisons: pa.Table, out_path: str | Path) -> 
                 alpha=0.8,
                 markersize=10 if hollow else 5,
                 markerfacecolor="none" if hollow else None,
-                label=f"{arm} (n = {len(rows)}, {exact} bit-exact)",
+                label=f"{arm} (caches: {arm_counts(summary, rows[0])[1]})",
             )
         axes.set_yscale("symlog", linthresh=smallest)
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -315,9 +332,9 @@ def write_plots(
 ) -> list[Path]:
     out_dir = Path(out_dir)
     return [
-        plot_first_divergence(comparisons, out_dir / PLOT_FILES["first_divergence"]),
+        plot_first_divergence(summary, comparisons, out_dir / PLOT_FILES["first_divergence"]),
         plot_margin_at_divergence(comparisons, trajectories, out_dir / PLOT_FILES["margin_at_divergence"]),
-        plot_layer_cache_difference(comparisons, out_dir / PLOT_FILES["layer_cache_difference"]),
+        plot_layer_cache_difference(summary, comparisons, out_dir / PLOT_FILES["layer_cache_difference"]),
         plot_transplant_follow_donor(
             summary.get("E5"),
             out_dir / PLOT_FILES["transplant_follow_donor"],
