@@ -125,7 +125,7 @@ def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject
     for path in sorted(store.root.rglob("*")):
         if not path.is_file():
             continue
-        where = f"objects/{path.relative_to(store.root)}"
+        where = str(Path(RELATIVE.objects) / path.relative_to(store.root))
         if path.name.startswith(".") and path.name.endswith(".tmp"):
             report.leftover_temporaries += 1
             continue
@@ -292,13 +292,14 @@ def verify_rows(
 
 def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
     """The gathered tables hold exactly rows of the shard tables (row counts and contents)."""
-    for gathered, folders in ((TRAJECTORIES, ("runs/live", "runs/rebuild")), (TRANSPLANTS, ("runs/transplant",))):
+    for gathered in (TRAJECTORIES, TRANSPLANTS):
         if gathered not in tables:
             continue
+        kind = LedgerLayout.table_kind(gathered)
         shard_rows = {
             _canonical(row)
             for relative, table in tables.items()
-            if relative.startswith(folders)
+            if relative != gathered and LedgerLayout.table_kind(relative) == kind
             for row in table.to_pylist()
         }
         rows = tables[gathered].to_pylist()
