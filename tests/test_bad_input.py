@@ -171,7 +171,7 @@ def assert_ledger_kept(before: dict, after: dict, in_job: bool) -> None:
         return
     assert {path: digest for path, digest in after.items() if path in before} == before
     for path in set(after) - set(before):  # only what a new checkpoint prepares before its first model job
-        assert path.split("/")[0] in ("logs", "models", "downloads", "prompts"), path
+        assert path.split("/")[0] in ("logs", "models", "downloads", "prompts", "vocab"), path
 
 
 @pytest.mark.parametrize("case", list(CATALOGUE))
