@@ -56,8 +56,13 @@ def card_sections(text: str) -> dict[str, list[str]]:
 
 
 def card_figures(text: str) -> dict[tuple[str, str, str], tuple[str, str, str]]:
-    """(experiment, figure, method) -> (count, estimate, interval), parsed from the card's table."""
-    rows = [line for line in card_sections(text)["Figures"] if line.startswith("|")][2:]  # past header and rule
+    """(experiment, figure, method) -> (count, estimate, interval), parsed from the card's tables, one per
+    experiment under "Figures, per experiment" (each past its header and rule)."""
+    rows = [
+        line
+        for line in card_sections(text)["Figures, per experiment"]
+        if line.startswith("|") and not line.startswith(("| Experiment |", "|---"))
+    ]
     parsed = {}
     for line in rows:
         experiment, figure, count, estimate, interval, method = (cell.strip() for cell in line.strip("|").split(" | "))

@@ -8,8 +8,9 @@ import pytest
 from transformers import AutoTokenizer
 from workflow_helpers import stagereplay
 
+from stagereplay.experiments.prompts import spelling
 from stagereplay.inputs.checkpoints import read_model_record
-from stagereplay.report.item_view import spell, visible
+from stagereplay.report.item_view import visible
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +46,7 @@ def test_show_prints_the_item_as_the_ledger_holds_it(test_run):
             and r["prefix_precision"] == pair["precision"]
         }
         for side, row in sides.items():
-            tokens = [visible(token) for token in spell(tokenizer, row["suffix_tokens"])]
+            tokens = [visible(spelling(tokenizer, token)) for token in row["suffix_tokens"]]
             if at is not None:
                 tokens[at] = f"⟦{tokens[at]}⟧"
             line = next(line for line in out.splitlines() if line.startswith(f"{side} "))
