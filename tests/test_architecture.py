@@ -1,0 +1,84 @@
+"""The shape of the library: imports run downward (no cycle), at most 7 levels deep, and only the
+engines package knows which engines exist. Every import counts, those inside functions too."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE_ORDER = ("ledger", "inputs", "design", "engines", "experiments", "report", "audit")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in SRC.rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    graph: dict[str, set[str]] = {name: set() for name in known}
+    for name, path in known.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            # A package's empty __init__ is only a namespace: importing through it ties nothing.
+            graph[name] |= {t for t in targets if t in known and t != name and known[t].read_text().strip()}
+    return graph
+
+
+def levels(graph: dict[str, set[str]]) -> dict[str, int]:
+    level: dict[str, int] = {}
+
+    def visit(name: str, path: tuple[str, ...]) -> int:
+        assert name not in path, "import cycle: " + " -> ".join((*path[path.index(name) :], name))
+        if name not in level:
+            level[name] = 1 + max((visit(target, (*path, name)) for target in graph[name]), default=0)
+        return level[name]
+
+    for name in graph:
+        visit(name, ())
+    return level
+
+
+def test_imports_have_no_cycle_and_at_most_seven_levels():
+    deepest = levels(import_graph())
+    assert max(deepest.values()) <= 7, sorted(deepest.items(), key=lambda item: -item[1])[:8]
+
+
+def test_packages_import_only_downward():
+    rank = {package: index for index, package in enumerate(PACKAGE_ORDER)}
+    upward = []
+    for name, targets in import_graph().items():
+        parts = name.split(".")
+        if len(parts) < 3 or parts[1] not in rank:
+            continue
+        for target in targets:
+            other = target.split(".")
+            if len(other) >= 3 and other[1] in rank and rank[other[1]] > rank[parts[1]]:
+                upward.append(f"{name} -> {target}")
+    assert upward == []
+
+
+def test_only_the_engines_package_names_an_engine():
+    named = []
+    for name, path in modules().items():
+        if name.startswith("stagereplay.engines"):
+            continue
+        for line_number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b(TransformersEngine|LlamaCppEngine|llamacpp_engine|transformers_engine)\b", line):
+                named.append(f"{name}:{line_number}: {line.strip()}")
+    assert named == []
