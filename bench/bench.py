@@ -82,11 +82,19 @@ class RunLedger:
     def model_record(self) -> Path:
         return Path(self.layout.model_record(self.checkpoint))
 
-    def folder(self) -> str:
-        return json.loads(self.model_record.read_text())["folder"]
+    def record(self) -> dict:
+        from stagereplay.inputs.checkpoints import read_model_record
+
+        return read_model_record(self.model_record)
+
+    def load(self, precision: str):
+        """The checkpoint's engine at ``precision``, loaded as the model jobs load it."""
+        from stagereplay.engines.registry import load_checkpoint
+
+        return load_checkpoint(self.record(), self.runtime(precision))
 
     def runtime(self, precision: str):
-        from stagereplay.engines.transformers_engine import Runtime
+        from stagereplay.engines.base import Runtime
 
         rt = self.config["runtime"]
         return Runtime(
@@ -130,12 +138,13 @@ def transplant_minimum(row: dict) -> int:
 
 
 class ForwardCounter:
-    """Counts every position fed through TransformersEngine.forward, the engine's one entry point to the model."""
+    """Counts every position fed through the checkpoint's engine's forward, its one entry point to the model."""
 
-    def __init__(self):
-        from stagereplay.engines.transformers_engine import TransformersEngine
+    def __init__(self, record: dict):
+        from stagereplay.engines.registry import engine_class
 
-        self.engine_class, self.original, self.counts = TransformersEngine, TransformersEngine.forward, Counter()
+        self.engine_class = engine_class(record)
+        self.original, self.counts = self.engine_class.forward, Counter()
 
     def __enter__(self):
         def counting(engine, tokens, cache):
@@ -248,7 +257,7 @@ def section_a(ledger: RunLedger) -> None:
                 ledger.layout.transplant_table("outcome_blind", ledger.checkpoint, ledger.e1, "000")
             )
         for kind, run in jobs.items():
-            with ForwardCounter() as counts:
+            with ForwardCounter(ledger.record()) as counts:
                 started = time.perf_counter()
                 out = run()
                 seconds = time.perf_counter() - started
@@ -323,9 +332,7 @@ def section_b(ledger: RunLedger) -> None:
         f"{interpreter:.1f} s",
         f"imports alone {imports:.1f} s",
     )
-    from stagereplay.engines.transformers_engine import load_model
-
-    seconds, _ = best_of(lambda: load_model(ledger.folder(), ledger.runtime(ledger.e1)), repeats=2)
+    seconds, _ = best_of(lambda: ledger.load(ledger.e1), repeats=2)
     add("b", "  of which: model load from the converted folder", f"{seconds:.1f} s")
     seconds, stored = store_shard_again(ledger)
     add(
@@ -367,7 +374,6 @@ def section_c(ledger: RunLedger) -> None:
     import pyarrow.parquet as pq
     import torch
 
-    from stagereplay.engines.transformers_engine import load_model
     from stagereplay.experiments.constructions import build_boundary_state
     from stagereplay.experiments.decode import continue_from
     from stagereplay.ledger.store import ObjectStore
@@ -376,7 +382,7 @@ def section_c(ledger: RunLedger) -> None:
     prefix = ObjectStore(ledger.layout.objects).get_tokens(row["prefix_object"])
     steps = ledger.config["stage"]["suffix_tokens"]
     for precision in sorted({ledger.e1, "fp32"}):
-        engine = load_model(ledger.folder(), ledger.runtime(precision))
+        engine = ledger.load(precision)
         state = build_boundary_state(engine, prefix, "prefill", row["prompt_length"])
 
         def ours(engine=engine, state=state):
@@ -463,9 +469,7 @@ def section_e(ledger: RunLedger) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stagereplay.engines.transformers_engine import load_model
-
-    folder_s, _ = best_of(lambda: load_model(ledger.folder(), ledger.runtime(ledger.e1)), repeats=3)
+    folder_s, _ = best_of(lambda: ledger.load(ledger.e1), repeats=3)
     gguf = Path(ledger.layout.embedded_gguf)
     if not gguf.is_file():
         add("e", "model load", f"folder {folder_s:.1f} s", f"no {gguf} to compare with")

@@ -1,7 +1,7 @@
 """What every engine is: the one protocol the experiments use, and the records it fills in.
 
 An engine runs one checkpoint at one runtime (precision, device, threads, kernels). The experiments
-only ever ask it to start an empty cache, feed tokens into a cache (getting the last position's
+only ever ask it to load a checkpoint at a runtime, start an empty cache, feed tokens into a cache (getting the last position's
 float32 logits back), export the cache as a ``KVState`` and import one, and read its tokenizer,
 its end-of-generation ids, its layer count and its environment record. Two engines implement it:
 transformers (``transformers_engine``) and llama.cpp (``llamacpp_engine``); ``registry`` picks one
@@ -66,6 +66,11 @@ class Engine(ABC):
 
     tokenizer: object  # encode/decode/apply_chat_template/convert_ids_to_tokens, eos_token_id
     environment: Environment  # recorded in every ledger row the engine's outputs fill
+
+    @classmethod
+    @abstractmethod
+    def load(cls, record: dict, runtime: Runtime) -> Engine:
+        """The checkpoint a model record names, loaded at ``runtime`` (its precision, device and threads)."""
 
     @property
     @abstractmethod

@@ -168,6 +168,11 @@ class LlamaCppTokenizer:
 class LlamaCppEngine(Engine):
     """A GGUF loaded in llama.cpp with one single-sequence context."""
 
+    @classmethod
+    def load(cls, record: dict, runtime: Runtime) -> LlamaCppEngine:
+        """The record's GGUF as shipped (``gguf``)."""
+        return load_llamacpp(record["gguf"], runtime)
+
     def __init__(self, gguf_path: str | Path, settings: EngineSettings):
         self.llama_cpp = llama_cpp = binding()
         self.settings = settings

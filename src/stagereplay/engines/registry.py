@@ -1,7 +1,7 @@
 """Which engine runs a checkpoint: transformers (a safetensors folder) or llama.cpp (a GGUF as shipped).
 
 A model record names its engine (``engine``; absent means transformers). Every model job loads
-through ``load_checkpoint`` and gets a ``base.Engine``; the prompts job asks ``checkpoint_tokenizer``
+through ``load_checkpoint`` and gets a ``base.Engine`` (``engine_class`` says which); the prompts job asks ``checkpoint_tokenizer``
 for the tokenizer alone. This is the one place that maps an engine's name to its module.
 """
 
@@ -19,14 +19,19 @@ def engine_of(record: dict) -> str:
     return engine
 
 
-def load_checkpoint(record: dict, runtime: Runtime) -> Engine:
+def engine_class(record: dict) -> type[Engine]:
+    """The engine that runs the record's checkpoint (its module is imported only when asked for)."""
     if engine_of(record) == "transformers":
-        from stagereplay.engines.transformers_engine import load_model
+        from stagereplay.engines.transformers_engine import TransformersEngine
 
-        return load_model(record["folder"], runtime)
-    from stagereplay.engines.llamacpp_engine import load_llamacpp
+        return TransformersEngine
+    from stagereplay.engines.llamacpp_engine import LlamaCppEngine
 
-    return load_llamacpp(record["gguf"], runtime)
+    return LlamaCppEngine
+
+
+def load_checkpoint(record: dict, runtime: Runtime) -> Engine:
+    return engine_class(record).load(record, runtime)
 
 
 def checkpoint_tokenizer(record: dict, trust_remote_code: bool = False) -> tuple[object, int]:

@@ -81,6 +81,11 @@ class TransformersEngine(Engine):
         self.environment = environment
         self.device = next(model.parameters()).device
 
+    @classmethod
+    def load(cls, record: dict, runtime: Runtime) -> TransformersEngine:
+        """The record's safetensors folder (``folder``)."""
+        return load_model(record["folder"], runtime)
+
     @property
     def eos_ids(self) -> frozenset[int]:
         ids = {self.tokenizer.eos_token_id}
