@@ -3,13 +3,20 @@ the margins there, both labelings and the transplant outcomes, all as the ledger
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from transformers import AutoTokenizer
 from workflow_helpers import stagereplay
 
 from stagereplay.experiments.prompts import spelling
 from stagereplay.inputs.checkpoints import read_model_record
+from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.report.item_view import visible
 
 pytestmark = pytest.mark.slow
@@ -80,3 +87,46 @@ def test_an_unknown_item_is_one_line_naming_where_the_ids_are(test_run):
 def test_control_characters_are_shown_not_obeyed():
     # A random model emits such bytes: a record separator would split a terminal line, a tab vanish.
     assert visible("a\x1eb\n\tc\u2028 d") == "a‹U+001E›b↵⇥c‹U+2028› d"
+
+
+# Runs one CLI command in this interpreter, then reports which engine modules the command imported.
+LOADED_ENGINES = (
+    "import json, sys; from stagereplay.__main__ import main; code = main(sys.argv[1:]);"
+    " engines = sorted(m for m in sys.modules if m in ('transformers', 'llama_cpp')"
+    " or m.startswith('stagereplay.engines.') and m != 'stagereplay.engines.base');"
+    " print(json.dumps({'code': code, 'engines': engines}), file=sys.stderr)"
+)
+
+
+def engines_loaded_by(*args) -> list[str]:
+    result = subprocess.run([sys.executable, "-c", LOADED_ENGINES, *map(str, args)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stderr.strip().splitlines()[-1])
+    assert report["code"] == 0, result.stderr
+    return report["engines"]
+
+
+def test_show_and_the_report_spell_tokens_without_loading_an_engine(test_run, tmp_path):
+    """They read the prompts job's vocabulary table: no tokenizer, no transformers, no llama_cpp is imported."""
+    _, ledger, config = test_run
+    item = sorted(r["item_id"] for r in e1_pairs(ledger))[0]
+    assert engines_loaded_by("show", ledger, item) == []
+
+    layout, copy = LedgerLayout(ledger), LedgerLayout(tmp_path)  # the card and plots laid out as the workflow's
+    names = json.loads(Path(layout.summary).read_text())["checkpoints"]
+    per_checkpoint = []
+    for name in names:
+        per_checkpoint += ["--model", name, layout.model_record(name), "--vocab", name, layout.vocab(name)]
+    report = [
+        *("report", "--summary", layout.summary, "--items", layout.items, "--item-source", item_source(config)),
+        *("--trajectories", layout.table("trajectories"), "--comparisons", layout.table("comparisons")),
+        *("--transplants", layout.table("transplants"), *per_checkpoint),
+        *("--card", copy.card, "--card-html", copy.card_html, "--plots-dir", Path(copy.card_html).parent),
+    ]
+    assert engines_loaded_by(*report) == []
+    # The same card as the workflow's report rule wrote, per-item view and spelled tokens included.
+    assert Path(copy.card).read_text() == Path(layout.card).read_text()
+
+
+def item_source(config: Path) -> str:
+    return yaml.safe_load(config.read_text())["items"]["source"]
