@@ -25,5 +25,6 @@ include: "workflow/rules/report.smk"
 
 rule all:
     input:
+        LAYOUT.provenance,
         LAYOUT.summary,
         rules.report.output,

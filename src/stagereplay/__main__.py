@@ -203,6 +203,14 @@ def cmd_store_caches_policy(args) -> None:
     atomic_write_text(args.out, json.dumps(storage_document(args.policy), indent=2) + "\n")
 
 
+def cmd_provenance(args) -> None:
+    from stagereplay.inputs.checkpoints import read_model_record
+    from stagereplay.ledger.provenance import build_provenance, write_provenance
+
+    records = {name: read_model_record(path) for name, path in args.model}
+    write_provenance(args.out, build_provenance(json.loads(args.design), args.items, records))
+
+
 def cmd_gather(args) -> None:
     from stagereplay.ledger.tables import SCHEMAS, concat_tables, write_table
 
@@ -255,6 +263,13 @@ def cmd_verify(args) -> int:
     from stagereplay.audit.verify import verify_ledger
 
     report = verify_ledger(args.ledger_dir, documents=not args.audit_inputs)
+    if args.inputs or args.config:
+        from stagereplay.audit.inputs import given_inputs
+
+        lines, faults = given_inputs(Path(args.ledger_dir), args.inputs, args.config)
+        report.faults += faults
+        for line in lines:
+            print(line)
     for fault in report.faults:
         print(f"stagereplay: fault: {fault}", file=sys.stderr)
     print(report.summary_line(), file=sys.stderr if report.faults else sys.stdout)
@@ -502,6 +517,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_store_caches_policy)
 
+    p = sub.add_parser("provenance", help="record what the ledger is computed from: config, items, models, versions")
+    p.add_argument("--design", required=True, help="the resolved config as JSON")
+    p.add_argument("--items", required=True, help="the ledger's items.jsonl")
+    p.add_argument(
+        "--model",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "RECORD"),
+        help="a used checkpoint and its model.json (repeat)",
+    )
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_provenance)
+
     p = sub.add_parser("gather", help="gather shard tables into one ledger table")
     p.add_argument("--table", default="trajectories", choices=["trajectories", "transplants"])
     p.add_argument("--out", required=True, help="table to write (Parquet)")
@@ -600,6 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="check only what the audit reads: not summary.json, the results card or the audit table,"
         " which the workflow rewrites after the audit's check",
     )
+    p.add_argument("--inputs", default=None, metavar="ITEMS", help="also say whether this item file is the run's")
+    p.add_argument("--config", default=None, metavar="CFG", help="also say whether this config is the run's design")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(

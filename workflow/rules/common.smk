@@ -11,6 +11,7 @@ from snakemake.exceptions import WorkflowError
 
 from stagereplay.design.jobs import job_list
 from stagereplay.ledger.layout import LedgerLayout
+from stagereplay.ledger.provenance import design_of
 
 REPO = Path(workflow.basedir)
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"

@@ -3,6 +3,7 @@
 
 
 localrules:
+    provenance,
     store_caches_policy,
     gather,
     gather_transplants,
@@ -14,6 +15,29 @@ if not COMPARE_REBUILDS:
 
     localrules:
         compare,
+
+
+rule provenance:
+    input:
+        item_file=LAYOUT.items,
+        models=[LAYOUT.model_record(name) for name in USED_CHECKPOINTS],
+    output:
+        LAYOUT.provenance,
+    log:
+        LAYOUT.log("provenance"),
+    threads: 1
+    resources:
+        mem_mb=1000,
+        runtime=10,
+    params:
+        # The resolved design is a parameter: changing any key records the run again (a light job).
+        design=shlex.quote(json.dumps(design_of(config), sort_keys=True)),
+        models=lambda wildcards, input: " ".join(
+            f"--model {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.models)
+        ),
+    shell:
+        "stagereplay provenance --design {params.design} --items {input.item_file:q} {params.models}"
+        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
 
 rule store_caches_policy:

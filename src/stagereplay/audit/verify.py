@@ -1,4 +1,5 @@
-"""Check a saved ledger without a model: objects, tables, rows, counts and what was computed from them.
+"""Check a saved ledger without a model: objects, tables, rows, counts, what it was computed from
+(provenance.json and the labels: stagereplay.audit.inputs) and what was computed from them.
 
 Every object must hash to its own name, every table must be readable, have its
 schema and carry the digest of its rows, and every row must agree with the
@@ -38,6 +39,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from stagereplay.audit.faults import RERUN, Fault
+from stagereplay.audit.inputs import answer_key, verify_labels, verify_provenance
 from stagereplay.design.storage import StorageError, caches_may_be_absent, read_policy
 from stagereplay.ledger.fingerprint import fingerprint_tensor, fingerprint_tensors
 from stagereplay.ledger.layout import RELATIVE, LedgerLayout
@@ -60,18 +63,6 @@ from stagereplay.ledger.tables import (
     stored_rows_digest,
 )
 from stagereplay.report.stamp import stamp_problem
-
-RERUN = "delete it and rerun snakemake (the workflow rebuilds what is missing)"
-
-
-@dataclass(frozen=True)
-class Fault:
-    where: str
-    problem: str
-    fix: str = RERUN
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.problem} — {self.fix}"
 
 
 @dataclass(frozen=True)
@@ -502,6 +493,9 @@ def verify_ledger(root: str | Path, documents: bool = True) -> Report:
     verify_rows(tables, known, report, _caches_may_be_absent(root, report))
     verify_gathered(tables, report)
     verify_counts(root, tables, report)
+    provenance = verify_provenance(root, (root / SUMMARY).is_file(), report.faults)
+    if provenance is not None:
+        verify_labels(root, answer_key(provenance), tables, report.faults)
     summary = _read_summary(root, report) if documents else None
     verify_produced(root, summary if documents else _peek_summary(root), documents, report)
     if documents:

@@ -12,7 +12,10 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-SCHEMA = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
+REPO = Path(__file__).resolve().parents[3]
+SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
+# The Snakefile's own configfile: snakemake reads it first and merges a --configfile over it, key by key.
+BASE_CONFIG = REPO / "config" / "config.yaml"
 
 
 class ConfigError(ValueError):
@@ -55,10 +58,26 @@ def resolve_config(config: dict, schema_path: str | Path = SCHEMA) -> dict:
     return config
 
 
+def merged(base: dict, update: dict) -> dict:
+    """``update`` over ``base``, nested mappings merged key by key (snakemake.utils.update_config)."""
+    result = dict(base)
+    for key, value in update.items():
+        result[key] = (
+            merged(result[key], value) if isinstance(value, dict) and isinstance(result.get(key), dict) else value
+        )
+    return result
+
+
 def load_config(path: str | Path, overrides: dict | None = None) -> dict:
-    """A config file, with ``overrides`` on top, resolved as the workflow resolves it."""
+    """A config file, with ``overrides`` on top, resolved as the workflow resolves it: merged over the
+    Snakefile's configfile (config/config.yaml), as ``snakemake --configfile PATH`` merges it."""
     try:
-        config = {**(yaml.safe_load(Path(path).read_text()) or {}), **(overrides or {})}
+        config = yaml.safe_load(Path(path).read_text()) or {}
+        if Path(path).resolve() != BASE_CONFIG and BASE_CONFIG.is_file():
+            # snakemake loads the --configfile, updates it with the base and then with the --configfile again:
+            # the given file's keys come first (the first checkpoint is the primary one) and win.
+            config = merged(merged(config, yaml.safe_load(BASE_CONFIG.read_text()) or {}), config)
+        config = {**config, **(overrides or {})}
     except OSError as error:
         raise ConfigError(
             f"config file {path} not readable ({error.strerror}) — give the --configfile of the run"

@@ -214,9 +214,18 @@ def write_model_record(record_path: str | Path, folder: str | Path, source: str)
         raise CheckpointError(
             f"model folder {folder} not found or has no config.json — fix the checkpoint's folder path"
         )
-    record = {"folder": str(folder.resolve()), "fingerprint": model_fingerprint(folder), "source": source}
+    record = {"folder": _portable(folder, record_path), "fingerprint": model_fingerprint(folder), "source": source}
     atomic_write_text(record_path, json.dumps(record, indent=2) + "\n")
     return record
+
+
+def gguf_fingerprint(gguf_path: Path) -> str:
+    return combine([(gguf_path.name, _xxh3_file(gguf_path))])
+
+
+def record_fingerprint(record: dict) -> str:
+    """The fingerprint of what a model record names, computed again from its files."""
+    return gguf_fingerprint(Path(record["gguf"])) if "gguf" in record else model_fingerprint(record["folder"])
 
 
 def write_gguf_record(record_path: str | Path, gguf_path: str | Path, source: str) -> dict:
@@ -225,8 +234,8 @@ def write_gguf_record(record_path: str | Path, gguf_path: str | Path, source: st
     if not gguf_path.is_file():
         raise CheckpointError(f"GGUF file {gguf_path} not found — fix the checkpoint's gguf path")
     record = {
-        "gguf": str(gguf_path.resolve()),
-        "fingerprint": combine([(gguf_path.name, _xxh3_file(gguf_path))]),
+        "gguf": _portable(gguf_path, record_path),
+        "fingerprint": gguf_fingerprint(gguf_path),
         "source": source,
         "engine": "llamacpp",
     }
@@ -234,5 +243,23 @@ def write_gguf_record(record_path: str | Path, gguf_path: str | Path, source: st
     return record
 
 
+def _portable(target: Path, record_path: str | Path) -> str:
+    """Where a record points, relative to the record when both lie in one ledger (the saved ledger, or
+    the saved ledger of an audit tree's record): a ledger copied elsewhere still finds its own models.
+    A model outside the ledger keeps its absolute path."""
+    target, record_dir = target.resolve(), Path(record_path).resolve().parent
+    # <ledger>/models/<checkpoint>/model.json, or <ledger>/audit/models/<checkpoint>/model.json
+    for root in record_dir.parents[1:3]:
+        if target.is_relative_to(root):
+            return os.path.relpath(target, record_dir)
+    return str(target)
+
+
 def read_model_record(record_path: str | Path) -> dict:
-    return json.loads(Path(record_path).read_text())
+    """A model.json, with the path it names resolved (a relative one is relative to the record)."""
+    record_path = Path(record_path)
+    record = json.loads(record_path.read_text())
+    for key in ("folder", "gguf"):
+        if key in record:
+            record[key] = str((record_path.parent / record[key]).resolve())
+    return record

@@ -79,6 +79,11 @@ class LedgerLayout:
         return self._path("models", checkpoint, "model.json")
 
     @property
+    def provenance(self) -> str:
+        """provenance.json: what the ledger was computed from (stagereplay.ledger.provenance)."""
+        return self._path("provenance.json")
+
+    @property
     def storage(self) -> str:
         """storage.json: the store_caches policy, written only when it is not all (stagereplay.design.storage)."""
         return self._path("storage.json")
