@@ -19,8 +19,8 @@ include: "workflow/rules/matched.smk"
 include: "workflow/rules/fixed_prefix.smk"
 include: "workflow/rules/transplant.smk"
 include: "workflow/rules/ledger.smk"
-include: "workflow/rules/audit.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/audit.smk"
 
 
 rule all:

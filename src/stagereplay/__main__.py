@@ -264,7 +264,7 @@ def cmd_verify(args) -> int:
 
     report = verify_ledger(args.ledger_dir, documents=not args.audit_inputs)
     if args.inputs or args.config:
-        from stagereplay.audit.inputs import given_inputs
+        from stagereplay.audit.provenance_check import given_inputs
 
         lines, faults = given_inputs(Path(args.ledger_dir), args.inputs, args.config)
         report.faults += faults
@@ -286,16 +286,19 @@ def cmd_audit(args) -> None:
     from stagereplay.audit.rerun import (
         audit_ledger,
         audit_rows,
+        audit_runtime,
         e4_document,
         e4_figures,
         ledger_table_digests,
         verdict,
         write_e4,
     )
-    from stagereplay.ledger.tables import AUDIT_SCHEMA, write_table
+    from stagereplay.ledger.layout import LedgerLayout
+    from stagereplay.ledger.tables import AUDIT_SCHEMA, read_table, write_table
 
     rows = audit_rows(audit_ledger(args.ledger, args.checkpoints))
-    runtime = json.loads(args.audit_runtime) if args.audit_runtime else None
+    audited = LedgerLayout(args.ledger).audit.table("trajectories")
+    runtime = audit_runtime(read_table(audited).to_pylist()) if Path(audited).is_file() else None
     figures = e4_figures(rows, runtime)
     write_table(rows, AUDIT_SCHEMA, args.out)
     # e4.json last: it is computed from the audit table (verify recomputes it from there).
@@ -644,7 +647,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("audit", help="E4: compare the saved ledger with its recomputation in the audit tree")
     p.add_argument("--ledger", required=True, help="the saved ledger directory")
     p.add_argument("--checkpoints", nargs="+", required=True, help="the checkpoints the run used (their model records)")
-    p.add_argument("--audit-runtime", default=None, help="JSON of the audit's runtime overrides (recorded)")
     p.add_argument("--out", required=True, help="audit table to write (Parquet)")
     p.add_argument("--e4", required=True, help="E4 figures to write (JSON, beside the audit table: audit/e4.json)")
     p.set_defaults(func=cmd_audit)

@@ -184,15 +184,13 @@ rule audit_ledger:
     params:
         ledger=lambda wildcards: LAYOUT.directory,  # the saved ledger and its audit tree, read as a whole
         checkpoints=" ".join(AUDITED_CHECKPOINTS),
-        runtime=shlex.quote(
-            json.dumps({key: AUDIT_RUNTIME[key] for key in ("device", "threads", "attn_implementation")})
-        ),
     shell:
         "stagereplay audit --ledger {params.ledger:q} --checkpoints {params.checkpoints}"
-        " --audit-runtime {params.runtime} --out {output.table:q} --e4 {output.e4:q}"
+        " --out {output.table:q} --e4 {output.e4:q}"
         " > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}; tail -n 1 {log:q}"
 
 
 rule audit:
     input:
         rules.audit_ledger.output,
+        rules.report.output,

@@ -17,6 +17,43 @@ REPO = Path(workflow.basedir)
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 
 
+def _audit_requested():
+    """`snakemake audit` (or an audit rule as the target), or an audit job on a cluster node. The targets
+    are not known while the Snakefile is parsed (snakemake sets them after), so they are read from the
+    command line with snakemake's own parser; run any other way, the audit uses the config given."""
+    from snakemake.cli import get_argument_parser
+
+    try:
+        args, _ = get_argument_parser().parse_known_args(sys.argv[1:])
+    except SystemExit:
+        return False
+    names = {str(target) for target in args.targets or ()}
+    names |= {spec.rulename for spec in args.target_jobs or ()}
+    return any(name == "audit" or name.startswith("audit_") for name in names)
+
+
+# The audit reruns the design recorded in the ledger (provenance.json), never the config on disk:
+# a ledger handed over, or a config edited since the run, is audited as it was made.
+AUDITING = _audit_requested()
+
+
+def _take_recorded_design():
+    from stagereplay.audit.design import AuditRefused, audit_config
+
+    try:
+        audited, note = audit_config(config)
+    except AuditRefused as error:
+        raise WorkflowError(str(error)) from None
+    if note:
+        print(note, file=sys.stderr)
+    config.clear()
+    config.update(audited)
+
+
+if AUDITING:
+    _take_recorded_design()
+
+
 def _resolve_config():
     """The config checked and completed with the schema's defaults, as `stagereplay plan` resolves it."""
     from stagereplay.design.schema import ConfigError, resolve_config
@@ -39,6 +76,14 @@ if LAYOUT.root.exists() and not LAYOUT.root.is_dir():
     raise WorkflowError(
         f"ledger_dir {LAYOUT.root} is a file, not a directory — point ledger_dir at a directory (new or of an earlier run)"
     )
+# Under `snakemake audit`, every rule of the run needs this file, which never exists: each saved file is then
+# an input the audit reads, never a job it may rerun (after a copy that changed file times, a config edited
+# since the run, a changed command). Snakemake refuses such a job before any job starts, naming this file.
+AUDIT_GUARD = (
+    [str(LAYOUT.root / "the-audit-never-reruns-the-saved-ledger--finish-the-run-with-a-plain-snakemake-first")]
+    if AUDITING
+    else []
+)
 CHECKPOINTS = config["checkpoints"]
 PRIMARY = next(iter(CHECKPOINTS))
 RUNTIME = config["runtime"]
@@ -84,6 +129,8 @@ def parse_time_items():
 
     spec = config["items"]
     try:
+        if AUDITING:  # the items the run used: the ledger's own copy (checked against provenance.json)
+            return load_items(LAYOUT.items, "jsonl")
         return load_items(repo_path(spec["source"]), spec["format"], spec["shuffle_seed"], spec["limit"])
     except ItemError as error:
         raise WorkflowError(str(error)) from None

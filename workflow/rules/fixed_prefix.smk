@@ -11,6 +11,7 @@ rule rebuild:
         prompts=LAYOUT.prompts("{checkpoint}"),
         storage=storage_inputs(),
         source=LAYOUT.live_table("{checkpoint}", "{prefix_precision}", 0, "{shard}"),
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.rebuilt_table(
             "{checkpoint}", "{prefix_precision}", "{precision}", "{construction}", "{replica}", "{shard}"

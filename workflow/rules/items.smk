@@ -8,6 +8,7 @@ localrules:
 rule items:
     input:
         repo_path(config["items"]["source"]),
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.items,
     log:
@@ -29,6 +30,7 @@ rule prompts:
     input:
         model=LAYOUT.model_record("{checkpoint}"),
         item_file=LAYOUT.items,
+        audit_guard=AUDIT_GUARD,
     output:
         prompts=LAYOUT.prompts("{checkpoint}"),
         vocab=LAYOUT.vocab("{checkpoint}"),

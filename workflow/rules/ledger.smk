@@ -21,6 +21,7 @@ rule provenance:
     input:
         item_file=LAYOUT.items,
         models=[LAYOUT.model_record(name) for name in USED_CHECKPOINTS],
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.provenance,
     log:
@@ -31,7 +32,7 @@ rule provenance:
         runtime=10,
     params:
         # The resolved design is a parameter: changing any key records the run again (a light job).
-        design=shlex.quote(json.dumps(design_of(config), sort_keys=True)),
+        design=shlex.quote(json.dumps(design_of(config))),  # in order: the first checkpoint is the primary one
         models=lambda wildcards, input: " ".join(
             f"--model {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.models)
         ),
@@ -41,6 +42,8 @@ rule provenance:
 
 
 rule store_caches_policy:
+    input:
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.storage,
     log:
@@ -59,6 +62,7 @@ rule store_caches_policy:
 rule gather:
     input:
         all_shard_tables(),
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.table("trajectories"),
     log:
@@ -75,6 +79,7 @@ rule compare:
     input:
         trajectories=LAYOUT.table("trajectories"),
         models=[LAYOUT.model_record(name) for name in COMPARED_CHECKPOINTS] if COMPARE_REBUILDS else [],
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.table("comparisons"),
     log:
@@ -104,6 +109,7 @@ rule compare:
 rule gather_transplants:
     input:
         transplant_tables(),
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.table("transplants"),
     log:
@@ -122,6 +128,7 @@ rule summary:
         trajectories=LAYOUT.table("trajectories"),
         comparisons=LAYOUT.table("comparisons"),
         transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.summary,
     log:

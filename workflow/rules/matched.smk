@@ -13,6 +13,7 @@ rule live:
         item_file=LAYOUT.items,
         storage=storage_inputs(),
         prompts=LAYOUT.prompts("{checkpoint}"),
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.live_table("{checkpoint}", "{precision}", "{replica}", "{shard}"),
     log:

@@ -2,6 +2,8 @@
 
 
 rule embedded_gguf:
+    input:
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.embedded_gguf,
     log:
@@ -23,6 +25,7 @@ rule embedded_gguf:
 rule convert_gguf:
     input:
         gguf_for,
+        audit_guard=AUDIT_GUARD,
     output:
         directory(LAYOUT.converted_model("{checkpoint}")),
     log:
@@ -38,6 +41,8 @@ rule convert_gguf:
 
 
 rule random_qwen2:
+    input:
+        audit_guard=AUDIT_GUARD,
     output:
         directory(LAYOUT.random_model("{checkpoint}")),
     log:
@@ -61,6 +66,7 @@ rule random_qwen2:
 rule random_gguf:
     input:
         LAYOUT.random_model("{checkpoint}"),
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.random_gguf("{checkpoint}"),
     log:
@@ -76,6 +82,7 @@ rule random_gguf:
 rule register_model:
     input:
         registered_folder_input,
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.model_record("{checkpoint}"),
     log:

@@ -1,8 +1,8 @@
 # The findings report: the results card (results.md, and as HTML for `snakemake --report`)
-# and the plots, drawn from the ledger. Light and local. It does not depend on the audit
-# (a plain run never runs it): once `snakemake audit` has written audit/e4.json, the next
-# plain run redraws the card with E4 (e4_option, e4_version in common.smk); before, and
-# whenever the ledger has changed since the audit, the card says "not run".
+# and the plots, drawn from the ledger. Light and local. A plain run does not depend on the
+# audit (it never runs it): it shows E4 when audit/e4.json describes the current tables
+# (e4_option, e4_version in common.smk), else "not run". `snakemake audit` ends by redrawing
+# the card with the E4 it has just written.
 
 from stagereplay.report.plots import PLOT_FILES
 
@@ -20,6 +20,8 @@ rule report:
         models=[LAYOUT.model_record(name) for name in USED_CHECKPOINTS],
         vocab=[LAYOUT.vocab(name) for name in USED_CHECKPOINTS],
         item_file=LAYOUT.items,
+        # Under `snakemake audit` the card is redrawn after the audit, with E4.
+        e4=LAYOUT.e4 if AUDITING else [],
     output:
         **{
             name: report(LAYOUT.plot(file), caption=f"../report/{name}.rst", category="2. Plots")
@@ -41,7 +43,7 @@ rule report:
         vocab=lambda wildcards, input: " ".join(
             f"--vocab {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.vocab)
         ),
-        e4=e4_option,
+        e4=lambda wildcards, input: f"--e4 {shlex.quote(input.e4)}" if input.e4 else e4_option(wildcards),
         e4_version=e4_version,
         item_source=config["items"]["source"],
         plots_dir=lambda wildcards, output: str(Path(output.card_html).parent),

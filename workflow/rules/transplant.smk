@@ -11,6 +11,7 @@ localrules:
 rule select_transplants:
     input:
         **selection_inputs(LAYOUT),
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.selection,
     log:
@@ -36,6 +37,7 @@ rule transplant:
         item_file=LAYOUT.items,
         selection=LAYOUT.selection,
         tables=transplant_inputs,
+        audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.transplant_table("{selection}", "{checkpoint}", "{precision}", "{shard}"),
     log:

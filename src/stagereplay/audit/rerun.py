@@ -409,6 +409,19 @@ def _reproduced(values: list[bool]) -> dict:
     return {"reproduced": sum(values), **proportion(sum(values), len(values))}
 
 
+RUNTIME_COLUMNS = ("engine", "engine_version", "device", "threads", "attn_implementation")
+
+
+def audit_runtime(trajectories: list[dict]) -> dict:
+    """What each checkpoint's audit jobs really ran, read from their rows' environment columns (the
+    engine's own account: llama.cpp names its flash attention setting, transformers its kernel)."""
+    ran: dict[str, set[tuple]] = defaultdict(set)
+    for row in trajectories:
+        ran[row["checkpoint"]].add(tuple(row[column] for column in RUNTIME_COLUMNS))
+    described = {name: [dict(zip(RUNTIME_COLUMNS, values)) for values in sorted(ran[name])] for name in sorted(ran)}
+    return {name: runs[0] if len(runs) == 1 else runs for name, runs in described.items()}
+
+
 def e4_figures(rows: list[dict], audit_runtime: dict | None = None) -> dict:
     """Reproduced x/N per artifact kind, per trajectory and per item; mismatches and environment differences."""
     by_artifact: dict[str, list[bool]] = defaultdict(list)

@@ -40,7 +40,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from stagereplay.audit.faults import RERUN, Fault
-from stagereplay.audit.inputs import answer_key, verify_labels, verify_provenance
+from stagereplay.audit.provenance_check import answer_key, verify_labels, verify_provenance
 from stagereplay.design.storage import StorageError, caches_may_be_absent, read_policy
 from stagereplay.ledger.fingerprint import fingerprint_tensor, fingerprint_tensors
 from stagereplay.ledger.layout import RELATIVE, LedgerLayout
