@@ -76,7 +76,7 @@ if LAYOUT.root.exists() and not LAYOUT.root.is_dir():
     raise WorkflowError(
         f"ledger_dir {LAYOUT.root} is a file, not a directory — point ledger_dir at a directory (new or of an earlier run)"
     )
-# Under `snakemake audit`, every rule of the run needs this file, which never exists: each saved file is then
+# Under `snakemake audit`, each of the run's rules needs this file, which never exists; each saved file is then
 # an input the audit reads, never a job it may rerun (after a copy that changed file times, a config edited
 # since the run, a changed command). Snakemake refuses such a job before any job starts, naming this file.
 AUDIT_GUARD = (
