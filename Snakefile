@@ -26,5 +26,6 @@ include: "workflow/rules/audit.smk"
 rule all:
     input:
         LAYOUT.provenance,
+        LAYOUT.stored,
         LAYOUT.summary,
         rules.report.output,

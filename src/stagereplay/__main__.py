@@ -7,6 +7,7 @@ and the parse-time commands stay quick.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -111,7 +112,7 @@ def cmd_prompts(args) -> None:
 
 
 def cmd_live(args) -> None:
-    from stagereplay.design.storage import model_jobs_store
+    from stagereplay.design.storage import model_jobs_store, store_policy
     from stagereplay.experiments.constructions import StageBoundary
     from stagereplay.experiments.shards import Budgets, run_live_shard
 
@@ -125,12 +126,12 @@ def cmd_live(args) -> None:
         budgets,
         args.store,
         args.out,
-        model_jobs_store(args.store_caches),
+        model_jobs_store(args.store_caches or store_policy(args.store)),
     )
 
 
 def cmd_rebuild(args) -> None:
-    from stagereplay.design.storage import model_jobs_store
+    from stagereplay.design.storage import model_jobs_store, store_policy
     from stagereplay.experiments.shards import run_construction_shard
 
     run_construction_shard(
@@ -145,7 +146,7 @@ def cmd_rebuild(args) -> None:
         args.store,
         args.out,
         args.source_store,
-        model_jobs_store(args.store_caches),
+        model_jobs_store(args.store_caches or store_policy(args.store)),
     )
 
 
@@ -170,7 +171,7 @@ def cmd_select_transplants(args) -> None:
 
 def cmd_transplant(args) -> None:
     from stagereplay.design.names import SweepPlan, parse_layers
-    from stagereplay.design.storage import transplant_jobs_store
+    from stagereplay.design.storage import store_policy, transplant_jobs_store
     from stagereplay.experiments.transplant_job import TransplantJob, run_transplant_shard
 
     selection = json.loads(Path(args.selection_file).read_text())
@@ -192,7 +193,7 @@ def cmd_transplant(args) -> None:
         _runtime(args),
         args.suffix_tokens,
         *stores,
-        transplant_jobs_store(args.store_caches),
+        transplant_jobs_store(args.store_caches or store_policy(args.store)),
     )
 
 
@@ -209,6 +210,37 @@ def cmd_provenance(args) -> None:
 
     records = {name: read_model_record(path) for name, path in args.model}
     write_provenance(args.out, build_provenance(json.loads(args.design), args.items, records))
+
+
+def cmd_apply_storage(args) -> None:
+    from stagereplay.atomic import atomic_write_text
+    from stagereplay.audit.verify import verify_ledger
+    from stagereplay.engines.base import Runtime
+    from stagereplay.experiments.recompute import ModelPool
+    from stagereplay.experiments.storage_operation import apply_policy
+    from stagereplay.ledger.layout import LedgerLayout
+    from stagereplay.ledger.store import ObjectStore
+    from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
+
+    ledger = LedgerLayout(args.ledger)
+    trajectories = read_table(ledger.table("trajectories"), TRAJECTORY_SCHEMA).to_pylist()
+    transplants_path = Path(ledger.table("transplants"))
+    transplants = read_table(transplants_path, TRANSPLANT_SCHEMA).to_pylist() if transplants_path.is_file() else []
+    runtime = Runtime("fp32", args.device, args.threads, args.attn_implementation, args.trust_remote_code)
+    models = ModelPool(dict(args.model), runtime) if args.model else None
+    change = apply_policy(args.policy, ObjectStore(ledger.objects), trajectories, transplants, models)
+    print(change.line())
+    report = verify_ledger(args.ledger, documents=False)
+    for fault in report.faults:
+        print(f"stagereplay: fault: {fault}", file=sys.stderr)
+    if report.faults:
+        raise SystemExit(
+            f"storage: the ledger does not verify after store_caches {args.policy}: {report.summary_line()}"
+        )
+    atomic_write_text(
+        args.out, json.dumps({**dataclasses.asdict(change), "verify": report.summary_line()}, indent=2) + "\n"
+    )
+    print(f"{change.line()}; {report.summary_line()}")
 
 
 def cmd_gather(args) -> None:
@@ -405,9 +437,10 @@ def _add_store_caches(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--store-caches",
-        default=DEFAULT,
+        default=None,
         choices=POLICIES,
-        help="which boundary caches are stored as tensors (the config's store_caches; see design/storage.py)",
+        help="which boundary caches are stored as tensors (default: the policy of the ledger's storage.json, else"
+        f" {DEFAULT}; see design/storage.py)",
     )
 
 
@@ -514,9 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_rebuild)
 
     p = sub.add_parser(
-        "store-caches-policy", help="write storage.json: this ledger keeps only some cache tensors (store_caches)"
+        "store-caches-policy", help="write storage.json: which cache tensors this ledger keeps (store_caches)"
     )
-    p.add_argument("--policy", required=True, choices=["selected", "none"])
+    p.add_argument("--policy", required=True, choices=["all", "selected", "none"])
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_store_caches_policy)
 
@@ -533,6 +566,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_provenance)
+
+    p = sub.add_parser(
+        "apply-storage",
+        help="make the object store hold what store_caches keeps: delete or materialise cache tensors, then verify",
+    )
+    p.add_argument("--ledger", required=True, help="the ledger_dir of a finished run")
+    p.add_argument("--policy", required=True, help="the store_caches policy to apply")
+    _add_rebuild_runtime(p)
+    p.add_argument("--out", required=True, help="stored.json: what the store holds now")
+    p.set_defaults(func=cmd_apply_storage)
 
     p = sub.add_parser("gather", help="gather shard tables into one ledger table")
     p.add_argument("--table", default="trajectories", choices=["trajectories", "transplants"])

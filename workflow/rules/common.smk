@@ -283,12 +283,10 @@ wildcard_constraints:
 # --- model jobs' arguments and resources ---------------------------------------------------------
 
 
-def store_caches_arg(policy):
-    """Empty at all, so the commands of a ledger written before the key existed stay as they were."""
-    return "" if policy == "all" else f"--store-caches {policy}"
-
-
-def runtime_args(wildcards, replica=None, runtime=RUNTIME, store_caches=STORE_CACHES):
+def runtime_args(wildcards, replica=None, runtime=RUNTIME, store_caches=None):
+    """A model job's command-line runtime. The run's jobs are not told the store_caches policy (a job reads
+    it from the ledger's storage.json when it stores), so a new policy reruns no job: the storage rule
+    applies it (ledger.smk). The audit names its own (audit.keep_caches)."""
     args = [
         f"--checkpoint {wildcards.checkpoint}",
         f"--precision {wildcards.precision}",
@@ -305,19 +303,13 @@ def runtime_args(wildcards, replica=None, runtime=RUNTIME, store_caches=STORE_CA
         args.append(f"--device-memory-gb {runtime['device_memory_gb']}")
     if runtime["trust_remote_code"]:
         args.append("--trust-remote-code")
-    if store_caches_arg(store_caches):
-        args.append(store_caches_arg(store_caches))
+    if store_caches is not None:
+        args.append(f"--store-caches {store_caches}")
     return " ".join(args)
 
 
 def audit_runtime_args(wildcards, replica=None):
     return runtime_args(wildcards, replica, AUDIT_RUNTIME, AUDIT_STORE_CACHES)
-
-
-def storage_inputs():
-    """storage.json, which tells verify that cache objects may be absent: before any model job stores (or
-    does not store) one. None at all, so such a ledger holds exactly the files it always did."""
-    return [] if STORE_CACHES == "all" else [LAYOUT.storage]
 
 
 def rebuild_args(ledger, runtime):
@@ -336,7 +328,8 @@ def rebuild_args(ledger, runtime):
 
 # The checkpoints whose trajectories are compared.
 COMPARED_CHECKPOINTS = sorted({PRIMARY, *REPLICATIONS})
-# compare rebuilds caches that are not stored, so then it is a model job (a cluster job, not a local one).
+# compare rebuilds caches that are not stored, so then it is a model job (a cluster job, not a local one):
+# a resource, not a rerun trigger (its inputs and command are the same at every policy).
 COMPARE_REBUILDS = STORE_CACHES != "all"
 AUDIT_COMPARE_REBUILDS = AUDIT_STORE_CACHES != "all"
 

@@ -9,7 +9,6 @@ rule rebuild:
         model=LAYOUT.model_record("{checkpoint}"),
         item_file=LAYOUT.items,
         prompts=LAYOUT.prompts("{checkpoint}"),
-        storage=storage_inputs(),
         source=LAYOUT.live_table("{checkpoint}", "{prefix_precision}", 0, "{shard}"),
         audit_guard=AUDIT_GUARD,
     output:

@@ -11,10 +11,17 @@ localrules:
 
 
 # compare is a light local job when every cache is stored; otherwise it rebuilds caches on the model.
+# storage is light and local when it only deletes (store_caches: none).
 if not COMPARE_REBUILDS:
 
     localrules:
         compare,
+
+
+if STORE_CACHES == "none":
+
+    localrules:
+        storage,
 
 
 rule provenance:
@@ -48,6 +55,7 @@ rule store_caches_policy:
         LAYOUT.storage,
     log:
         LAYOUT.log("store_caches_policy"),
+    priority: 100  # first: the model jobs read it when they store (the storage rule settles the store anyway)
     threads: 1
     resources:
         mem_mb=500,
@@ -57,6 +65,32 @@ rule store_caches_policy:
     shell:
         "stagereplay store-caches-policy --policy {params.policy} --out {output:q} > {log:q} 2>&1"
         " || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+
+
+# The store holds what store_caches keeps, after every job that writes or reads caches: a changed
+# policy reruns only this (and store_caches_policy), which deletes or materialises tensors, then verifies.
+rule storage:
+    input:
+        audit_guard=AUDIT_GUARD,
+        policy=LAYOUT.storage,
+        trajectories=LAYOUT.table("trajectories"),
+        comparisons=LAYOUT.table("comparisons"),
+        transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
+        models=[LAYOUT.model_record(name) for name in COMPARED_CHECKPOINTS],
+    output:
+        LAYOUT.stored,
+    log:
+        LAYOUT.log("storage"),
+    threads: RUNTIME["threads"]
+    resources:
+        **(MODEL_RESOURCES if STORE_CACHES != "none" else dict(mem_mb=2000, runtime=30)),
+    params:
+        policy=STORE_CACHES,
+        ledger=lambda wildcards: LAYOUT.directory,
+        rebuild=rebuild_args(LAYOUT, RUNTIME),
+    shell:
+        "stagereplay apply-storage --ledger {params.ledger:q} --policy {params.policy} {params.rebuild}"
+        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}; tail -n 1 {log:q}"
 
 
 rule gather:
@@ -78,7 +112,7 @@ rule gather:
 rule compare:
     input:
         trajectories=LAYOUT.table("trajectories"),
-        models=[LAYOUT.model_record(name) for name in COMPARED_CHECKPOINTS] if COMPARE_REBUILDS else [],
+        models=[LAYOUT.model_record(name) for name in COMPARED_CHECKPOINTS],
         audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.table("comparisons"),
@@ -90,7 +124,7 @@ rule compare:
     params:
         store=LAYOUT.objects,
         source_stores="",
-        rebuild=rebuild_args(LAYOUT, RUNTIME) if COMPARE_REBUILDS else "",
+        rebuild=rebuild_args(LAYOUT, RUNTIME),
         primary=PRIMARY,
         replications=" ".join(REPLICATIONS),
         matched_precision=E1,

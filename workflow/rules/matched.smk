@@ -11,7 +11,6 @@ rule live:
     input:
         model=LAYOUT.model_record("{checkpoint}"),
         item_file=LAYOUT.items,
-        storage=storage_inputs(),
         prompts=LAYOUT.prompts("{checkpoint}"),
         audit_guard=AUDIT_GUARD,
     output:

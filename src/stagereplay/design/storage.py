@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from stagereplay.ledger.layout import LedgerLayout
+
 POLICIES = ("all", "selected", "none")
 DEFAULT = "all"
 
@@ -55,11 +57,18 @@ def caches_may_be_absent(policy: str) -> bool:
 
 
 def storage_document(policy: str) -> dict:
-    return {
-        "store_caches": check_policy(policy),
-        "meaning": "cache objects named by ledger rows may be absent; their fingerprints are in the rows,"
-        " and jobs rebuild them from the saved tokens, checked against those fingerprints",
-    }
+    meaning = (
+        "every cache object named by a ledger row is stored"
+        if check_policy(policy) == "all"
+        else "cache objects named by ledger rows may be absent; their fingerprints are in the rows,"
+        " and jobs rebuild them from the saved tokens, checked against those fingerprints"
+    )
+    return {"store_caches": policy, "meaning": meaning}
+
+
+def store_policy(store_root: str | Path) -> str:
+    """The policy of the ledger whose object store is ``store_root`` (what a model job reads when it stores)."""
+    return read_policy(LedgerLayout(Path(store_root).parent).storage)
 
 
 def read_policy(path: str | Path) -> str:

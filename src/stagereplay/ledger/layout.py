@@ -85,8 +85,13 @@ class LedgerLayout:
 
     @property
     def storage(self) -> str:
-        """storage.json: the store_caches policy, written only when it is not all (stagereplay.design.storage)."""
+        """storage.json: the store_caches policy (stagereplay.design.storage); a ledger without one kept all."""
         return self._path("storage.json")
+
+    @property
+    def stored(self) -> str:
+        """stored.json: what the storage rule left in the store under that policy (experiments.storage_operation)."""
+        return self._path("stored.json")
 
     # The model jobs' shard tables and the objects they name.
     @property
