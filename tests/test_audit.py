@@ -170,7 +170,7 @@ def test_another_runtime_is_reported_as_environment(audited, tmp_path):
     result = snakemake(tmp_path / "eager", config, "audit", "--forcerun", "audit_register_model")
     assert result.returncode == 0, result.stderr[-3000:]
     e4 = json.loads((copy_ledger / "audit" / "e4.json").read_text())
-    assert e4["audit_runtime"]["attn_implementation"] == "eager"
+    assert e4["audit_runtime"]["tiny-qwen2"]["attn_implementation"] == "eager"
     assert [entry["difference"] for entry in e4["environment_differences"]] == ["attn_implementation sdpa -> eager"]
     rows = read_table(copy_ledger / "tables" / "audit.parquet", AUDIT_SCHEMA).to_pylist()
     assert all(row["environment_differs"] for row in rows if row["kind"] == "trajectory")

@@ -7,6 +7,7 @@ Skips with the reason when llama_cpp is not importable; STAGEREPLAY_REQUIRE_LLAM
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -71,6 +72,15 @@ def test_tiny_gguf_runs_every_experiment_and_the_audit_reproduces_it(tmp_path):
     assert e4["status"] == "reproduced"
     assert e4["trajectories"]["reproduced"] == e4["trajectories"]["n"] > 0
     assert e4["artifacts"]["cache"]["reproduced"] == e4["artifacts"]["cache"]["n"] > 0
+    # What the engine really ran, in its own words (not the transformers attention setting of the config).
+    ran = e4["audit_runtime"][TINY]
+    assert (ran["engine"], ran["attn_implementation"]) == ("llamacpp", "llamacpp:flash_attn=off")
+    # `snakemake audit` ends with the card showing E4: no third, plain run needed.
+    shown = re.search(
+        r"\| E4 audit \| trajectories reproduced from the saved ledger \| (\d+)/(\d+) ",
+        (ledger / "results.md").read_text(),
+    )
+    assert shown and shown.group(1) == shown.group(2) == str(e4["trajectories"]["n"])
 
 
 def test_embedded_gguf_runs_as_shipped(tmp_path):

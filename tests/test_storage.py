@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from transformers import AutoTokenizer
 from workflow_helpers import copy_run, fingerprints, snakemake, stagereplay, write_config
 
@@ -245,3 +247,32 @@ def test_the_pool_holds_one_model_besides_the_jobs_own(shards, tiny_bf16):
     pool.model_for({**rows[0], "precision": "fp16"})
     assert set(pool.loaded) == {("tiny", "bf16"), ("tiny", "fp16")}
     assert pool.model_for(rows[0]) is tiny_bf16
+
+
+def _scheduled(result) -> set[str]:
+    """The rules of a dry run's job table."""
+    rows = re.findall(r"^([a-z_]+) +\d+$", result.stdout + result.stderr, flags=re.MULTILINE)
+    return set(rows) - {"total"}
+
+
+@pytest.mark.slow
+def test_a_new_policy_on_a_finished_ledger_deletes_or_materialises_and_decodes_nothing(run_selected, test_run):
+    """Last in this module: it changes run_selected's ledger in place (snakemake's metadata is the run's own)."""
+    workdir, ledger, config = run_selected
+    _, reference, _ = test_run
+    tables = {name: (ledger / name).read_bytes() for name in ("tables/trajectories.parquet", "summary.json")}
+    data = yaml.safe_load(config.read_text())
+    for policy in ("none", "all"):
+        config.write_text(yaml.safe_dump({**data, "store_caches": policy}))
+        plan = snakemake(workdir, config, "--dry-run")
+        assert plan.returncode == 0, plan.stderr[-3000:]
+        # No model job: only the policy file, the design record and the storage operation.
+        assert _scheduled(plan) == {"store_caches_policy", "provenance", "storage", "all"}
+        result = snakemake(workdir, config)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"storage: store_caches {policy} — " in result.stdout + result.stderr
+        assert stagereplay("verify", ledger).returncode == 0
+        stored = _cache_objects(ObjectStore(ledger / "objects"))
+        # none: every cache tensor gone; all: every one back, bit for bit (the names of the run at all).
+        assert stored == (set() if policy == "none" else _cache_objects(ObjectStore(reference / "objects")))
+    assert {name: (ledger / name).read_bytes() for name in tables} == tables

@@ -61,8 +61,10 @@ def snakemake(workdir: Path, configfile: Path, *extra: str, cores: int = 2) -> s
     )
 
 
-def stagereplay(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagereplay", *map(str, args)], capture_output=True, text=True)
+def stagereplay(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stagereplay", *map(str, args)], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def copy_run(workdir: Path, destination: Path) -> tuple[Path, Path]:

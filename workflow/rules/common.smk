@@ -230,6 +230,21 @@ def model_folder(name):
     return LAYOUT.converted_model(name)
 
 
+def check_audited_models():
+    """The audit reruns the models the ledger names: a missing one is refused before any job."""
+    for name in AUDITED_CHECKPOINTS:
+        path = Path(model_folder(name))
+        if not path.exists():
+            raise WorkflowError(
+                f"audit: the model of checkpoint {name!r} is missing ({path}) — restore it where the run had it,"
+                " or point the checkpoint at it, and audit again"
+            )
+
+
+if AUDITING:
+    check_audited_models()
+
+
 def outcome_blind_ids():
     from stagereplay.design.names import outcome_blind_sample
 

@@ -112,7 +112,7 @@ def _verify_checkpoint(root: Path, name: str, recorded: dict, faults: list[Fault
     if not files.exists():
         faults.append(Fault(where, f"names {files.relative_to(root.resolve())}, which is missing", RERUN))
         return
-    found = {"model_fingerprint": record_fingerprint(record), **checkpoint_fingerprints(record)}
+    found = {**checkpoint_fingerprints(record), "model_fingerprint": record_fingerprint(record)}
     for key in ("model_fingerprint", "tokenizer_fingerprint", "chat_template_fingerprint"):
         if found[key] != recorded[key]:
             what = key.removesuffix("_fingerprint").replace("_", " ")

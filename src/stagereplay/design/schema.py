@@ -12,10 +12,10 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-REPO = Path(__file__).resolve().parents[3]
-SCHEMA = REPO / "workflow" / "schemas" / "config.schema.yaml"
-# The Snakefile's own configfile: snakemake reads it first and merges a --configfile over it, key by key.
-BASE_CONFIG = REPO / "config" / "config.yaml"
+SCHEMA = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
+# The Snakefile's own configfile, which snakemake reads relative to its working directory (where it
+# runs, or --directory) and merges a --configfile over, key by key; where it is absent, it is skipped.
+WORKFLOW_CONFIG = Path("config") / "config.yaml"
 
 
 class ConfigError(ValueError):
@@ -68,15 +68,16 @@ def merged(base: dict, update: dict) -> dict:
     return result
 
 
-def load_config(path: str | Path, overrides: dict | None = None) -> dict:
-    """A config file, with ``overrides`` on top, resolved as the workflow resolves it: merged over the
-    Snakefile's configfile (config/config.yaml), as ``snakemake --configfile PATH`` merges it."""
+def load_config(path: str | Path, overrides: dict | None = None, workdir: str | Path = ".") -> dict:
+    """A config file, with ``overrides`` on top, resolved as ``snakemake --configfile PATH`` run in
+    ``workdir`` resolves it: merged over the Snakefile's configfile where that lies there."""
     try:
         config = yaml.safe_load(Path(path).read_text()) or {}
-        if Path(path).resolve() != BASE_CONFIG and BASE_CONFIG.is_file():
+        base = Path(workdir) / WORKFLOW_CONFIG
+        if base.is_file() and base.resolve() != Path(path).resolve():
             # snakemake loads the --configfile, updates it with the base and then with the --configfile again:
             # the given file's keys come first (the first checkpoint is the primary one) and win.
-            config = merged(merged(config, yaml.safe_load(BASE_CONFIG.read_text()) or {}), config)
+            config = merged(merged(config, yaml.safe_load(base.read_text()) or {}), config)
         config = {**config, **(overrides or {})}
     except OSError as error:
         raise ConfigError(

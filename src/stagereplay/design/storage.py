@@ -16,9 +16,12 @@ they are most of a ledger's bytes (a 14B model's bf16 cache is ~190 KB per posit
 - ``none``: no cache tensor is stored; every job that needs a cache rebuilds it from
   the saved tokens (``recompute.py``).
 
-A ledger written at ``selected`` or ``none`` says so in ``storage.json`` (a ledger
-without it was written at ``all``, like every ledger before this key), so ``verify``
-knows a cache object named by a row may be absent on purpose. No torch here.
+Every ledger names its policy in ``storage.json`` (a ledger without it was written at
+``all``, like every ledger before the key), so ``verify`` knows when a cache object named
+by a row may be absent on purpose. The policy is no job's parameter: a job reads it there
+when it stores (``store_policy``), and the storage rule (``experiments.storage_operation``)
+settles the store after every job, so a new policy on a finished ledger deletes or
+materialises tensors and reruns nothing. No torch here.
 """
 
 from __future__ import annotations
