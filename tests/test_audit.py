@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from workflow_helpers import (
     copy_run,
     ledger_snapshot,
@@ -46,9 +47,14 @@ def saved_files(ledger):
 
 @pytest.fixture(scope="module")
 def audited(test_run, tmp_path_factory):
+    """The audit of a copy of the test run, with the config on disk edited since the run: the audit must rerun
+    the design recorded in the ledger (provenance.json), not this one, and say where they differ."""
     workdir, _, _ = test_run
     copy = tmp_path_factory.mktemp("audited")
     ledger, config = copy_run(workdir, copy / "run")
+    edited = yaml.safe_load(config.read_text())
+    edited["stage"]["suffix_tokens"] += 3
+    config.write_text(yaml.safe_dump(edited))
     before = saved_files(ledger)
     result = snakemake(copy / "run", config, "audit")
     assert result.returncode == 0, result.stderr[-4000:]
@@ -87,6 +93,11 @@ def test_the_audit_reproduces_every_fingerprint(audited):
     table = read_table(ledger / "tables" / "audit.parquet", AUDIT_SCHEMA)
     assert table.num_rows == sum(entry["n"] for entry in e4["artifacts"].values())
     assert "E4 audit:" in result.stdout + result.stderr
+    assert "the config given differs at stage.suffix_tokens (11 here, 8 in the ledger)" in result.stderr
+    assert e4["audit_runtime"]["tiny-qwen2"]["engine"] == "transformers"
+    # `snakemake audit` alone ends with the card showing E4.
+    shown = f"| {e4['trajectories']['reproduced']}/{e4['trajectories']['n']} (100.0%) |"
+    assert shown in (ledger / "results.md").read_text()
 
 
 def test_the_recomputed_readout_catches_a_saved_readout_changed_in_its_last_bit(audited):
