@@ -468,3 +468,24 @@ def test_report_without_a_summary_stops_with_one_line_naming_the_fix(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "summary.json not found — run snakemake" in lines[0], result.stderr
     assert not (tmp_path / "results.md").exists()
+
+
+def test_the_reading_claims_no_smaller_layer_set_only_when_one_was_tried():
+    from stagereplay.report.reading import sweep_reading
+
+    def entry(subset, layers, kv="kv", positions=None, followed=4):
+        return {
+            "subset": subset,
+            "layers": layers,
+            "kv": kv,
+            "positions": positions,
+            "follows_donor": {"count": followed, "n": 4, "rate": followed / 4},
+        }
+
+    full = entry("layers=0-29 kv=kv positions=all", 30)
+    # Only all layers transplanted (config/all200.yaml): nothing was compared with a smaller set.
+    assert sweep_reading({"sweep": [full], "smallest_sufficient_layer_set": full["subset"]}) == []
+    half = entry("layers=0-14 kv=kv positions=all", 15, followed=1)
+    lines = sweep_reading({"sweep": [full, half], "smallest_sufficient_layer_set": full["subset"]})
+    assert lines[0].startswith("Only the full cache (layers=0-29 kv=kv positions=all)")
+    assert "layers=0-14 kv=kv positions=all comes closest: 1/4 follow the donor" in lines[1]

@@ -214,6 +214,8 @@ def sweep_reading(e5: dict) -> list[str]:
         return []
     full = max(entry["layers"] for entry in counted)
     partial = [entry for entry in counted if entry["layers"] < full or entry["kv"] != "kv" or entry["positions"]]
+    if not partial:
+        return []  # only the full cache was transplanted: the E5 lines say all there is (no smaller set was tried)
     smallest = next((entry for entry in counted if entry["subset"] == e5.get("smallest_sufficient_layer_set")), None)
     if smallest is None:
         lines = ["No swept subset, not even all layers, makes every tested continuation follow its donor."]
