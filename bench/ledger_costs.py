@@ -3,8 +3,9 @@
     python bench/ledger_costs.py ledger/all200
 
 Reads snakemake's benchmark files (one per model job, under benchmarks/ and benchmarks/audit/) and
-the files of the ledger; prints two Markdown tables. Job seconds are wall seconds of each job summed:
-with N jobs side by side the run's wall time is shorter than their sum (docs/all200.md gives both).
+the files of the ledger; prints two Markdown tables. Per stage: each job's wall seconds summed (with
+N jobs side by side the run's wall time is shorter than their sum) and its CPU seconds summed (what
+the work costs, whatever else shared the cores).
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from pathlib import Path
 from stagereplay.ledger.layout import LedgerLayout
 
 
-def job_seconds(ledger: LedgerLayout) -> dict[tuple[str, str], list[float]]:
-    """(tree, stage) -> each job's wall seconds; tree is 'run' or 'audit', stage the job kind (live, rebuild, ...)."""
+def job_seconds(ledger: LedgerLayout) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """(tree, stage) -> each job's (wall, CPU) seconds; tree is 'run' or 'audit', stage the job kind (live, ...)."""
     folder = Path(ledger.directory) / "benchmarks"
-    seconds: dict[tuple[str, str], list[float]] = defaultdict(list)
+    seconds: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for path in sorted(folder.rglob("*.tsv")):
         parts = path.relative_to(folder).parts
         tree, stage = ("audit", parts[1]) if parts[0] == "audit" else ("run", parts[0])
         with open(path, newline="") as handle:
             rows = list(csv.DictReader(handle, delimiter="\t"))
-        seconds[(tree, stage)].append(float(rows[-1]["s"]))
+        seconds[(tree, stage)].append((float(rows[-1]["s"]), float(rows[-1]["cpu_time"])))
     return seconds
 
 
@@ -46,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("ledger", type=Path, help="a finished ledger_dir")
     args = parser.parse_args(argv)
     ledger = LedgerLayout(args.ledger)
-    print("| tree | stage | jobs | job seconds (sum) | longest job (s) |")
-    print("|---|---|---|---|---|")
+    print("| tree | stage | jobs | wall s (sum of jobs) | CPU s (sum of jobs) | longest job (wall s) |")
+    print("|---|---|---|---|---|---|")
     for (tree, stage), values in sorted(job_seconds(ledger).items()):
-        print(f"| {tree} | {stage} | {len(values)} | {sum(values):,.0f} | {max(values):,.0f} |")
+        wall, cpu = [value[0] for value in values], [value[1] for value in values]
+        print(f"| {tree} | {stage} | {len(values)} | {sum(wall):,.0f} | {sum(cpu):,.0f} | {max(wall):,.0f} |")
     print()
     print("| part | bytes |")
     print("|---|---|")
