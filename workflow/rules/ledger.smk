@@ -24,10 +24,12 @@ if STORE_CACHES == "none":
         storage,
 
 
+# Written last, from the finished run: a run that fails on the way leaves the record of the ledger as it was.
 rule provenance:
     input:
         item_file=LAYOUT.items,
         models=[LAYOUT.model_record(name) for name in USED_CHECKPOINTS],
+        summary=LAYOUT.summary,
         audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.provenance,
