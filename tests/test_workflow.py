@@ -200,13 +200,16 @@ def test_adding_a_precision_schedules_only_its_jobs(completed, tmp_path):
     )
     result = snakemake(workdir, config, "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
-    # fp16 only: E3 live; E2 incremental and prefill; E3 incremental over the fp16 live prefix.
+    # fp16 only: E3 live; E2 incremental and prefill; E3 incremental over the fp16 live prefix; then the light
+    # jobs: the tables gathered and compared, the store settled, the summary, the design recorded, the card.
     assert job_counts(result) == {
         "live": 1,
         "rebuild": 3,
         "gather": 1,
         "compare": 1,
+        "storage": 1,
         "summary": 1,
+        "provenance": 1,
         "report": 1,
         "all": 1,
     }
@@ -223,7 +226,15 @@ def test_removing_a_precision_recomputes_only_the_gathering(completed, tmp_path)
     config = write_config(tmp_path / "bf16.yaml", ledger_dir=str(ledger), fixed_prefix={"precisions": ["bf16"]})
     result = snakemake(workdir, config, "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert job_counts(result) == {"gather": 1, "compare": 1, "summary": 1, "report": 1, "all": 1}
+    assert job_counts(result) == {
+        "gather": 1,
+        "compare": 1,
+        "storage": 1,
+        "summary": 1,
+        "provenance": 1,
+        "report": 1,
+        "all": 1,
+    }
     assert set(ledger_snapshot(ledger)) == before  # nothing deleted
 
 
