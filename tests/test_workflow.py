@@ -193,6 +193,19 @@ def test_e2_and_e3_figures(completed):
             assert row["a_token_at_divergence"] != row["b_token_at_divergence"]
 
 
+# The light jobs after any change of the shard tables: gather and compare them, settle the store, summarise,
+# record the design, draw the card.
+AFTER_THE_TABLES_CHANGE = {
+    "gather": 1,
+    "compare": 1,
+    "storage": 1,
+    "summary": 1,
+    "provenance": 1,
+    "report": 1,
+    "all": 1,
+}
+
+
 def test_adding_a_precision_schedules_only_its_jobs(completed, tmp_path):
     workdir, ledger, _ = completed
     config = write_config(
@@ -202,17 +215,7 @@ def test_adding_a_precision_schedules_only_its_jobs(completed, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     # fp16 only: E3 live; E2 incremental and prefill; E3 incremental over the fp16 live prefix; then the light
     # jobs: the tables gathered and compared, the store settled, the summary, the design recorded, the card.
-    assert job_counts(result) == {
-        "live": 1,
-        "rebuild": 3,
-        "gather": 1,
-        "compare": 1,
-        "storage": 1,
-        "summary": 1,
-        "provenance": 1,
-        "report": 1,
-        "all": 1,
-    }
+    assert job_counts(result) == {"live": 1, "rebuild": 3, **AFTER_THE_TABLES_CHANGE}
     outputs = [
         line.split(":", 1)[1].strip() for line in result.stdout.splitlines() if line.strip().startswith("output:")
     ]
@@ -226,15 +229,7 @@ def test_removing_a_precision_recomputes_only_the_gathering(completed, tmp_path)
     config = write_config(tmp_path / "bf16.yaml", ledger_dir=str(ledger), fixed_prefix={"precisions": ["bf16"]})
     result = snakemake(workdir, config, "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert job_counts(result) == {
-        "gather": 1,
-        "compare": 1,
-        "storage": 1,
-        "summary": 1,
-        "provenance": 1,
-        "report": 1,
-        "all": 1,
-    }
+    assert job_counts(result) == AFTER_THE_TABLES_CHANGE
     assert set(ledger_snapshot(ledger)) == before  # nothing deleted
 
 
