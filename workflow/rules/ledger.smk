@@ -75,6 +75,8 @@ rule storage:
     input:
         audit_guard=AUDIT_GUARD,
         policy=LAYOUT.storage,
+        # verify, at its end, needs the record a finished ledger has (on a cluster it could run before it)
+        provenance=LAYOUT.provenance,
         trajectories=LAYOUT.table("trajectories"),
         comparisons=LAYOUT.table("comparisons"),
         transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
