@@ -18,6 +18,7 @@ include: "workflow/rules/items.smk"
 include: "workflow/rules/matched.smk"
 include: "workflow/rules/fixed_prefix.smk"
 include: "workflow/rules/transplant.smk"
+include: "workflow/rules/factors.smk"
 include: "workflow/rules/ledger.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/audit.smk"
@@ -28,4 +29,7 @@ rule all:
         LAYOUT.provenance,
         LAYOUT.stored,
         LAYOUT.summary,
+        # named here too: adding factors to a finished ledger must schedule E6 even where snakemake has no
+        # record of summary.json's inputs (a copied ledger), and its new table then reruns the summary
+        LAYOUT.table("factors") if FACTOR_LEVELS else [],
         rules.report.output,

@@ -197,6 +197,23 @@ def cmd_transplant(args) -> None:
     )
 
 
+def cmd_factor(args) -> None:
+    from stagereplay.design.factors import Level
+    from stagereplay.experiments.factors import run_factor_shard
+
+    run_factor_shard(
+        args.model_record,
+        Level(args.factor, args.level),
+        args.reference,
+        _spec(args),
+        _runtime(args),
+        args.suffix_tokens,
+        args.store,
+        args.out,
+        args.source_store,
+    )
+
+
 def cmd_store_caches_policy(args) -> None:
     from stagereplay.atomic import atomic_write_text
     from stagereplay.design.storage import storage_document
@@ -273,13 +290,20 @@ def cmd_compare(args) -> None:
 
 
 def cmd_summarize(args) -> None:
-    from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
+    from stagereplay.ledger.tables import (
+        COMPARISON_SCHEMA,
+        FACTOR_SCHEMA,
+        TRAJECTORY_SCHEMA,
+        TRANSPLANT_SCHEMA,
+        read_table,
+    )
     from stagereplay.report.summary import summary, write_json
 
     comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
-    write_json(summary(comparisons, trajectories, __version__, transplants), args.out)
+    factors = read_table(args.factors, FACTOR_SCHEMA) if args.factors else None
+    write_json(summary(comparisons, trajectories, __version__, transplants, factors), args.out)
 
 
 def cmd_plan(args) -> None:
@@ -578,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_apply_storage)
 
     p = sub.add_parser("gather", help="gather shard tables into one ledger table")
-    p.add_argument("--table", default="trajectories", choices=["trajectories", "transplants"])
+    p.add_argument("--table", default="trajectories", choices=["trajectories", "transplants", "factors"])
     p.add_argument("--out", required=True, help="table to write (Parquet)")
     p.add_argument("shards", nargs="+")
     p.set_defaults(func=cmd_gather)
@@ -614,6 +638,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, nargs="*", default=[], help="also the last W positions only")
     p.set_defaults(func=cmd_transplant)
 
+    p = sub.add_parser("factor", help="E6: build under a factor level and the reference, continue under each")
+    _add_runtime(p)
+    p.add_argument("--factor", required=True, help="a factor of design/factors.py, e.g. batch")
+    p.add_argument("--level", required=True, help="its test level as a path component, e.g. 4 or block-16")
+    p.add_argument(
+        "--reference",
+        nargs="+",
+        required=True,
+        help="every shard table of the E2 prefill rows (replica 0) at the factor precision, in shard order",
+    )
+    p.set_defaults(func=cmd_factor)
+
     p = sub.add_parser(
         "compare", help="compare trajectory pairs of E1, E2 and E3: caches per layer, suffixes per token"
     )
@@ -646,6 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trajectories", required=True)
     p.add_argument("--comparisons", required=True)
     p.add_argument("--transplants", default=None)
+    p.add_argument("--factors", default=None, help="tables/factors.parquet (E6), when the config has factors")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_summarize)
 
@@ -730,6 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from stagereplay.design.factors import FactorError
     from stagereplay.design.names import ConstructionError, TransplantError
     from stagereplay.design.schema import ConfigError
     from stagereplay.design.shapes import PlanError
@@ -746,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointError,
         ConfigError,
         ConstructionError,
+        FactorError,
         ItemError,
         LedgerError,
         ModelError,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from stagereplay.design.factors import FACTORS as FACTOR_NAMES
 from stagereplay.design.jobs import job_list
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.provenance import design_of
@@ -285,6 +286,19 @@ def check_transplant_plan():
 BLIND_IDS = check_transplant_plan() if TRANSPLANT["enabled"] else []
 
 
+def parse_time_factor_levels():
+    """E6's levels, checked now (factor, level, engine, batch size against the items, the CPU's kernel levels)."""
+    from stagereplay.design.factors import FactorError, check_levels, cpu_flags
+
+    try:
+        return check_levels(config["factors"], engine_of(PRIMARY), len(ITEMS), STAGE["max_new_tokens"], cpu_flags())
+    except FactorError as error:
+        raise WorkflowError(str(error)) from None
+
+
+FACTOR_LEVELS = parse_time_factor_levels()
+
+
 wildcard_constraints:
     checkpoint="[A-Za-z0-9][A-Za-z0-9._-]*",
     precision="bf16|fp16|fp32",
@@ -293,6 +307,8 @@ wildcard_constraints:
     replica=r"\d+",
     shard=r"\d{3}",
     selection="selected|outcome_blind|cross_precision",
+    factor="|".join(FACTOR_NAMES),
+    level=r"[A-Za-z0-9_-]+",
 
 
 # --- model jobs' arguments and resources ---------------------------------------------------------
@@ -476,6 +492,29 @@ def selection_inputs(ledger):
         "live": [shard_table(ledger, live, shard) for shard in SHARDS],
         "prefill": [shard_table(ledger, prefill, shard) for shard in SHARDS],
     }
+
+
+# --- E6 (factors.smk) ---------------------------------------------------------------------------
+
+
+def factor_references():
+    """Every shard of E2's prefill rows (replica 0) at the E1 precision: where each E6 item starts."""
+    _, prefill = JOBS.e1_pair(PRIMARY)
+    return [shard_table(LAYOUT, prefill, shard) for shard in SHARDS]
+
+
+def factor_tables(ledger=None):
+    ledger = ledger or LAYOUT
+    return [
+        ledger.factor_table(PRIMARY, E1, level.factor, level.name, shard) for level in FACTOR_LEVELS for shard in SHARDS
+    ]
+
+
+def factor_threads(wildcards):
+    """A threads level runs with that many threads: the job declares the larger of it and the run's."""
+    if wildcards.factor == "threads":
+        return max(RUNTIME["threads"], int(wildcards.level))
+    return RUNTIME["threads"]
 
 
 # --- E4 (audit.smk) ------------------------------------------------------------------------------

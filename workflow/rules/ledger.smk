@@ -80,6 +80,7 @@ rule storage:
         trajectories=LAYOUT.table("trajectories"),
         comparisons=LAYOUT.table("comparisons"),
         transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
+        factors=LAYOUT.table("factors") if FACTOR_LEVELS else [],
         models=[LAYOUT.model_record(name) for name in COMPARED_CHECKPOINTS],
     output:
         LAYOUT.stored,
@@ -166,6 +167,7 @@ rule summary:
         trajectories=LAYOUT.table("trajectories"),
         comparisons=LAYOUT.table("comparisons"),
         transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
+        factors=LAYOUT.table("factors") if FACTOR_LEVELS else [],
         audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.summary,
@@ -177,6 +179,7 @@ rule summary:
         runtime=10,
     params:
         transplants=lambda wildcards, input: f"--transplants {input.transplants}" if TRANSPLANT["enabled"] else "",
+        factors=lambda wildcards, input: f"--factors {input.factors}" if FACTOR_LEVELS else "",
     shell:
         "stagereplay summarize --trajectories {input.trajectories:q} --comparisons {input.comparisons:q}"
-        " {params.transplants} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " {params.transplants} {params.factors} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"

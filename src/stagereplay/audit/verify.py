@@ -49,6 +49,8 @@ from stagereplay.ledger.tables import (
     AUDIT_SCHEMA,
     COMPARISON_KEY,
     COMPARISON_SCHEMA,
+    FACTOR_KEY,
+    FACTOR_SCHEMA,
     PROMPT_SCHEMA,
     TRAJECTORY_KEY,
     TRAJECTORY_SCHEMA,
@@ -97,6 +99,7 @@ class Report:
 SCHEMA_OF_KIND = {
     "trajectories": TRAJECTORY_SCHEMA,
     "transplants": TRANSPLANT_SCHEMA,
+    "factors": FACTOR_SCHEMA,
     "comparisons": COMPARISON_SCHEMA,
     "audit": AUDIT_SCHEMA,
     "prompts": PROMPT_SCHEMA,
@@ -261,6 +264,10 @@ def verify_rows(
                     faults,
                     expected=row["suffix_tokens"],
                 )
+        elif schema.equals(FACTOR_SCHEMA):
+            keys = Counter(row_key(r, FACTOR_KEY) for r in rows)
+            for row in rows:
+                verify_factor_row(_row_where(relative, row), row, known, faults)
         elif schema.equals(COMPARISON_SCHEMA):
             keys = Counter(row_key(r, COMPARISON_KEY) for r in rows)
             for row in rows:
@@ -281,9 +288,25 @@ def verify_rows(
                 faults.append(Fault(relative, f"{count} rows share the key {key}", "rebuild the table: " + RERUN))
 
 
+def verify_factor_row(where: str, row: dict, known: dict[str, StoredObject], faults: list[Fault]) -> None:
+    """An E6 cell: its suffix tokens are its object's, a prefix-cache hit reused tokens, and a cell over the
+    reference cache names the reference's bytes."""
+    if not row["applicable"]:
+        return
+    where = f"{where} {row['factor']}={row['level']} {row['cell']}"
+    _check_tokens(where, "suffix", row["suffix_object"], known, faults, expected=row["suffix_tokens"])
+    _check_tokens(where, "prefix", row["prefix_object"], known, faults)
+    if row["factor"] == "prefix_reuse" and not (row["reused_tokens"] or 0) > 0:
+        faults.append(Fault(where, "a prefix-cache hit that reused no tokens"))
+    if row["build"] == "ref" and row["cache_digest"] != row["reference_cache"]:
+        faults.append(Fault(where, "a cell built under the reference names another cache than the reference's"))
+    if row["build"] == "test" and row["cache_differs"] != (row["cache_digest"] != row["reference_cache"]):
+        faults.append(Fault(where, f"cache_differs is {row['cache_differs']}, but its digest says otherwise"))
+
+
 def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
     """The gathered tables hold exactly rows of the shard tables (row counts and contents)."""
-    for gathered in (TRAJECTORIES, TRANSPLANTS):
+    for gathered in (TRAJECTORIES, TRANSPLANTS, FACTORS):
         if gathered not in tables:
             continue
         kind = LedgerLayout.table_kind(gathered)
@@ -300,9 +323,37 @@ def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
                 Fault(
                     gathered,
                     f"{len(strays)} of {len(rows)} rows match no shard table (first: item {strays[0]['item_id']})",
-                    "rerun snakemake --forcerun gather gather_transplants to regather",
+                    "rerun snakemake --forcerun gather gather_transplants gather_factors to regather",
                 )
             )
+
+
+def verify_factor_references(tables: dict[str, pa.Table], report: Report) -> None:
+    """Each E6 row names, as its reference, the cache and suffix of E2's prefill row it started from."""
+    if FACTORS not in tables or TRAJECTORIES not in tables:
+        return
+    prefill = {
+        (row["checkpoint"], row["precision"], row["item_id"]): row
+        for row in tables[TRAJECTORIES].to_pylist()
+        if row["construction"] == "prefill" and row["replica"] == 0 and row["prefix_precision"] == row["precision"]
+    }
+    for row in tables[FACTORS].to_pylist():
+        reference = prefill.get((row["checkpoint"], row["precision"], row["item_id"]))
+        named = (row["reference_cache"], row["reference_suffix"], row["prefix_object"])
+        if reference is None or named != (
+            reference["cache_object"],
+            reference["suffix_object"],
+            reference["prefix_object"],
+        ):
+            report.faults.append(
+                Fault(
+                    f"{FACTORS} item {row['item_id']}",
+                    f"{row['factor']}={row['level']} {row['cell']} does not start from the E2 prefill row of the"
+                    " trajectories table (E6 rows computed from other E2 rows)",
+                    "rerun snakemake --forcerun factor to recompute E6 from the current rows",
+                )
+            )
+            return
 
 
 def verify_counts(root: Path, tables: dict[str, pa.Table], report: Report) -> None:
@@ -327,8 +378,8 @@ def _canonical(row: dict) -> str:
     return json.dumps(row, sort_keys=True)
 
 
-TRAJECTORIES, COMPARISONS, TRANSPLANTS, AUDIT = (
-    RELATIVE.table(name) for name in ("trajectories", "comparisons", "transplants", "audit")
+TRAJECTORIES, COMPARISONS, TRANSPLANTS, FACTORS, AUDIT = (
+    RELATIVE.table(name) for name in ("trajectories", "comparisons", "transplants", "factors", "audit")
 )
 CARDS = (RELATIVE.card, RELATIVE.card_html)
 SUMMARY = RELATIVE.summary
@@ -357,6 +408,7 @@ def verify_produced(root: Path, summary: dict | None, documents: bool, report: R
         TRAJECTORIES: present(COMPARISONS, SUMMARY),
         COMPARISONS: present(SUMMARY),
         TRANSPLANTS: ["summary.json (its E5 figures)"] if summary and "E5" in summary else [],
+        FACTORS: ["summary.json (its E6 figures)"] if summary and "E6" in summary else [],
     }
     if documents:
         evidence[AUDIT] = present(E4)
@@ -420,11 +472,15 @@ def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Re
     transplants = tables.get(TRANSPLANTS) if "E5" in summary else None
     if "E5" in summary and transplants is None:
         return  # the transplant table is missing or unreadable: already a fault
+    factors = tables.get(FACTORS) if "E6" in summary else None
+    if "E6" in summary and factors is None:
+        return  # the factor table is missing or unreadable: already a fault
     recomputed = compute_summary(
         comparisons=tables[COMPARISONS],
         trajectories=tables[TRAJECTORIES],
         version=summary.get("stagereplay_version"),
         transplants=transplants,
+        factors=factors,
     )
     _compare_figures(SUMMARY, summary, json.loads(json.dumps(recomputed)), "the tables", REWRITE_SUMMARY, report)
 
@@ -492,6 +548,7 @@ def verify_ledger(root: str | Path, documents: bool = True) -> Report:
     tables = verify_tables(root, report)
     verify_rows(tables, known, report, _caches_may_be_absent(root, report))
     verify_gathered(tables, report)
+    verify_factor_references(tables, report)
     verify_counts(root, tables, report)
     provenance = verify_provenance(root, (root / SUMMARY).is_file(), report.faults)
     if provenance is not None:

@@ -101,6 +101,30 @@ class Engine(ABC):
     def close(self) -> None:  # noqa: B027 - most engines hold nothing outside Python's memory
         """Free what the engine holds outside Python's memory (nothing by default)."""
 
+    # --- E6's runtime factors: settings a server changes. An engine that cannot change one says so. ---
+
+    def use_threads(self, threads: int) -> None:
+        """Run the next calls with this many intra-op threads."""
+        raise ModelError(f"the {self.environment.engine} engine cannot change its thread count between calls")
+
+    def use_attention(self, implementation: str) -> None:
+        """Run the next calls with this attention implementation."""
+        raise ModelError(f"the {self.environment.engine} engine cannot change its attention kernel between calls")
+
+    def batch_forward(self, batch: object | None, rows: list[list[int]]) -> tuple[object, torch.Tensor]:
+        """Feed several sequences in one call, each row's tokens after what ``batch`` holds for it (None: an
+        empty batch; rows of unequal length are left-padded); the batch and the float32 logits [rows, vocab]
+        of each row's last position."""
+        raise ModelError(f"the {self.environment.engine} engine cannot run a batch of sequences")
+
+    def batch_of(self, states: list[KVState]) -> object:
+        """A batch holding a copy of each state, one row each."""
+        raise ModelError(f"the {self.environment.engine} engine cannot run a batch of sequences")
+
+    def batch_row(self, batch: object, row: int) -> KVState:
+        """One row of a batch as its own cache, less the padding."""
+        raise ModelError(f"the {self.environment.engine} engine cannot run a batch of sequences")
+
 
 def cpu_model() -> str:
     """The CPU's model, not just its architecture: two x86_64 machines can run different kernels."""

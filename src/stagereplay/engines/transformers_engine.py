@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -137,6 +138,83 @@ class TransformersEngine(Engine):
             # DynamicLayer.update concatenates onto an empty tensor, so the cache holds a copy, never ``state`` itself.
             cache.update(key.to(self.device), value.to(self.device), index)
         return cache
+
+    def use_threads(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+
+    def use_attention(self, implementation: str) -> None:
+        if implementation not in ATTENTION_IMPLEMENTATIONS + ("flash_attention_2",):
+            raise ModelError(
+                f"unknown attention implementation {implementation!r} — use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+            )
+        try:
+            self.model.set_attn_implementation(implementation)
+        except (ImportError, ValueError) as error:
+            raise ModelError(f"attention {implementation} is not available here ({error})") from None
+
+    def batch_forward(self, batch: _Batch | None, rows: list[list[int]]) -> tuple[_Batch, torch.Tensor]:
+        """Left padding, an attention mask and per-row position ids, as a batched server feeds them."""
+        if batch is None:
+            batch = _Batch(self.empty_cache(), torch.zeros(len(rows), 0, dtype=torch.long, device=self.device))
+        width = max(len(row) for row in rows)
+        if batch.mask.shape[1] and any(len(row) != width for row in rows):
+            raise ValueError("rows fed after a batch's first call must be of one length (no padding between tokens)")
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)
+        new = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)
+        for index, row in enumerate(rows):
+            ids[index, width - len(row) :] = torch.tensor(row, device=self.device)
+            new[index, width - len(row) :] = 1
+        mask = torch.cat([batch.mask, new], dim=1)
+        # A padded slot's position is never attended; a real token's position counts only real tokens.
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+        keyword = _cache_keyword(type(self.model))
+        with torch.inference_mode():
+            output = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{keyword: batch.cache},
+            )
+        return _Batch(batch.cache, mask), output.logits[:, -1].float()
+
+    def batch_of(self, states: list[KVState]) -> _Batch:
+        width = max(state.num_positions for state in states)
+        cache = self.empty_cache()
+        mask = torch.zeros(len(states), width, dtype=torch.long, device=self.device)
+        for index, state in enumerate(states):
+            mask[index, width - state.num_positions :] = 1
+        for layer in range(states[0].num_layers):
+            keys, values = (
+                torch.stack([_left_pad(getattr(state, part)[layer][0], width) for state in states]).to(self.device)
+                for part in ("keys", "values")
+            )
+            cache.update(keys, values, layer)
+        return _Batch(cache, mask)
+
+    def batch_row(self, batch: _Batch, row: int) -> KVState:
+        # Left padding only: a row's real positions are the last ones.
+        start = batch.mask.shape[1] - int(batch.mask[row].sum())
+        layers = batch.cache.layers
+        return KVState(
+            keys=tuple(layer.keys[row : row + 1, :, start:, :].detach().clone() for layer in layers),
+            values=tuple(layer.values[row : row + 1, :, start:, :].detach().clone() for layer in layers),
+        )
+
+
+@dataclass
+class _Batch:
+    """A batched cache and its attention mask [rows, positions] (1 where a position holds a token)."""
+
+    cache: DynamicCache
+    mask: torch.Tensor
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """[heads, positions, dim] padded with zeros on the left to ``width`` positions (masked, never read)."""
+    pad = width - tensor.shape[-2]
+    return torch.nn.functional.pad(tensor, (0, 0, pad, 0)) if pad else tensor
 
 
 def resolve_device(device: str) -> str:

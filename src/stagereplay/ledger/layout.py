@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-TABLES = ("trajectories", "comparisons", "transplants", "audit")
+TABLES = ("trajectories", "comparisons", "transplants", "factors", "audit")
 # What a ledger holds Parquet tables in (verify reads every table under them).
 TABLE_FOLDERS = ("tables", "runs", "prompts", "vocab")
 
@@ -126,6 +126,9 @@ class LedgerLayout:
     def transplant_table(self, selection: str, checkpoint: str, precision: str, shard: str) -> str:
         return self._path("runs", "transplant", selection, checkpoint, precision, f"shard-{shard}.parquet")
 
+    def factor_table(self, checkpoint: str, precision: str, factor: str, level: str, shard: str) -> str:
+        return self._path("runs", "factor", checkpoint, precision, factor, level, f"shard-{shard}.parquet")
+
     @property
     def selection(self) -> str:
         return self._path("transplants", "selection.json")
@@ -143,11 +146,11 @@ class LedgerLayout:
     @staticmethod
     def table_kind(relative: str | Path) -> str | None:
         """What the table at ``relative`` (inside a ledger) holds: a shard's or the gathered
-        ``trajectories``, ``transplants``, ``comparisons``, ``audit``, ``prompts`` or ``vocab``; None
+        ``trajectories``, ``transplants``, ``factors``, ``comparisons``, ``audit``, ``prompts`` or ``vocab``; None
         for a file that is no table of a ledger."""
         parts = Path(relative).parts
         if len(parts) > 1 and parts[0] == "runs":
-            return "transplants" if parts[1] == "transplant" else "trajectories"
+            return {"transplant": "transplants", "factor": "factors"}.get(parts[1], "trajectories")
         if parts[0] in ("prompts", "vocab"):
             return parts[0]
         if parts[0] == "tables" and Path(relative).stem in TABLES:

@@ -158,6 +158,45 @@ TRANSPLANT_SCHEMA = pa.schema(
     ]
 )
 
+# E6 (factors): one row per (checkpoint, precision, factor, level, item, cell). A cell builds the boundary
+# state under one level and continues under another (design.factors): build and read are "ref" or "test".
+# The reference cell (ref, ref) is E2's prefill row, named here (reference_cache, reference_suffix), not
+# copied. A level that cannot run here has applicable false and its reason, and no cache or suffix.
+FACTOR_SCHEMA = pa.schema(
+    [
+        ("checkpoint", pa.string()),
+        ("precision", pa.string()),
+        ("factor", pa.string()),
+        ("level", pa.string()),
+        ("reference_level", pa.string()),  # the run's own setting of the factor (design.factors.reference_level)
+        ("item_id", pa.string()),
+        ("cell", pa.string()),  # "test-ref" (write side), "ref-test" (read side), "test-test" (as a server runs it)
+        ("build", pa.string()),
+        ("read", pa.string()),
+        ("applicable", pa.bool_()),
+        ("reason", pa.string()),
+        ("setting", pa.string()),  # what the build did, in words: reused positions, chunks, batch companions
+        ("reused_tokens", pa.int32()),  # prefix_reuse: positions taken from the earlier request's cache
+        ("reused_digest", pa.string()),  # ... and that cache's fingerprint (after its round trip through a store)
+        ("companions", pa.list_(pa.string())),  # batch: the other items in the batch, in row order
+        ("reference_cache", pa.string()),
+        ("reference_suffix", pa.string()),
+        ("prefix_object", pa.string()),
+        ("cache_digest", pa.string()),
+        ("layer_k", pa.list_(pa.string())),
+        ("layer_v", pa.list_(pa.string())),
+        ("cache_differs", pa.bool_()),  # from the reference cache, bytes
+        ("first_differing_layer", pa.int32()),
+        ("layer_max_abs", pa.list_(pa.float64())),  # per layer, max |difference| over K and V
+        ("suffix_object", pa.string()),
+        ("suffix_tokens", pa.list_(pa.int64())),
+        ("suffix_stop", pa.string()),
+        ("first_divergence", pa.int32()),  # the first suffix step that differs from the reference's
+        ("model_fingerprint", pa.string()),
+        *_ENVIRONMENT_FIELDS,
+    ]
+)
+
 # One row per checkpoint and item: the integers every stage (and the audit) starts from.
 PROMPT_SCHEMA = pa.schema(
     [
@@ -207,6 +246,7 @@ AUDIT_SCHEMA = pa.schema(
 TRAJECTORY_KEY = ("checkpoint", "construction", "precision", "prefix_precision", "replica", "item_id")
 COMPARISON_KEY = ("experiment", "relation", "checkpoint", "precision", "item_id", "a", "b")
 TRANSPLANT_KEY = ("selection", "checkpoint", "item_id", "donor", "recipient", "precision", "subset")
+FACTOR_KEY = ("checkpoint", "precision", "factor", "level", "item_id", "cell")
 
 
 def row_key(row: dict, columns: tuple[str, ...]) -> tuple:
@@ -217,6 +257,7 @@ SCHEMAS = {
     "trajectories": TRAJECTORY_SCHEMA,
     "comparisons": COMPARISON_SCHEMA,
     "transplants": TRANSPLANT_SCHEMA,
+    "factors": FACTOR_SCHEMA,
     "prompts": PROMPT_SCHEMA,
     "audit": AUDIT_SCHEMA,
 }

@@ -1,4 +1,4 @@
-"""From the ledger tables to the figures in summary.json: E1, E2 and E3 per checkpoint, and E5.
+"""From the ledger tables to the figures in summary.json: E1, E2 and E3 per checkpoint, E5 and E6.
 
 This is the one step that computes statistics: every x/N with its Wilson interval, and E1's
 paired accuracy difference by bootstrap, Newcombe and Wald beside the exact McNemar test. The
@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
+from stagereplay.design.factors import BUILD_ONLY, VERDICTS, verdict
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS
 from stagereplay.report.stats import (
     mcnemar_exact,
@@ -313,7 +314,83 @@ def _group(rows: list[dict], key) -> dict[str, list[dict]]:
     return dict(sorted(grouped.items()))
 
 
-def summary(comparisons: pa.Table, trajectories: pa.Table, version: str, transplants: pa.Table | None = None) -> dict:
+def item_verdicts(rows: list[dict]) -> dict[str, str]:
+    """Each item's E6 verdict (design.factors.verdict) from the rows of one factor level. Suffixes are
+    compared by their object ids: a token list's id is its content's hash, so equal ids mean equal tokens."""
+    by_item: dict[str, dict[str, dict]] = defaultdict(dict)
+    for row in rows:
+        if row["applicable"]:
+            by_item[row["item_id"]][row["cell"]] = row
+    verdicts = {}
+    for item_id, cells in sorted(by_item.items()):
+        write = cells["test-ref"]
+        read, server = cells.get("ref-test"), cells.get("test-test")
+        verdicts[item_id] = verdict(
+            write["reference_suffix"],
+            write["suffix_object"],
+            read["suffix_object"] if read else None,
+            server["suffix_object"] if server else None,
+        )
+    return verdicts
+
+
+def e6_level(rows: list[dict]) -> dict:
+    """One factor level: caches differ x/N (from which layer), suffixes differ x/N as a server runs it
+    (the (t, t) cell; (t, r) for a build-only factor), and every verdict x/N with its Wilson bounds."""
+    first = rows[0]
+    factor = first["factor"]
+    applicable = [row for row in rows if row["applicable"]]
+    figures = {
+        "factor": factor,
+        "level": first["level"],
+        "reference_level": first["reference_level"],
+        "cells": sorted({row["cell"] for row in rows}),
+        "applicable": bool(applicable),
+        "reason": None if applicable else first["reason"],
+    }
+    if not applicable:
+        return figures
+    built = [row for row in applicable if row["cell"] == "test-ref"]
+    served = [row for row in applicable if row["cell"] == ("test-ref" if factor in BUILD_ONLY else "test-test")]
+    differing_layers = [row["first_differing_layer"] for row in built if row["cache_differs"]]
+    verdicts = Counter(item_verdicts(applicable).values())
+    n = len(built)
+    figures.update(
+        {
+            "items": n,
+            "caches_differ": proportion(len(differing_layers), n),
+            "first_differing_layer": min(differing_layers) if differing_layers else None,
+            "max_abs_difference": max((max(row["layer_max_abs"], default=0.0) for row in built), default=0.0),
+            "suffixes_differ": proportion(sum(row["suffix_object"] != row["reference_suffix"] for row in served), n),
+            "verdicts": {name: proportion(verdicts[name], n) for name in VERDICTS},
+        }
+    )
+    reused = [row["reused_tokens"] for row in built if row["reused_tokens"] is not None]
+    if reused:
+        figures["reused_tokens"] = {"min": min(reused), "max": max(reused)}
+    return figures
+
+
+def e6_figures(factors: pa.Table) -> dict:
+    rows = factors.to_pylist()
+    levels = _group(rows, lambda r: f"{r['checkpoint']}/{r['precision']}/{r['factor']}/{r['level']}")
+    first = rows[0] if rows else {}
+    return {
+        "name": "factors",
+        "checkpoint": first.get("checkpoint"),
+        "precision": first.get("precision"),
+        "reference": "E2's prefill row at this precision (the (ref, ref) cell)",
+        "levels": [e6_level(group) for group in levels.values()],
+    }
+
+
+def summary(
+    comparisons: pa.Table,
+    trajectories: pa.Table,
+    version: str,
+    transplants: pa.Table | None = None,
+    factors: pa.Table | None = None,
+) -> dict:
     """Every figure of a run, from its tables alone (so verify can recompute and check it)."""
     order = checkpoint_order(comparisons)
     result = {
@@ -329,6 +406,8 @@ def summary(comparisons: pa.Table, trajectories: pa.Table, version: str, transpl
     }
     if transplants is not None:
         result["E5"] = e5_figures(transplants, order[0] if order else None)
+    if factors is not None:
+        result["E6"] = e6_figures(factors)
     result["environment"] = environment(trajectories)
     return result
 

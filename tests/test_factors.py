@@ -1,0 +1,216 @@
+"""E6 (factors): the cells, verdicts and config checks, end to end on the tiny random model.
+
+The run extends a copy of the session's finished test ledger with a factors block, so it also shows
+that adding E6 schedules only its own jobs. Cells are checked against independent computations: a
+level equal to the reference must give bit-identical caches and ``none`` everywhere, a chunked or
+prefix-reused build must equal the cache built directly with the model, and the batched build must
+equal a batch the test feeds through the model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, DynamicCache
+from workflow_helpers import copy_run, job_counts, snakemake, stagereplay
+
+from stagereplay.design.factors import FactorError, check_levels, verdict
+from stagereplay.inputs.checkpoints import read_model_record
+from stagereplay.ledger.fingerprint import fingerprint_cache
+from stagereplay.ledger.kvstate import KVState
+from stagereplay.ledger.store import ObjectStore
+
+pytestmark = pytest.mark.slow
+
+FACTORS = {
+    "threads": [1, 2],  # 1 is the reference: a known answer
+    "attention": ["eager", "flash_attention_2"],  # flash_attention_2 is not installed here: not applicable
+    "chunk": [5],
+    "prefix_reuse": ["prompt", "block:16"],
+    "batch": [1, 3],  # 1 is the reference computed through the batched path
+}
+
+
+@pytest.fixture(scope="module")
+def factor_run(test_run, tmp_path_factory):
+    workdir, _, _ = test_run
+    ledger, config = copy_run(workdir, tmp_path_factory.mktemp("factors") / "run")
+    data = yaml.safe_load(config.read_text())
+    data["factors"] = FACTORS
+    config.write_text(yaml.safe_dump(data))
+    dry = snakemake(ledger.parent, config, "-n")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    result = snakemake(ledger.parent, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = pq.read_table(ledger / "tables" / "factors.parquet").to_pylist()
+    return ledger, config, rows, job_counts(dry)
+
+
+def _rows(rows, factor, level, cell=None):
+    return [r for r in rows if r["factor"] == factor and r["level"] == level and (cell is None or r["cell"] == cell)]
+
+
+def _references(ledger):
+    trajectories = pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
+    return {
+        r["item_id"]: r
+        for r in trajectories
+        if r["construction"] == "prefill" and r["replica"] == 0 and r["precision"] == r["prefix_precision"] == "bf16"
+    }
+
+
+def test_adding_factors_schedules_only_their_jobs(factor_run):
+    _, _, _, counts = factor_run
+    assert counts["factor"] == 9  # one shard per level
+    for rule in ("live", "rebuild", "transplant", "compare"):
+        assert rule not in counts
+
+
+def test_a_level_equal_to_the_reference_gives_none_with_identical_caches(factor_run):
+    ledger, _, rows, _ = factor_run
+    references = _references(ledger)
+    summary = json.loads((ledger / "summary.json").read_text())["E6"]
+    for factor, level in (("threads", "1"), ("batch", "1")):
+        cells = _rows(rows, factor, level)
+        assert len(cells) == 3 * len(references)
+        for row in cells:
+            assert row["cache_digest"] == references[row["item_id"]]["cache_object"]
+            assert row["suffix_object"] == references[row["item_id"]]["suffix_object"]
+            assert row["cache_differs"] is False
+        figures = next(f for f in summary["levels"] if (f["factor"], f["level"]) == (factor, level))
+        assert figures["verdicts"]["none"]["count"] == len(references)
+        assert figures["caches_differ"]["count"] == 0
+
+
+def test_build_only_factors_have_two_cells(factor_run):
+    _, _, rows, _ = factor_run
+    for factor in ("chunk", "prefix_reuse"):
+        assert {r["cell"] for r in rows if r["factor"] == factor} == {"test-ref"}
+    assert {r["cell"] for r in _rows(rows, "attention", "eager")} == {"test-ref", "ref-test", "test-test"}
+
+
+def test_chunked_and_reused_builds_equal_the_model_built_directly(factor_run, test_run):
+    ledger, _, rows, _ = factor_run
+    record = read_model_record(ledger / "models" / "tiny-qwen2" / "model.json")
+    model = AutoModelForCausalLM.from_pretrained(record["folder"], dtype=torch.bfloat16, attn_implementation="sdpa")
+    store = ObjectStore(ledger / "objects")
+    references = _references(ledger)
+    for item_id, reference in references.items():
+        context = store.get_tokens(reference["prefix_object"])[:-1]
+
+        def built(pieces):
+            cache = DynamicCache(config=model.config)
+            with torch.inference_mode():
+                for piece in pieces:
+                    model(input_ids=torch.tensor([piece]), cache=cache, use_cache=True)
+            return fingerprint_cache(
+                KVState(tuple(layer.keys for layer in cache.layers), tuple(layer.values for layer in cache.layers))
+            ).digest
+
+        chunked = _rows(rows, "chunk", "5", "test-ref")
+        (row,) = [r for r in chunked if r["item_id"] == item_id]
+        assert row["cache_digest"] == built([context[i : i + 5] for i in range(0, len(context), 5)])
+        (hit,) = [r for r in _rows(rows, "prefix_reuse", "prompt") if r["item_id"] == item_id]
+        assert hit["reused_tokens"] == reference["prompt_length"]
+        k = hit["reused_tokens"]
+        assert hit["cache_digest"] == built([context[:k], context[k:]])
+        (block,) = [r for r in _rows(rows, "prefix_reuse", "block-16") if r["item_id"] == item_id]
+        assert block["reused_tokens"] == len(context) // 16 * 16 > 0
+
+
+def test_batched_build_is_the_items_row_of_a_left_padded_batch(factor_run):
+    ledger, _, rows, _ = factor_run
+    record = read_model_record(ledger / "models" / "tiny-qwen2" / "model.json")
+    model = AutoModelForCausalLM.from_pretrained(record["folder"], dtype=torch.bfloat16, attn_implementation="sdpa")
+    store = ObjectStore(ledger / "objects")
+    contexts = {i: store.get_tokens(r["prefix_object"])[:-1] for i, r in _references(ledger).items()}
+    for row in _rows(rows, "batch", "3", "test-ref"):
+        members = [row["item_id"], *row["companions"]]
+        assert len(members) == 3 and len(set(members)) == 3
+        width = max(len(contexts[m]) for m in members)
+        ids = torch.zeros(3, width, dtype=torch.long)
+        mask = torch.zeros(3, width, dtype=torch.long)
+        for index, member in enumerate(members):
+            ids[index, width - len(contexts[member]) :] = torch.tensor(contexts[member])
+            mask[index, width - len(contexts[member]) :] = 1
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache)
+        start = width - len(contexts[row["item_id"]])
+        state = KVState(
+            tuple(layer.keys[:1, :, start:] for layer in cache.layers),
+            tuple(layer.values[:1, :, start:] for layer in cache.layers),
+        )
+        assert row["cache_digest"] == fingerprint_cache(state).digest
+
+
+def test_flash_attention_without_its_package_is_not_applicable(factor_run):
+    ledger, _, rows, _ = factor_run
+    cells = _rows(rows, "attention", "flash_attention_2")
+    assert cells and all(not r["applicable"] and "FlashAttention2" in r["reason"] for r in cells)
+    summary = json.loads((ledger / "summary.json").read_text())["E6"]
+    figures = next(f for f in summary["levels"] if f["level"] == "flash_attention_2")
+    assert figures["applicable"] is False and "verdicts" not in figures
+
+
+def test_verify_recomputes_e6_from_the_tables(factor_run, tmp_path):
+    ledger, config, _, _ = factor_run
+    assert stagereplay("verify", ledger).returncode == 0
+    copy, _ = copy_run(ledger.parent, tmp_path / "copy")
+    summary_path = copy / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    level = next(f for f in summary["E6"]["levels"] if f["factor"] == "chunk")
+    level["verdicts"]["write"]["count"] += 1
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    result = stagereplay("verify", copy)
+    assert result.returncode != 0
+    assert "E6.levels" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("reference", "write", "read", "server", "expected"),
+    [
+        ([1, 2], [1, 2], [1, 2], [1, 2], "none"),
+        ([1, 2], [1, 3], [1, 2], [1, 3], "write"),
+        ([1, 2], [1, 2], [1, 3], [1, 3], "read"),
+        ([1, 2], [1, 3], [1, 4], [1, 3], "both"),
+        ([1, 2], [1, 2], [1, 2], [1, 5], "interaction"),
+        ([1, 2], [1, 3], None, None, "write"),
+        ([1, 2], [1, 2], None, None, "none"),
+    ],
+)
+def test_verdicts(reference, write, read, server, expected):
+    assert verdict(reference, write, read, server) == expected
+
+
+@pytest.mark.parametrize(
+    ("factors", "engine", "flags", "needle"),
+    [
+        ({"speed": [1]}, "transformers", None, "unknown factor 'speed' — use one of prefix_reuse"),
+        ({"batch": [9]}, "transformers", None, "a batch of 9 needs 9 items, the run has 4 — use at most 4"),
+        ({"batch": [2]}, "llamacpp", None, "not supported on the llamacpp engine"),
+        ({"prefix_reuse": ["half"]}, "transformers", None, "use prompt (the cached prompt) or block:N"),
+        ({"kernels": ["avx512"]}, "transformers", frozenset({"avx2", "fma"}), "lacks avx512f"),
+        ({"attention": ["flash"]}, "transformers", None, "use sdpa, eager, flash_attention_2"),
+        ({"chunk": [0]}, "transformers", None, "is not a positive integer"),
+    ],
+)
+def test_bad_levels_get_one_line(factors, engine, flags, needle):
+    with pytest.raises(FactorError, match=re.escape(needle)):
+        check_levels(factors, engine, 4, 12, flags)
+
+
+def test_a_bad_factor_stops_snakemake_before_any_job(factor_run, tmp_path):
+    ledger, config, _, _ = factor_run
+    data = yaml.safe_load(config.read_text())
+    data["factors"] = {"batch": [2, 16]}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    result = snakemake(ledger.parent, bad, "-n")
+    assert result.returncode != 0
+    assert "factors.batch: a batch of 16 needs 16 items, the run has 4 — use at most 4" in result.stdout + result.stderr
