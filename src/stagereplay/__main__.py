@@ -380,12 +380,14 @@ def cmd_report(args) -> None:
     from stagereplay.inputs.checkpoints import read_model_record
     from stagereplay.ledger.tables import (
         COMPARISON_SCHEMA,
+        FACTOR_SCHEMA,
         TRAJECTORY_SCHEMA,
         TRANSPLANT_SCHEMA,
         LedgerError,
         read_table,
     )
     from stagereplay.report.card import write_results_card
+    from stagereplay.report.factor_view import factor_item_rows
     from stagereplay.report.item_view import item_records, read_vocabularies
     from stagereplay.report.plots import PLOT_FILES, write_plots
     from stagereplay.report.provenance import provenance
@@ -398,14 +400,17 @@ def cmd_report(args) -> None:
     comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
+    factors = read_table(args.factors, FACTOR_SCHEMA) if args.factors else None
     records = {name: read_model_record(path) for name, path in args.model}
-    e4 = _current_e4(args.e4, {"trajectories": trajectories, "comparisons": comparisons, "transplants": transplants})
+    saved = {"trajectories": trajectories, "comparisons": comparisons, "transplants": transplants, "factors": factors}
+    e4 = _current_e4(args.e4, saved)
     # The card draws E4 from the "E4" entry of the figures it is given; summary.json itself never holds it.
     shown = summary if e4 is None else {**summary, "E4": e4}
     # The plots first: the HTML card carries them inline.
     plots = dict(zip(PLOT_FILES, write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)))
     vocabularies = read_vocabularies(dict(args.vocab))
     items = item_records(summary["checkpoints"], args.items, trajectories, comparisons, transplants, vocabularies)
+    factor_items = factor_item_rows(factors, trajectories, vocabularies) if factors is not None else None
     write_results_card(
         shown,
         provenance(summary, args.item_source, args.items, records),
@@ -414,6 +419,7 @@ def cmd_report(args) -> None:
         summary_bytes=summary_bytes,
         plots=plots,
         items=items,
+        factor_items=factor_items,
     )
 
 
@@ -736,6 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trajectories", required=True)
     p.add_argument("--comparisons", required=True)
     p.add_argument("--transplants", default=None, help="transplants table (absent when E5 is not run)")
+    p.add_argument("--factors", default=None, help="factors table (absent when E6 is not run)")
     p.add_argument(
         "--model",
         nargs=2,

@@ -2,7 +2,7 @@
 # inputs into <ledger>/audit/ — never over the saved ledger — and compares every
 # fingerprint. The audit jobs are the run's own rules with other outputs: live from
 # the saved prompt tokens, rebuild from the saved live prefixes, transplant from the
-# saved caches and selection; each reads the saved store and writes the audit store:
+# saved caches and selection, factor from the saved prefill rows; each reads the saved store and writes the audit store:
 # tokens and fingerprints, but no cache tensors unless audit.keep_caches (AUDIT_STORE_CACHES).
 # The saved ledger is verified first, so a corrupt ledger stops the audit at once: what the
 # audit reads (--audit-inputs), since summary.json and the card may be redrawn later in the same run.
@@ -13,6 +13,7 @@ localrules:
     audit_verify,
     audit_gather,
     audit_gather_transplants,
+    audit_gather_factors,
     audit_select_transplants,
     audit_ledger,
     audit,
@@ -30,6 +31,7 @@ rule audit_verify:
         LAYOUT.table("trajectories"),
         LAYOUT.table("comparisons"),
         LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
+        LAYOUT.table("factors") if FACTOR_LEVELS else [],
     output:
         LAYOUT.audit_verified,
     log:
@@ -124,6 +126,26 @@ use rule transplant as audit_transplant with:
         store=LAYOUT.audit.objects,
 
 
+use rule factor as audit_factor with:
+    input:
+        model=LAYOUT.audit.model_record("{checkpoint}"),
+        item_file=LAYOUT.items,
+        references=factor_references(),
+    output:
+        LAYOUT.audit.factor_table("{checkpoint}", "{precision}", "{factor}", "{level}", "{shard}"),
+    log:
+        LAYOUT.job_log(LAYOUT.audit.factor_table("{checkpoint}", "{precision}", "{factor}", "{level}", "{shard}")),
+    benchmark:
+        LAYOUT.job_benchmark(LAYOUT.audit.factor_table("{checkpoint}", "{precision}", "{factor}", "{level}", "{shard}"))
+    threads: factor_threads
+    resources:
+        **AUDIT_MODEL_RESOURCES,
+    params:
+        runtime=lambda wildcards: audit_runtime_args(wildcards, replica=0),
+        store=LAYOUT.audit.objects,
+        source_store=LAYOUT.objects,
+
+
 use rule gather as audit_gather with:
     input:
         [LAYOUT.audited(table) for table in all_shard_tables()],
@@ -158,6 +180,15 @@ use rule gather_transplants as audit_gather_transplants with:
         LAYOUT.audit.table("transplants"),
     log:
         LAYOUT.audit_log("gather_transplants"),
+
+
+use rule gather_factors as audit_gather_factors with:
+    input:
+        factor_tables(LAYOUT.audit),
+    output:
+        LAYOUT.audit.table("factors"),
+    log:
+        LAYOUT.audit_log("gather_factors"),
 
 
 use rule select_transplants as audit_select_transplants with:

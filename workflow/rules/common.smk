@@ -525,6 +525,8 @@ def audit_inputs():
     saved += [LAYOUT.model_record(name) for name in AUDITED_CHECKPOINTS]
     if TRANSPLANT["enabled"]:
         saved += [LAYOUT.table("transplants"), LAYOUT.selection]
+    if FACTOR_LEVELS:
+        saved.append(LAYOUT.table("factors"))
     return saved + [LAYOUT.audited(path) for path in saved]
 
 

@@ -17,6 +17,7 @@ rule report:
         trajectories=LAYOUT.table("trajectories"),
         comparisons=LAYOUT.table("comparisons"),
         transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
+        factors=LAYOUT.table("factors") if FACTOR_LEVELS else [],
         models=[LAYOUT.model_record(name) for name in USED_CHECKPOINTS],
         vocab=[LAYOUT.vocab(name) for name in USED_CHECKPOINTS],
         item_file=LAYOUT.items,
@@ -37,6 +38,7 @@ rule report:
         runtime=10,
     params:
         transplants=lambda wildcards, input: f"--transplants {input.transplants}" if TRANSPLANT["enabled"] else "",
+        factors=lambda wildcards, input: f"--factors {input.factors}" if FACTOR_LEVELS else "",
         models=lambda wildcards, input: " ".join(
             f"--model {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.models)
         ),
@@ -49,6 +51,6 @@ rule report:
         plots_dir=lambda wildcards, output: str(Path(output.card_html).parent),
     shell:
         "stagereplay report --summary {input.summary:q} --trajectories {input.trajectories:q}"
-        " --comparisons {input.comparisons:q} {params.transplants} {params.models} {params.vocab} {params.e4} --items {input.item_file:q}"
+        " --comparisons {input.comparisons:q} {params.transplants} {params.factors} {params.models} {params.vocab} {params.e4} --items {input.item_file:q}"
         " --item-source {params.item_source:q} --card {output.card:q} --card-html {output.card_html:q}"
         " --plots-dir {params.plots_dir:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"

@@ -6,7 +6,7 @@ saved selection. Here every saved row is matched with its recomputed twin and
 every recomputed artifact compared: the prefix tokens of live rows (a rebuilt
 row's prefix is the saved one, copied, so it proves nothing), each layer's K and
 V, the cache digest, suffix tokens, labels, the forced-choice readout, comparison rows, transplant outcomes,
-the E5 selection and the model fingerprint. A key shared by several rows, or a
+E6's cells, the E5 selection and the model fingerprint. A key shared by several rows, or a
 construction pair over unequal prefixes, is a failed check. A difference of
 environment (device, threads, attention, versions) is recorded beside each row,
 apart from a difference of result.
@@ -29,6 +29,8 @@ from stagereplay.ledger.tables import (
     COMPARISON_KEY,
     COMPARISON_SCHEMA,
     ENVIRONMENT_COLUMNS,
+    FACTOR_KEY,
+    FACTOR_SCHEMA,
     TRAJECTORY_KEY,
     TRAJECTORY_SCHEMA,
     TRANSPLANT_KEY,
@@ -319,6 +321,38 @@ def audit_transplants(saved: pa.Table, audited: pa.Table) -> list[Check]:
     return checks
 
 
+def audit_factors(saved: pa.Table, audited: pa.Table) -> list[Check]:
+    """E6: each cell's cache (layer by layer) and suffix, and whether a level ran at all."""
+    pairs, checks = _paired(
+        "factor", saved, audited, FACTOR_KEY, lambda row: f"{row['factor']}={row['level']} {row['cell']}"
+    )
+    for old, new, where, extra_fields in pairs:
+        checks.append(_same("factor", "factor_applicable", where, old["applicable"], new["applicable"], **extra_fields))
+        if not (old["applicable"] and new["applicable"]):
+            continue
+        checks += [
+            _layers(
+                "factor",
+                "factor_cache",
+                where,
+                old["layer_k"] + old["layer_v"],
+                new["layer_k"] + new["layer_v"],
+                **extra_fields,
+            ),
+            _tokens(
+                "factor",
+                "factor_suffix",
+                where,
+                old["suffix_object"],
+                new["suffix_object"],
+                old["suffix_tokens"],
+                new["suffix_tokens"],
+                **extra_fields,
+            ),
+        ]
+    return checks
+
+
 def audit_selection(saved: dict, audited: dict) -> list[Check]:
     return [
         _same(
@@ -374,6 +408,10 @@ def audit_ledger(ledger: str | Path, checkpoints: list[str]) -> list[Check]:
         )
         checks += audit_selection(
             json.loads(Path(saved.selection).read_text()), json.loads(Path(audit.selection).read_text())
+        )
+    if Path(saved.table("factors")).exists():
+        checks += audit_factors(
+            read_table(saved.table("factors"), FACTOR_SCHEMA), read_table(audit.table("factors"), FACTOR_SCHEMA)
         )
     return checks
 
@@ -497,7 +535,7 @@ def verdict(figures: dict) -> str:
 # reader (the results card) can tell whether they still describe the ledger: after the ledger changes,
 # the card says "not run" until the next audit, as summary.json used to when it held E4.
 
-SAVED_TABLES = ("trajectories", "comparisons", "transplants")
+SAVED_TABLES = ("trajectories", "comparisons", "transplants", "factors")
 
 
 def saved_table_digests(tables: dict[str, pa.Table | None]) -> dict[str, str | None]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagereplay.atomic import atomic_write_text
+from stagereplay.design.factors import VERDICTS
+from stagereplay.report.factor_view import factor_item_blocks
 from stagereplay.report.item_view import ItemRecord
 from stagereplay.report.provenance import Provenance
 from stagereplay.report.reading import AUDIT_HOW, reading
@@ -220,6 +222,22 @@ def e5_figures(e5: dict | None) -> list[Figure]:
     ]
 
 
+def e6_figures(e6: dict | None) -> list[Figure]:
+    if e6 is None:
+        return []
+    figures = []
+    for level in e6["levels"]:
+        name = f"E6 factors ({level['factor']} {level['level']}, reference {level['reference_level']})"
+        if not level["applicable"]:
+            figures.append(Figure(name, "not applicable", "—", "—", "—", level["reason"]))
+            continue
+        figures.append(proportion(name, "built caches differ from the reference (bytes)", level["caches_differ"]))
+        figures.append(proportion(name, "suffixes differ from the reference", level["suffixes_differ"]))
+        for verdict, counted in level["verdicts"].items():
+            figures.append(proportion(name, f"verdict {verdict}", counted))
+    return figures
+
+
 def all_figures(summary: dict) -> list[Figure]:
     return (
         e1_figures(summary)
@@ -227,7 +245,48 @@ def all_figures(summary: dict) -> list[Figure]:
         + e3_figures(summary)
         + e4_figures(summary.get("E4"))
         + e5_figures(summary.get("E5"))
+        + e6_figures(summary.get("E6"))
     )
+
+
+FACTOR_COLUMNS = ["Factor", "Level", "Reference", "Cells", "Caches differ", "Suffixes differ", *VERDICTS]
+
+
+def _with_bounds(counted: dict) -> str:
+    low, high = counted["wilson95"]
+    return f"{counted['count']}/{counted['n']} [{percent(low)}, {percent(high)}]" if counted["n"] else NOT_MEASURED
+
+
+def factor_blocks(summary: dict) -> list[tuple]:
+    """E6's one table: per factor level, caches and suffixes that differ and each verdict x/N (Wilson 95%)."""
+    e6 = summary.get("E6")
+    if e6 is None:
+        return []
+    rows = []
+    for level in e6["levels"]:
+        head = [level["factor"], level["level"], level["reference_level"], ", ".join(level["cells"])]
+        if not level["applicable"]:
+            rows.append(head + [f"not applicable: {level['reason']}"] + [""] * (len(FACTOR_COLUMNS) - 5))
+            continue
+        caches = _with_bounds(level["caches_differ"])
+        if level["caches_differ"]["count"]:
+            caches += f", from layer {level['first_differing_layer']}"
+        rows.append(
+            head
+            + [caches, _with_bounds(level["suffixes_differ"])]
+            + [_with_bounds(level["verdicts"][verdict]) for verdict in VERDICTS]
+        )
+    return [
+        ("heading", 2, "E6: where divergence enters, per factor level"),
+        (
+            "paragraph",
+            f"Checkpoint `{e6['checkpoint']}` at {e6['precision']}; the reference cell is {e6['reference']}. Cells"
+            " are (build, read): test-ref is the write side, ref-test the read side, test-test the level as a"
+            " server runs it; a build-only factor has test-ref alone. Suffixes differ counts test-test (test-ref"
+            " for a build-only factor). Verdicts are defined in docs/findings.md; x/N with Wilson 95% intervals.",
+        ),
+        ("table", FACTOR_COLUMNS, rows),
+    ]
 
 
 # --- provenance and the document ----------------------------------------------------------
@@ -328,6 +387,18 @@ def answer_panel(summary: dict) -> list[list[str]]:
             PAPER_FIGURES["E5"],
         ]
     )
+    e6 = summary.get("E6")
+    if e6 is not None:
+        ran = [level for level in e6["levels"] if level["applicable"]]
+        changed = [f"{level['factor']} {level['level']}" for level in ran if level["suffixes_differ"]["count"]]
+        rows.append(
+            [
+                "E6 factors",
+                "factor levels whose suffixes differ from the reference (per level: the E6 table)",
+                f"{len(changed)} of {len(ran)} levels run" + (f" ({', '.join(changed)})" if changed else ""),
+                "beyond the paper",
+            ]
+        )
     return rows
 
 
@@ -401,7 +472,12 @@ def document(
 
 
 def results_card(summary: dict, prov: Provenance) -> list[tuple]:
-    return document(answer_panel(summary), all_figures(summary), prov, reading(summary, prov))
+    blocks = document(answer_panel(summary), all_figures(summary), prov, reading(summary, prov))
+    # E6's table right after the reading, before the detailed figures.
+    after_reading = next(
+        index for index, block in enumerate(blocks) if block[:3] == ("heading", 2, "Figures, per experiment")
+    )
+    return blocks[:after_reading] + factor_blocks(summary) + blocks[after_reading:]
 
 
 # The card's plots (plots.PLOT_FILES), in the order shown, with what each one shows.
@@ -410,6 +486,7 @@ PLOT_CAPTIONS = {
     "margin_at_divergence": "Top-1 minus top-2 logit margin at the first divergence",
     "layer_cache_difference": "Per-layer boundary-cache difference between constructions",
     "transplant_follow_donor": "E5: fraction of transplants that follow the donor, per layer subset",
+    "factor_verdicts": "E6: where divergence enters — items per verdict, per factor level",
     "accuracy": "Accuracy of each side (parsed and readout labelings), Wilson 95%",
 }
 
@@ -464,11 +541,14 @@ def write_results_card(
     summary_bytes: bytes | None = None,
     plots: dict[str, Path] | None = None,
     items: list[ItemRecord] | None = None,
+    factor_items: list[list[str]] | None = None,
 ) -> Path:
     """Both cards, stamped with the summary.json bytes they come from (unstamped without them:
     `stagereplay verify` then says so), so an edited or outdated card is caught. ``plots`` (written
-    before) are linked from the Markdown and inlined into the HTML; ``items`` is the per-item view."""
+    before) are linked from the Markdown and inlined into the HTML; ``items`` is the per-item view, ``factor_items``
+    E6's (factor_view.factor_item_rows)."""
     blocks = results_card(summary, prov) + plot_blocks(plots or {}, markdown_path) + item_blocks(items or [], summary)
+    blocks += factor_item_blocks(factor_items or [])
 
     def stamped(text: str) -> str:
         return text if summary_bytes is None else stamp(text, summary_bytes)

@@ -25,7 +25,16 @@ PLOT_FILES = {
     "margin_at_divergence": "margin_at_divergence.png",
     "layer_cache_difference": "layer_cache_difference.png",
     "transplant_follow_donor": "transplant_follow_donor.png",
+    "factor_verdicts": "factor_verdicts.png",
     "accuracy": "accuracy.png",
+}
+# E6's verdicts, in the order they are stacked, and their colours (none is the quiet one).
+VERDICT_COLOURS = {
+    "none": "lightgrey",
+    "write": "tab:orange",
+    "read": "tab:blue",
+    "both": "tab:purple",
+    "interaction": "tab:red",
 }
 
 
@@ -266,6 +275,33 @@ def plot_transplant_follow_donor(e5: dict | None, out_path: str | Path, transpla
     return _save(figure, out_path)
 
 
+def plot_factor_verdicts(e6: dict | None, out_path: str | Path) -> Path:
+    """summary.json's E6 verdicts, one stacked bar per factor level: where each item's divergence enters."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(11, 5.5))
+    figure.suptitle("E6: where divergence enters, per factor level (items per verdict)")
+    levels = [level for level in (e6 or {}).get("levels", []) if level["applicable"]]
+    if not levels:
+        _message(axes, "E6 not run in this ledger" if not e6 else "E6 ran, but no level could run here")
+        return _save(figure, out_path)
+    rows = np.arange(len(levels))
+    left = np.zeros(len(levels))
+    for name, colour in VERDICT_COLOURS.items():
+        counts = np.array([level["verdicts"][name]["count"] for level in levels], dtype=float)
+        axes.barh(rows, counts, left=left, color=colour, label=name, edgecolor="white")
+        left += counts
+    for row, level in zip(rows, levels):
+        differ = level["caches_differ"]
+        axes.text(left[row] + 0.2, row, f"caches differ {differ['count']}/{differ['n']}", va="center", fontsize=8)
+    labels = [f"{level['factor']} {level['level']} (ref {level['reference_level']})" for level in levels]
+    axes.set_yticks(list(rows), labels, fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlim(0, max(left) * 1.35)
+    axes.set_xlabel("items")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="verdict")
+    return _save(figure, out_path)
+
+
 def accuracy_arms(summary: dict) -> dict[str, dict]:
     """summary.json's accuracy of each side of each E1/E2 arm, named and ordered as ``arms`` names them."""
     several = len(summary["checkpoints"]) > 1
@@ -340,6 +376,7 @@ def write_plots(
             out_dir / PLOT_FILES["transplant_follow_donor"],
             transplants.num_rows if transplants is not None else 0,
         ),
+        plot_factor_verdicts(summary.get("E6"), out_dir / PLOT_FILES["factor_verdicts"]),
         plot_accuracy(summary, out_dir / PLOT_FILES["accuracy"]),
     ]
 

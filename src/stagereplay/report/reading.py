@@ -282,6 +282,45 @@ def limits_reading(provenance: Provenance) -> list[str]:
     return lines
 
 
+SIDE_WORDS = {
+    "write": "follows the written cache (write side)",
+    "read": "changes only where the reference cache is read under the level (read side)",
+    "both": "changes in the write cell and in the read cell (both sides)",
+    "interaction": "changes only when the level both builds and reads (interaction)",
+}
+
+
+def e6_reading(e6: dict | None) -> list[str]:
+    """One sentence per factor level: caches, suffixes, and where the divergence enters."""
+    if e6 is None:
+        return []
+    return [e6_level_reading(level) for level in e6["levels"]]
+
+
+def e6_level_reading(level: dict) -> str:
+    name = f"E6 {level['factor']} {level['level']} (reference {level['reference_level']})"
+    if not level["applicable"]:
+        return f"{name}: not applicable here — {level['reason']}."
+    n = level["items"]
+    caches = level["caches_differ"]
+    cache_text = (
+        f"caches differ on {caches['count']}/{n} items from layer {level['first_differing_layer']}"
+        if caches["count"]
+        else f"the caches it builds are bit-identical to the reference on all {n} items"
+    )
+    served = "as built" if level["cells"] == ["test-ref"] else "as a server runs it"
+    suffixes = level["suffixes_differ"]
+    text = f"{name}: {cache_text}; suffixes differ on {suffixes['count']}/{n} {served} ({_bound(suffixes)})"
+    changed = {verdict: level["verdicts"][verdict]["count"] for verdict in SIDE_WORDS}
+    changed = {verdict: count for verdict, count in changed.items() if count}
+    if not changed:
+        return f"{text}; no cell of any item continues differently from the reference (verdict none on {n}/{n})."
+    if len(changed) == 1:
+        ((verdict, count),) = changed.items()
+        return f"{text}; every item that changes ({count}/{n}) {SIDE_WORDS[verdict]}."
+    return f"{text}; verdicts: " + ", ".join(f"{count} {verdict}" for verdict, count in changed.items()) + "."
+
+
 def reading(summary: dict, provenance: Provenance) -> list[str]:
     return (
         e1_reading(summary)
@@ -289,5 +328,6 @@ def reading(summary: dict, provenance: Provenance) -> list[str]:
         + e3_reading(summary)
         + e4_reading(summary.get("E4"))
         + e5_reading(summary.get("E5"))
+        + e6_reading(summary.get("E6"))
         + limits_reading(provenance)
     )

@@ -1,0 +1,76 @@
+"""E6 per item: each item's cells for each factor level, their verdict, and where each cell's suffix parts
+from the reference's.
+
+Read from the ledger tables (the factor rows, the E2 prefill rows they start from) and the checkpoint's
+vocabulary table; the verdict is summary.item_verdicts', so the per-item view and the counts agree.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from stagereplay.report.item_view import spell, visible
+from stagereplay.report.summary import item_verdicts
+
+CELLS = ("test-ref", "ref-test", "test-test")
+COLUMNS = ["Item", "Factor level", "Verdict", "Built cache", "test-ref (write)", "ref-test (read)", "test-test"]
+
+
+def part_text(tokens: list[int], reference: list[int], vocabulary: dict[int, str]) -> str:
+    """Where a cell's suffix parts from the reference's: the step and the two tokens, spelled."""
+    if tokens == reference:
+        return "as the reference"
+    step = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+    def token_at(token_ids: list[int]) -> str:
+        return f"'{visible(spell(vocabulary, [token_ids[step]])[0])}'" if step < len(token_ids) else "(ended)"
+
+    return f"parts at step {step}: {token_at(reference)} → {token_at(tokens)}"
+
+
+def factor_item_rows(
+    factors: pa.Table, trajectories: pa.Table, vocabularies: dict[str, dict[int, str]]
+) -> list[list[str]]:
+    """One row per item and factor level that ran: its verdict, its built cache against the reference, and
+    each cell's suffix against the reference suffix (a cell the factor does not have is marked —)."""
+    reference_tokens = {row["suffix_object"]: list(row["suffix_tokens"]) for row in trajectories.to_pylist()}
+    levels: dict[tuple, list[dict]] = {}
+    for row in factors.to_pylist():
+        if row["applicable"]:
+            levels.setdefault((row["factor"], row["level"]), []).append(row)
+    rows = []
+    for (factor, level), level_rows in levels.items():
+        verdicts = item_verdicts(level_rows)
+        by_item: dict[str, dict[str, dict]] = {}
+        for row in level_rows:
+            by_item.setdefault(row["item_id"], {})[row["cell"]] = row
+        for item_id, cells in sorted(by_item.items()):
+            built = cells["test-ref"]
+            vocabulary = vocabularies.get(built["checkpoint"], {})
+            reference = reference_tokens.get(built["reference_suffix"], [])
+            cache = (
+                f"differs from layer {built['first_differing_layer']} (max |Δ| {max(built['layer_max_abs']):.3g})"
+                if built["cache_differs"]
+                else "same bytes"
+            )
+            if built["reused_tokens"] is not None:
+                cache += f"; {built['reused_tokens']} positions reused"
+            parts = [
+                part_text(list(cells[cell]["suffix_tokens"]), reference, vocabulary) if cell in cells else "—"
+                for cell in CELLS
+            ]
+            rows.append([item_id, f"{factor} {level}", verdicts[item_id], cache, *parts])
+    return rows
+
+
+def factor_item_blocks(rows: list[list[str]]) -> list[tuple]:
+    if not rows:
+        return []
+    return [
+        ("heading", 2, "Per item: E6 cells against the reference"),
+        (
+            "details",
+            f"E6: {len(rows)} item × level rows",
+            [("table", COLUMNS, rows)],
+        ),
+    ]
