@@ -27,7 +27,11 @@ from stagereplay.ledger.store import ObjectStore
 
 pytestmark = pytest.mark.slow
 
+# The CPU kernel level torch picks on this machine is the kernels factor's reference (it differs between
+# machines, so it is read here, never written down); "default" runs on every x86-64 CPU.
+OWN_KERNELS = torch.backends.cpu.get_cpu_capability().lower()
 FACTORS = {
+    "kernels": sorted({"default", OWN_KERNELS}),
     "threads": [1, 2],  # 1 is the reference: a known answer
     "attention": ["eager", "flash_attention_2"],  # flash_attention_2 is not installed here: not applicable
     "chunk": [5],
@@ -66,7 +70,7 @@ def _references(ledger):
 
 def test_adding_factors_schedules_only_their_jobs(factor_run):
     _, _, _, counts = factor_run
-    assert counts["factor"] == 9  # one shard per level
+    assert counts["factor"] == sum(len(levels) for levels in FACTORS.values())  # one shard per level
     for rule in ("live", "rebuild", "transplant", "compare"):
         assert rule not in counts
 
@@ -75,7 +79,7 @@ def test_a_level_equal_to_the_reference_gives_none_with_identical_caches(factor_
     ledger, _, rows, _ = factor_run
     references = _references(ledger)
     summary = json.loads((ledger / "summary.json").read_text())["E6"]
-    for factor, level in (("threads", "1"), ("batch", "1")):
+    for factor, level in (("threads", "1"), ("batch", "1"), ("kernels", OWN_KERNELS)):
         cells = _rows(rows, factor, level)
         assert len(cells) == 3 * len(references)
         for row in cells:
@@ -147,6 +151,15 @@ def test_batched_build_is_the_items_row_of_a_left_padded_batch(factor_run):
             tuple(layer.values[:1, :, start:] for layer in cache.layers),
         )
         assert row["cache_digest"] == fingerprint_cache(state).digest
+
+
+def test_default_kernels_run_in_a_process_of_their_own(factor_run):
+    _, _, rows, _ = factor_run
+    cells = _rows(rows, "kernels", "default")
+    assert cells and all(r["reference_level"] == OWN_KERNELS for r in cells)
+    assert all("torch's default CPU kernels" in r["setting"] for r in cells if r["build"] == "test")
+    if OWN_KERNELS != "default":  # scalar kernels reduce in another order than vector ones (seen in every cache)
+        assert any(r["cache_differs"] for r in cells if r["build"] == "test")
 
 
 def test_flash_attention_without_its_package_is_not_applicable(factor_run):

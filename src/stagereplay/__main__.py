@@ -214,6 +214,12 @@ def cmd_factor(args) -> None:
     )
 
 
+def cmd_kernel_worker(args) -> None:
+    from stagereplay.experiments.factors import run_kernel_worker
+
+    run_kernel_worker(args.folder)
+
+
 def cmd_store_caches_policy(args) -> None:
     from stagereplay.atomic import atomic_write_text
     from stagereplay.design.storage import storage_document
@@ -655,6 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="every shard table of the E2 prefill rows (replica 0) at the factor precision, in shard order",
     )
     p.set_defaults(func=cmd_factor)
+
+    p = sub.add_parser(
+        "kernel-worker", help="E6 kernels: the test level's side, run by `factor` with ATEN_CPU_CAPABILITY set"
+    )
+    p.add_argument("folder", help="the scratch store holding request.json; answer.json is written there")
+    p.set_defaults(func=cmd_kernel_worker)
 
     p = sub.add_parser(
         "compare", help="compare trajectory pairs of E1, E2 and E3: caches per layer, suffixes per token"

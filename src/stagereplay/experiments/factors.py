@@ -13,6 +13,10 @@ not stored (any of them is rebuilt from the saved tokens and the level).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -210,6 +214,97 @@ class Batch(Setting):
             pending = [choice for choice, _ in choices]
 
 
+class Kernels(Setting):
+    """torch's CPU kernel level is fixed when torch starts (ATEN_CPU_CAPABILITY), so the test level runs in a
+    worker process of its own (``run_kernel_worker``): it builds each item's cache and continues both that
+    cache and the reference one. The caches cross between the processes through a scratch object store,
+    fingerprint-checked on reading; (t, r) is then continued here, at the reference level."""
+
+    def __init__(self, engine, budget, eos, level: Level, scratch: ObjectStore, model_record, runtime: Runtime):
+        super().__init__(engine, budget, eos)
+        self.level, self.scratch, self.model_record, self.runtime = level, scratch, model_record, runtime
+        self.results: dict[str, dict] = {}
+
+    def run_worker(self, prefixes: list[Prefix], reference_states: dict[str, KVState], record: dict) -> None:
+        for prefix in prefixes:
+            state = to_host(reference_states[prefix.item_id])
+            store_cache(
+                self.scratch, state, fingerprint_cache(state).digest, record["fingerprint"], self.runtime.precision
+            )
+        request = {
+            "model_record": str(self.model_record),
+            "runtime": dataclasses.asdict(self.runtime),
+            "budget": self.budget,
+            "items": [
+                {
+                    **dataclasses.asdict(prefix),
+                    "reference": fingerprint_cache(to_host(reference_states[prefix.item_id])).digest,
+                }
+                for prefix in prefixes
+            ],
+        }
+        folder = Path(self.scratch.root)
+        (folder / "request.json").write_text(json.dumps(request))
+        environment = {**os.environ, "ATEN_CPU_CAPABILITY": self.level.name}
+        done = subprocess.run(
+            [sys.executable, "-m", "stagereplay", "kernel-worker", str(folder)],
+            env=environment,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ModelError(f"the kernels={self.level.name} worker failed: {last}")
+        answer = json.loads((folder / "answer.json").read_text())
+        if answer["cpu_capability"].lower() != self.level.name:
+            raise FactorError(
+                f"factors.kernels: ATEN_CPU_CAPABILITY={self.level.name} gave torch's {answer['cpu_capability']}"
+                " kernels — this torch build cannot run that level; remove it"
+            )
+        self.results = answer["items"]
+
+    def build(self, prefix):
+        result = self.results[prefix.item_id]
+        state = KVState.from_named_tensors(self.scratch.get(result["built"]))
+        return Built(state, f"built with torch's {self.level.name} CPU kernels (ATEN_CPU_CAPABILITY)")
+
+    def read(self, prefix, state, built):
+        if prefix.ended_by_eos:
+            return Decoded((), (), "eos")
+        continued = self.results[prefix.item_id]["continued"][fingerprint_cache(to_host(state)).digest]
+        return Decoded(tuple(continued["tokens"]), tuple(continued["margins"]), continued["stop"])
+
+
+def run_kernel_worker(folder: str | Path) -> None:
+    """The kernels factor's test side, in a process started with ATEN_CPU_CAPABILITY set: for each item,
+    build its cache (stored in the scratch store ``folder``) and continue it and the reference cache."""
+    folder = Path(folder)
+    request = json.loads((folder / "request.json").read_text())
+    record = read_model_record(request["model_record"])
+    runtime = Runtime(**request["runtime"])
+    engine = load_checkpoint(record, runtime)
+    scratch = ObjectStore(folder)
+    setting = Setting(engine, request["budget"], engine.eos_ids)
+    items = {}
+    for entry in request["items"]:
+        prefix = Prefix(entry["item_id"], tuple(entry["tokens"]), entry["prompt_length"], entry["ended_by_eos"])
+        built = to_host(setting.build(prefix).state)
+        digest = fingerprint_cache(built).digest
+        store_cache(scratch, built, digest, record["fingerprint"], runtime.precision)
+        continued = {}
+        for state in (built, KVState.from_named_tensors(scratch.get(entry["reference"]))):
+            decoded = setting.read(prefix, state, None)
+            continued[fingerprint_cache(state).digest] = {
+                "tokens": list(decoded.tokens),
+                "margins": list(decoded.margins),
+                "stop": decoded.stop,
+            }
+        items[prefix.item_id] = {"built": digest, "continued": continued}
+    answer = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "items": items}
+    (folder / "answer.json").write_text(json.dumps(answer))
+
+
 def test_setting(level: Level, engine: Engine, runtime: Runtime, budget, eos, prefixes, scratch, record) -> Setting:
     factor = level.factor
     if factor == "threads":
@@ -222,6 +317,8 @@ def test_setting(level: Level, engine: Engine, runtime: Runtime, budget, eos, pr
         return PrefixReuse(engine, budget, eos, level, scratch, record["fingerprint"], runtime.precision)
     if factor == "batch":
         return Batch(engine, budget, eos, level.value, prefixes)
+    if factor == "kernels":
+        return Kernels(engine, budget, eos, level, scratch, record["path"], runtime)
     raise FactorError(f"factors.{factor}: no setting of this factor runs in one process — see design.factors")
 
 
@@ -282,7 +379,12 @@ def run_factor_shard(
     bar, _ = progress_bar(len(own), f"factor {level.factor}={level.name} {spec.precision} shard {spec.shard}")
     with tempfile.TemporaryDirectory(prefix="stagereplay-prefix-reuse-") as scratch:
         reference = Setting(engine, suffix_tokens, eos)
-        test = test_setting(level, engine, runtime, suffix_tokens, eos, prefixes, ObjectStore(scratch), record)
+        test = test_setting(
+            level, engine, runtime, suffix_tokens, eos, prefixes, ObjectStore(scratch), {**record, "path": model_record}
+        )
+        if isinstance(test, Kernels) and reason is None:
+            mine = [prefixes[row["item_id"]] for row in own]
+            test.run_worker(mine, {row["item_id"]: caches.state(row) for row in own}, record)
         for row in own:
             if row["model_fingerprint"] != record["fingerprint"]:
                 raise LedgerError(
