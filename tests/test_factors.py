@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -19,6 +20,7 @@ import yaml
 from transformers import AutoModelForCausalLM, DynamicCache
 from workflow_helpers import copy_run, job_counts, snakemake, stagereplay
 
+from stagereplay.audit.rerun import audit_factors
 from stagereplay.design.factors import FactorError, check_levels, verdict
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
@@ -119,6 +121,8 @@ def test_chunked_and_reused_builds_equal_the_model_built_directly(factor_run, te
         chunked = _rows(rows, "chunk", "5", "test-ref")
         (row,) = [r for r in chunked if r["item_id"] == item_id]
         assert row["cache_digest"] == built([context[i : i + 5] for i in range(0, len(context), 5)])
+        # the build's positions and the continuation's (pending token, then all but the last token)
+        assert row["forward_positions"] == len(context) + len(row["suffix_tokens"])
         (hit,) = [r for r in _rows(rows, "prefix_reuse", "prompt") if r["item_id"] == item_id]
         assert hit["reused_tokens"] == reference["prompt_length"]
         k = hit["reused_tokens"]
@@ -151,6 +155,8 @@ def test_batched_build_is_the_items_row_of_a_left_padded_batch(factor_run):
             tuple(layer.values[:1, :, start:] for layer in cache.layers),
         )
         assert row["cache_digest"] == fingerprint_cache(state).digest
+        # three padded rows built, then the item alone continued at batch 1 (the reference read)
+        assert row["forward_positions"] == 3 * width + len(row["suffix_tokens"])
 
 
 def test_default_kernels_run_in_a_process_of_their_own(factor_run):
@@ -183,6 +189,19 @@ def test_verify_recomputes_e6_from_the_tables(factor_run, tmp_path):
     result = stagereplay("verify", copy)
     assert result.returncode != 0
     assert "E6.levels" in result.stdout + result.stderr
+
+
+def test_the_audit_names_a_cell_that_does_not_reproduce(factor_run):
+    ledger, _, rows, _ = factor_run
+    saved = pq.read_table(ledger / "tables" / "factors.parquet")
+    assert all(check.reproduced for check in audit_factors(saved, saved))
+    changed = [dict(row) for row in rows]
+    target = next(row for row in changed if row["applicable"] and row["cell"] == "ref-test")
+    target["suffix_tokens"] = target["suffix_tokens"][:-1] + [target["suffix_tokens"][-1] + 1]
+    target["suffix_object"] = "0" * 32
+    failed = [c for c in audit_factors(saved, pa.Table.from_pylist(changed, schema=saved.schema)) if not c.reproduced]
+    assert [(c.artifact, c.item_id) for c in failed] == [("factor_suffix", target["item_id"])]
+    assert failed[0].side == f"{target['factor']}={target['level']} ref-test"
 
 
 @pytest.mark.parametrize(

@@ -66,6 +66,8 @@ class Engine(ABC):
 
     tokenizer: object  # encode/decode/apply_chat_template/convert_ids_to_tokens, eos_token_id
     environment: Environment  # recorded in every ledger row the engine's outputs fill
+    # Token positions fed through the model so far, padding included: what E6's cost figures count.
+    fed_positions: int = 0
 
     @classmethod
     @abstractmethod

@@ -257,6 +257,7 @@ class LlamaCppEngine(Engine):
     def forward(self, tokens: list[int], cache: LlamaCppCache) -> torch.Tensor:
         """One ``llama_decode`` of ``tokens`` after the cache; the float32 logits of the last one."""
         self._check(cache)
+        self.fed_positions += len(tokens)
         if cache.positions + len(tokens) > self.settings.n_ctx:
             raise LlamaCppError(
                 f"{cache.positions + len(tokens)} positions exceed the llama.cpp context of {self.settings.n_ctx} — raise n_ctx in the llamacpp config"

@@ -116,6 +116,7 @@ class TransformersEngine(Engine):
         used on every call, so the lm_head always sees the same shape.
         """
         input_ids = torch.tensor([list(tokens)], device=self.device)
+        self.fed_positions += input_ids.numel()
         keyword = _cache_keyword(type(self.model))
         with torch.inference_mode():
             output = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
@@ -167,6 +168,7 @@ class TransformersEngine(Engine):
         mask = torch.cat([batch.mask, new], dim=1)
         # A padded slot's position is never attended; a real token's position counts only real tokens.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+        self.fed_positions += ids.numel()
         keyword = _cache_keyword(type(self.model))
         with torch.inference_mode():
             output = self.model(

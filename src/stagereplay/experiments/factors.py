@@ -80,6 +80,10 @@ class Setting:
     def __init__(self, engine: Engine, budget: int, eos: frozenset[int]):
         self.engine, self.budget, self.eos = engine, budget, eos
 
+    def fed_positions(self) -> int:
+        """Positions fed through the model so far for this setting's builds and reads (and the job's)."""
+        return self.engine.fed_positions
+
     @contextmanager
     def active(self) -> Iterator[None]:
         yield
@@ -224,6 +228,10 @@ class Kernels(Setting):
         super().__init__(engine, budget, eos)
         self.level, self.scratch, self.model_record, self.runtime = level, scratch, model_record, runtime
         self.results: dict[str, dict] = {}
+        self.worker_fed = 0  # positions the worker fed for the builds and reads consumed so far
+
+    def fed_positions(self) -> int:
+        return self.engine.fed_positions + self.worker_fed
 
     def run_worker(self, prefixes: list[Prefix], reference_states: dict[str, KVState], record: dict) -> None:
         for prefix in prefixes:
@@ -266,6 +274,7 @@ class Kernels(Setting):
 
     def build(self, prefix):
         result = self.results[prefix.item_id]
+        self.worker_fed += result["built_positions"]
         state = KVState.from_named_tensors(self.scratch.get(result["built"]))
         return Built(state, f"built with torch's {self.level.name} CPU kernels (ATEN_CPU_CAPABILITY)")
 
@@ -273,6 +282,7 @@ class Kernels(Setting):
         if prefix.ended_by_eos:
             return Decoded((), (), "eos")
         continued = self.results[prefix.item_id]["continued"][fingerprint_cache(to_host(state)).digest]
+        self.worker_fed += continued["positions"]
         return Decoded(tuple(continued["tokens"]), tuple(continued["margins"]), continued["stop"])
 
 
@@ -289,18 +299,22 @@ def run_kernel_worker(folder: str | Path) -> None:
     items = {}
     for entry in request["items"]:
         prefix = Prefix(entry["item_id"], tuple(entry["tokens"]), entry["prompt_length"], entry["ended_by_eos"])
+        start = engine.fed_positions
         built = to_host(setting.build(prefix).state)
+        built_positions = engine.fed_positions - start
         digest = fingerprint_cache(built).digest
         store_cache(scratch, built, digest, record["fingerprint"], runtime.precision)
         continued = {}
         for state in (built, KVState.from_named_tensors(scratch.get(entry["reference"]))):
+            start = engine.fed_positions
             decoded = setting.read(prefix, state, None)
             continued[fingerprint_cache(state).digest] = {
                 "tokens": list(decoded.tokens),
                 "margins": list(decoded.margins),
                 "stop": decoded.stop,
+                "positions": engine.fed_positions - start,
             }
-        items[prefix.item_id] = {"built": digest, "continued": continued}
+        items[prefix.item_id] = {"built": digest, "built_positions": built_positions, "continued": continued}
     answer = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "items": items}
     (folder / "answer.json").write_text(json.dumps(answer))
 
@@ -398,7 +412,12 @@ def run_factor_shard(
                 ]
                 bar.update()
                 continue
-            cells = item_cells(level, prefixes[row["item_id"]], row, caches.state(row), reference, test, base)
+            before = engine.fed_positions
+            reference_state = caches.state(row)
+            reference_fed = engine.fed_positions - before
+            cells = item_cells(
+                level, prefixes[row["item_id"]], row, reference_state, reference, test, base, reference_fed
+            )
             rows += [{**cell, "suffix_object": store.put_tokens(cell["suffix_tokens"])} for cell in cells]
             bar.update()
     bar.close()
@@ -413,9 +432,12 @@ def item_cells(
     reference: Setting,
     test: Setting,
     base: dict,
+    reference_fed: int = 0,
 ) -> list[dict]:
-    """The rows of one item's cells: (t, r), and unless the factor is build-only, (r, t) and (t, t)."""
+    """The rows of one item's cells: (t, r), and unless the factor is build-only, (r, t) and (t, t).
+    ``reference_fed``: positions fed to rebuild the reference cache (0 when it was stored)."""
     reference_suffix = list(reference_row["suffix_tokens"])
+    start = test.fed_positions()
     built = test.build(prefix)
     test_state = to_host(built.state)
     test_fingerprint = fingerprint_cache(test_state)
@@ -429,10 +451,20 @@ def item_cells(
         if a != b or c != d
     ]
     same_bytes = test_fingerprint.digest == reference_row["cache_object"]
-    cells = {WRITE: (test_state, test_fingerprint, reference.read(prefix, test_state, None))}
+    fed: dict[tuple, int] = {}
+
+    def counted(cell: tuple, compute):
+        """Run one cell's computation; what it fed (since ``start`` for the first) is that cell's cost."""
+        nonlocal start
+        result = compute()
+        fed[cell] = test.fed_positions() - start
+        start = test.fed_positions()
+        return result
+
+    cells = {WRITE: (test_state, test_fingerprint, counted(WRITE, lambda: reference.read(prefix, test_state, None)))}
     if level.factor not in BUILD_ONLY:
-        cells[READ] = (reference_state, None, test.read(prefix, reference_state, built))
-        cells[SERVER] = (test_state, test_fingerprint, test.read(prefix, test_state, built))
+        cells[READ] = (reference_state, None, counted(READ, lambda: test.read(prefix, reference_state, built)))
+        cells[SERVER] = (test_state, test_fingerprint, counted(SERVER, lambda: test.read(prefix, test_state, built)))
     write_suffix = list(cells[WRITE][2].tokens)
     if same_bytes and write_suffix != reference_suffix:
         # The same bytes continued by the same reader: only a run that does not reproduce itself differs.
@@ -463,6 +495,7 @@ def item_cells(
                 "suffix_tokens": tokens,
                 "suffix_stop": decoded.stop,
                 "first_divergence": first_divergence(tokens, reference_suffix),
+                "forward_positions": fed[cell] + (reference_fed if cell == WRITE else 0),
             }
         )
     return rows
@@ -500,5 +533,6 @@ def _base_row(level: Level, spec: ShardSpec, row: dict, record: dict, engine: En
         "suffix_tokens": [],
         "suffix_stop": None,
         "first_divergence": None,
+        "forward_positions": None,
         **environment_columns(engine.environment),
     }

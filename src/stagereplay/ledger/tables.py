@@ -192,6 +192,9 @@ FACTOR_SCHEMA = pa.schema(
         ("suffix_tokens", pa.list_(pa.int64())),
         ("suffix_stop", pa.string()),
         ("first_divergence", pa.int32()),  # the first suffix step that differs from the reference's
+        # Token positions this cell fed through the model, padding included (its build, where it built one,
+        # and its continuation); test-ref also counts a reference cache rebuilt because it was not stored.
+        ("forward_positions", pa.int64()),
         ("model_fingerprint", pa.string()),
         *_ENVIRONMENT_FIELDS,
     ]
