@@ -177,6 +177,24 @@ def test_flash_attention_without_its_package_is_not_applicable(factor_run):
     assert figures["applicable"] is False and "verdicts" not in figures
 
 
+def test_the_card_reads_each_level_from_the_summary(factor_run):
+    ledger, _, rows, _ = factor_run
+    card = (ledger / "results.md").read_text()
+    summary = json.loads((ledger / "summary.json").read_text())["E6"]
+    assert "## E6: where divergence enters, per factor level" in card
+    assert (ledger / "report" / "factor_verdicts.png").stat().st_size > 0
+    for level in summary["levels"]:
+        name = f"E6 {level['factor']} {level['level']} (reference {level['reference_level']})"
+        if not level["applicable"]:
+            assert f"{name}: not applicable here" in card
+            continue
+        differ = level["suffixes_differ"]
+        assert f"{name}: " in card and f"suffixes differ on {differ['count']}/{differ['n']}" in card
+    # the per-item view: one row per item and level that ran
+    ran = {(r["factor"], r["level"], r["item_id"]) for r in rows if r["applicable"]}
+    assert card.count("| arith-") >= len(ran)
+
+
 def test_verify_recomputes_e6_from_the_tables(factor_run, tmp_path):
     ledger, config, _, _ = factor_run
     assert stagereplay("verify", ledger).returncode == 0
