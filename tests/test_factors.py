@@ -248,6 +248,7 @@ def test_verdicts(reference, write, read, server, expected):
         ({"kernels": ["avx512"]}, "transformers", frozenset({"avx2", "fma"}), "lacks avx512f"),
         ({"attention": ["flash"]}, "transformers", None, "use sdpa, eager, flash_attention_2"),
         ({"chunk": [0]}, "transformers", None, "is not a positive integer"),
+        ({"prefix_reuse": ["block:64"]}, "transformers", None, "shortest prompt (12 tokens), so a hit could reuse"),
     ],
 )
 def test_bad_levels_get_one_line(factors, engine, flags, needle):

@@ -286,19 +286,6 @@ def check_transplant_plan():
 BLIND_IDS = check_transplant_plan() if TRANSPLANT["enabled"] else []
 
 
-def parse_time_factor_levels():
-    """E6's levels, checked now (factor, level, engine, batch size against the items, the CPU's kernel levels)."""
-    from stagereplay.design.factors import FactorError, check_levels, cpu_flags
-
-    try:
-        return check_levels(config["factors"], engine_of(PRIMARY), len(ITEMS), STAGE["max_new_tokens"], cpu_flags())
-    except FactorError as error:
-        raise WorkflowError(str(error)) from None
-
-
-FACTOR_LEVELS = parse_time_factor_levels()
-
-
 wildcard_constraints:
     checkpoint="[A-Za-z0-9][A-Za-z0-9._-]*",
     precision="bf16|fp16|fp32",
@@ -365,18 +352,34 @@ COMPARE_REBUILDS = STORE_CACHES != "all"
 AUDIT_COMPARE_REBUILDS = AUDIT_STORE_CACHES != "all"
 
 
-def parse_time_max_positions():
-    """The longest sequence a model job holds: the longest prompt (estimated from the items' text:
-    the prompt tokens do not exist yet), the stage and the suffix."""
+def parse_time_prompt_lengths():
+    """Each item's prompt length, estimated from the items' text (the prompt tokens do not exist yet)."""
     from stagereplay.design.projection import estimate_prompt_tokens
     from stagereplay.design.shapes import checkpoint_shapes
 
     shapes = checkpoint_shapes(CHECKPOINTS[PRIMARY], model_folder(PRIMARY))
-    byte_level = shapes is not None and shapes.vocab <= 512
-    return max(estimate_prompt_tokens(ITEMS, byte_level)) + STAGE["max_new_tokens"] + STAGE["suffix_tokens"]
+    return estimate_prompt_tokens(ITEMS, shapes is not None and shapes.vocab <= 512)
 
 
-MAX_POSITIONS = parse_time_max_positions()
+PROMPT_LENGTHS = parse_time_prompt_lengths()
+# The longest sequence a model job holds: the longest prompt, the stage and the suffix.
+MAX_POSITIONS = max(PROMPT_LENGTHS) + STAGE["max_new_tokens"] + STAGE["suffix_tokens"]
+
+
+def parse_time_factor_levels():
+    """E6's levels, checked now (factor, level, engine, batch size against the items, a prefix-cache block
+    against the shortest prompt, the CPU's kernel levels)."""
+    from stagereplay.design.factors import FactorError, check_levels, cpu_flags
+    from stagereplay.design.projection import measured_prompt_tokens
+
+    prompts = measured_prompt_tokens(LAYOUT.prompts(PRIMARY)) or PROMPT_LENGTHS
+    try:
+        return check_levels(config["factors"], engine_of(PRIMARY), len(ITEMS), min(prompts), cpu_flags())
+    except FactorError as error:
+        raise WorkflowError(str(error)) from None
+
+
+FACTOR_LEVELS = parse_time_factor_levels()
 
 
 def device_memory_mb(runtime):

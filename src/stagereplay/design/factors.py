@@ -100,7 +100,7 @@ def check_levels(
     factors: dict,
     engine: str,
     item_count: int,
-    max_new_tokens: int,
+    shortest_prompt: int,
     cpu_flags: frozenset[str] | None = None,
 ) -> list[Level]:
     """Every configured test level, checked before any job; one line naming the supported values otherwise."""
@@ -119,12 +119,12 @@ def check_levels(
         if len(set(names)) != len(names):
             raise FactorError(f"factors.{factor}: a level is listed twice — list each once")
         for name in names:
-            _check_level(factor, name, item_count, max_new_tokens, cpu_flags)
+            _check_level(factor, name, item_count, shortest_prompt, cpu_flags)
             levels.append(Level(factor, name))
     return levels
 
 
-def _check_level(factor: str, name: str, item_count: int, max_new_tokens: int, cpu_flags) -> None:
+def _check_level(factor: str, name: str, item_count: int, shortest_prompt: int, cpu_flags) -> None:
     if factor == "batch":
         size = _positive_int(factor, name, "a batch size such as 2, 4 or 8")
         if size > item_count:
@@ -143,6 +143,13 @@ def _check_level(factor: str, name: str, item_count: int, max_new_tokens: int, c
             raise FactorError(
                 f"factors.prefix_reuse: unknown level {name!r} — use prompt (the cached prompt) or block:N"
                 " (the longest run of whole N-token blocks of the prefix)"
+            )
+        # Every context holds its prompt, so a block no longer than the shortest prompt is reused on every item.
+        if name != "prompt" and Level(factor, name).value > shortest_prompt:
+            raise FactorError(
+                f"factors.prefix_reuse: a block of {Level(factor, name).value} tokens is longer than the shortest"
+                f" prompt ({shortest_prompt} tokens), so a hit could reuse nothing — use block:N with N at most"
+                f" {shortest_prompt}"
             )
     elif factor == "kernels":
         if name not in KERNEL_LEVELS:
