@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Check a GPU node before a long run: E1 (matched, with replicas) and E3 (bridge)
-# on the embedded model, 16 items, bf16 and fp32 (config/gpu_check.yaml); then
-# print precision, device, TF32, determinism, suffixes that differ, bridge
-# bit-exact and exact replicas. Meant to take well under 5 minutes on one GPU.
+# on the embedded model, 16 items, bf16 and fp32, and E6 on eager attention, a batch
+# of 4, chunks of 64 and a prompt-cache hit (config/gpu_check.yaml); then print
+# precision, device, TF32, determinism, suffixes that differ, bridge bit-exact,
+# exact replicas and one line per E6 level. Meant to take well under 5 minutes on one GPU.
 #
 #   SPEC=envs/cuda.txt bash envs/setup.sh    # once, on the node (or a shared filesystem)
 #   bash bench/gpu_check.sh                  # extra arguments go to snakemake

@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         "E1 replicas exact",
     ]
     print(markdown(header, rows(summary)))
+    if "E6" in summary:  # the E6 sweep on the GPU: one sentence per factor level, as the card reads it
+        from stagereplay.report.reading import e6_reading
+
+        print("\n" + "\n".join(f"- {line}" for line in e6_reading(summary["E6"])))
     if any(entry["device"] == "cuda" and entry["tf32"] for entry in summary["environment"]):
         print("\nTF32 was on for a CUDA run: its fp32 arm is not fp32 — report this as a bug", file=sys.stderr)
         return 1

@@ -256,6 +256,11 @@ def test_bad_levels_get_one_line(factors, engine, flags, needle):
         check_levels(factors, engine, 4, 12, flags)
 
 
+def test_cpu_settings_are_refused_on_a_gpu_run():
+    with pytest.raises(FactorError, match="factors.kernels: sets how the CPU computes, but runtime.device is cuda"):
+        check_levels({"kernels": ["default"]}, "transformers", 4, 12, frozenset({"avx2"}), "cuda")
+
+
 def test_a_bad_factor_stops_snakemake_before_any_job(factor_run, tmp_path):
     ledger, config, _, _ = factor_run
     data = yaml.safe_load(config.read_text())

@@ -31,6 +31,8 @@ KERNEL_LEVELS = {
     "avx2": ("avx2", "fma"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
 }
+# Settings of the CPU's own computation: nothing on a GPU run.
+CPU_ONLY = frozenset({"threads", "kernels"})
 # The engines each factor runs on today.
 FACTOR_ENGINES = {factor: ("transformers",) for factor in FACTORS}
 
@@ -102,12 +104,18 @@ def check_levels(
     item_count: int,
     shortest_prompt: int,
     cpu_flags: frozenset[str] | None = None,
+    device: str = "cpu",
 ) -> list[Level]:
     """Every configured test level, checked before any job; one line naming the supported values otherwise."""
     levels = []
     for factor, given in factors.items():
         if factor not in FACTORS:
             raise FactorError(f"factors: unknown factor {factor!r} — use one of {', '.join(FACTORS)}")
+        if factor in CPU_ONLY and device != "cpu":
+            raise FactorError(
+                f"factors.{factor}: sets how the CPU computes, but runtime.device is {device} — remove it, or run"
+                " this config with device: cpu"
+            )
         if engine not in FACTOR_ENGINES[factor]:
             raise FactorError(
                 f"factors.{factor}: not supported on the {engine} engine — run it on a checkpoint of the"
