@@ -199,7 +199,7 @@ def cmd_transplant(args) -> None:
 
 def cmd_factor(args) -> None:
     from stagereplay.design.factors import Level
-    from stagereplay.experiments.factors import run_factor_shard
+    from stagereplay.experiments.factor_job import run_factor_shard
 
     run_factor_shard(
         args.model_record,

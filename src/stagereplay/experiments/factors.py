@@ -1,13 +1,11 @@
-"""One E6 job: one factor level over one shard of items — build under each level, continue under each.
+"""E6's levels as settings: how each one builds an item's boundary state over ``prefix[:-1]`` and how it
+continues from one (the job that runs them is ``factor_job``; the cells and verdicts are defined in
+``design.factors``).
 
-The cells and verdicts are defined in ``design.factors``. Every item starts from its E2 prefill row at
-the factor precision (the reference, ``(r, r)``): its prefix tokens, its cache (read from the store, or
-rebuilt and checked against its fingerprints) and its suffix. A level is a ``Setting``: how it builds
-the boundary state over ``prefix[:-1]`` and how it continues from one. The reference setting is the
-one E2 ran: a one-shot prefill, then greedy decoding at batch 1.
-
-Test-built caches are fingerprinted and compared with the reference layer by layer; their tensors are
-not stored (any of them is rebuilt from the saved tokens and the level).
+The reference setting is the one E2 ran: a one-shot prefill, then greedy decoding at batch 1 with the
+run's threads and attention. A test level switches a setting around its builds and reads (threads,
+attention), builds another way (chunks, a prefix-cache hit), runs in a batch, or runs in a worker
+process of its own (CPU kernels, fixed when torch starts).
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,30 +22,16 @@ from pathlib import Path
 
 import torch
 
-from stagereplay.design.factors import (
-    BUILD_ONLY,
-    READ,
-    SERVER,
-    WRITE,
-    FactorError,
-    Level,
-    cell_label,
-    cells_of,
-    reference_level,
-)
+from stagereplay.design.factors import FactorError, Level
 from stagereplay.engines.base import Engine, ModelError, Runtime
 from stagereplay.engines.registry import load_checkpoint
-from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.experiments.decode import Decoded, continue_from, greedy_choice
-from stagereplay.experiments.difference import cache_difference
-from stagereplay.experiments.job import ShardSpec, environment_columns, progress_bar
-from stagereplay.experiments.recompute import CacheSource, ModelPool
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore, store_cache
-from stagereplay.ledger.tables import FACTOR_SCHEMA, TRAJECTORY_SCHEMA, LedgerError, read_table, write_table
+from stagereplay.ledger.tables import LedgerError
 
 
 @dataclass(frozen=True)
@@ -319,7 +302,7 @@ def run_kernel_worker(folder: str | Path) -> None:
     (folder / "answer.json").write_text(json.dumps(answer))
 
 
-def test_setting(level: Level, engine: Engine, runtime: Runtime, budget, eos, prefixes, scratch, record) -> Setting:
+def level_setting(level: Level, engine: Engine, runtime: Runtime, budget, eos, prefixes, scratch, record) -> Setting:
     factor = level.factor
     if factor == "threads":
         return Switched(engine, budget, eos, engine.use_threads, level.value, runtime.threads)
@@ -345,194 +328,3 @@ def not_applicable(level: Level, engine: Engine) -> str | None:
             return str(error)
         engine.use_attention(engine.environment.attn_implementation)
     return None
-
-
-def run_factor_shard(
-    model_record: str | Path,
-    level: Level,
-    reference_shards: list[str | Path],
-    spec: ShardSpec,
-    runtime: Runtime,
-    suffix_tokens: int,
-    store_root: str | Path,
-    out_path: str | Path,
-    source_store_root: str | Path | None = None,
-) -> Path:
-    """The cells of one factor level for the items of one shard (``reference_shards[spec.shard]``'s).
-
-    ``reference_shards`` are every shard of the E2 prefill rows at the factor precision: a batch's
-    companions may come from any of them.
-    """
-    record = read_model_record(model_record)
-    store = ObjectStore(store_root)
-    source_store = ObjectStore(source_store_root or store_root)
-    references = {}
-    for path in reference_shards:
-        for row in read_table(path, TRAJECTORY_SCHEMA).to_pylist():
-            if row["construction"] != "prefill" or row["replica"] != 0:
-                raise LedgerError(
-                    f"{path} is not a shard of prefill rows (replica 0) — E6 starts from E2's prefill rows"
-                )
-            references[row["item_id"]] = row
-    own = read_table(reference_shards[spec.shard], TRAJECTORY_SCHEMA).to_pylist()
-    engine = load_checkpoint(record, runtime)
-    models = ModelPool({spec.checkpoint: model_record}, runtime, {(spec.checkpoint, spec.precision): engine})
-    caches = CacheSource([source_store] + ([store] if store.root != source_store.root else []), models)
-    prefixes = {
-        item_id: Prefix(
-            item_id,
-            tuple(source_store.get_tokens(row["prefix_object"])),
-            row["prompt_length"],
-            row["boundary_reason"] == "eos",
-        )
-        for item_id, row in references.items()
-    }
-    eos = engine.eos_ids
-    reason = not_applicable(level, engine)
-    rows = []
-    bar, _ = progress_bar(len(own), f"factor {level.factor}={level.name} {spec.precision} shard {spec.shard}")
-    with tempfile.TemporaryDirectory(prefix="stagereplay-prefix-reuse-") as scratch:
-        reference = Setting(engine, suffix_tokens, eos)
-        test = test_setting(
-            level, engine, runtime, suffix_tokens, eos, prefixes, ObjectStore(scratch), {**record, "path": model_record}
-        )
-        if isinstance(test, Kernels) and reason is None:
-            mine = [prefixes[row["item_id"]] for row in own]
-            test.run_worker(mine, {row["item_id"]: caches.state(row) for row in own}, record)
-        for row in own:
-            if row["model_fingerprint"] != record["fingerprint"]:
-                raise LedgerError(
-                    f"item {row['item_id']}: its prefill row came from model {row['model_fingerprint']}, not"
-                    f" {record['fingerprint']} — rerun the E2 jobs of this checkpoint"
-                )
-            base = _base_row(level, spec, row, record, engine, runtime)
-            if reason is not None:
-                rows += [
-                    {**base, **_cell(cell), "applicable": False, "reason": reason} for cell in cells_of(level.factor)
-                ]
-                bar.update()
-                continue
-            before = engine.fed_positions
-            reference_state = caches.state(row)
-            reference_fed = engine.fed_positions - before
-            cells = item_cells(
-                level, prefixes[row["item_id"]], row, reference_state, reference, test, base, reference_fed
-            )
-            rows += [{**cell, "suffix_object": store.put_tokens(cell["suffix_tokens"])} for cell in cells]
-            bar.update()
-    bar.close()
-    return write_table(rows, FACTOR_SCHEMA, out_path)
-
-
-def item_cells(
-    level: Level,
-    prefix: Prefix,
-    reference_row: dict,
-    reference_state: KVState,
-    reference: Setting,
-    test: Setting,
-    base: dict,
-    reference_fed: int = 0,
-) -> list[dict]:
-    """The rows of one item's cells: (t, r), and unless the factor is build-only, (r, t) and (t, t).
-    ``reference_fed``: positions fed to rebuild the reference cache (0 when it was stored)."""
-    reference_suffix = list(reference_row["suffix_tokens"])
-    start = test.fed_positions()
-    built = test.build(prefix)
-    test_state = to_host(built.state)
-    test_fingerprint = fingerprint_cache(test_state)
-    keys, values = cache_difference(reference_state, test_state)
-    layer_max_abs = [max(k.max_abs, v.max_abs) for k, v in zip(keys, values)]
-    differing = [
-        layer
-        for layer, (a, b, c, d) in enumerate(
-            zip(test_fingerprint.keys, reference_row["layer_k"], test_fingerprint.values, reference_row["layer_v"])
-        )
-        if a != b or c != d
-    ]
-    same_bytes = test_fingerprint.digest == reference_row["cache_object"]
-    fed: dict[tuple, int] = {}
-
-    def counted(cell: tuple, compute):
-        """Run one cell's computation; what it fed (since ``start`` for the first) is that cell's cost."""
-        nonlocal start
-        result = compute()
-        fed[cell] = test.fed_positions() - start
-        start = test.fed_positions()
-        return result
-
-    cells = {WRITE: (test_state, test_fingerprint, counted(WRITE, lambda: reference.read(prefix, test_state, None)))}
-    if level.factor not in BUILD_ONLY:
-        cells[READ] = (reference_state, None, counted(READ, lambda: test.read(prefix, reference_state, built)))
-        cells[SERVER] = (test_state, test_fingerprint, counted(SERVER, lambda: test.read(prefix, test_state, built)))
-    write_suffix = list(cells[WRITE][2].tokens)
-    if same_bytes and write_suffix != reference_suffix:
-        # The same bytes continued by the same reader: only a run that does not reproduce itself differs.
-        raise LedgerError(
-            f"item {prefix.item_id}: the reference cache rebuilt under {level.factor}={level.name} continued"
-            " differently from its E2 row — this environment does not reproduce the ledger; run where it was written"
-        )
-    rows = []
-    for cell, (_, fingerprint, decoded) in cells.items():
-        tokens = list(decoded.tokens)
-        is_test_cache = fingerprint is not None
-        rows.append(
-            {
-                **base,
-                **_cell(cell),
-                "applicable": True,
-                "reason": None,
-                "setting": built.note if is_test_cache else "the reference cache",
-                "reused_tokens": built.reused_tokens,
-                "reused_digest": built.reused_digest,
-                "companions": list(built.companions),
-                "cache_digest": (fingerprint.digest if is_test_cache else reference_row["cache_object"]),
-                "layer_k": list(fingerprint.keys if is_test_cache else reference_row["layer_k"]),
-                "layer_v": list(fingerprint.values if is_test_cache else reference_row["layer_v"]),
-                "cache_differs": not same_bytes if is_test_cache else False,
-                "first_differing_layer": (differing[0] if differing else None) if is_test_cache else None,
-                "layer_max_abs": layer_max_abs if is_test_cache else [0.0] * len(layer_max_abs),
-                "suffix_tokens": tokens,
-                "suffix_stop": decoded.stop,
-                "first_divergence": first_divergence(tokens, reference_suffix),
-                "forward_positions": fed[cell] + (reference_fed if cell == WRITE else 0),
-            }
-        )
-    return rows
-
-
-def _cell(cell: tuple[str, str]) -> dict:
-    return {"build": cell[0], "read": cell[1], "cell": cell_label(cell)}
-
-
-def _base_row(level: Level, spec: ShardSpec, row: dict, record: dict, engine: Engine, runtime: Runtime) -> dict:
-    return {
-        "checkpoint": spec.checkpoint,
-        "precision": spec.precision,
-        "factor": level.factor,
-        "level": level.name,
-        "reference_level": reference_level(
-            level.factor, dataclasses.asdict(runtime), engine.environment.cpu_capability
-        ),
-        "item_id": row["item_id"],
-        "reference_cache": row["cache_object"],
-        "reference_suffix": row["suffix_object"],
-        "suffix_object": None,
-        "prefix_object": row["prefix_object"],
-        "model_fingerprint": record["fingerprint"],
-        "setting": None,
-        "reused_tokens": None,
-        "reused_digest": None,
-        "companions": [],
-        "cache_digest": None,
-        "layer_k": [],
-        "layer_v": [],
-        "cache_differs": None,
-        "first_differing_layer": None,
-        "layer_max_abs": [],
-        "suffix_tokens": [],
-        "suffix_stop": None,
-        "first_divergence": None,
-        "forward_positions": None,
-        **environment_columns(engine.environment),
-    }
