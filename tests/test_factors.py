@@ -195,6 +195,16 @@ def test_the_card_reads_each_level_from_the_summary(factor_run):
     assert card.count("| arith-") >= len(ran)
 
 
+def test_show_prints_the_items_cells(factor_run):
+    ledger, _, rows, _ = factor_run
+    result = stagereplay("show", ledger, "arith-000")
+    assert result.returncode == 0, result.stderr
+    ran = sorted({f"{r['factor']} {r['level']}" for r in rows if r["applicable"] and r["item_id"] == "arith-000"})
+    assert "E6 factors (item arith-000)" in result.stdout
+    for level in ran:
+        assert f"  {level}: " in result.stdout
+
+
 def test_verify_recomputes_e6_from_the_tables(factor_run, tmp_path):
     ledger, config, _, _ = factor_run
     assert stagereplay("verify", ledger).returncode == 0

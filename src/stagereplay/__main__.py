@@ -430,9 +430,12 @@ def cmd_report(args) -> None:
 
 
 def cmd_show(args) -> None:
+    from stagereplay.report.factor_view import ledger_factor_text
     from stagereplay.report.item_view import ledger_item, show_text
 
-    print("\n\n".join(show_text(record) for record in ledger_item(args.ledger, args.item_id)))
+    texts = [show_text(record) for record in ledger_item(args.ledger, args.item_id)]
+    factors = ledger_factor_text(args.ledger, args.item_id)
+    print("\n\n".join(texts + ([factors] if factors else [])))
 
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:

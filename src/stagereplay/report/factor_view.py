@@ -7,7 +7,10 @@ vocabulary table; the verdict is summary.item_verdicts', so the per-item view an
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from stagereplay.report.item_view import spell, visible
 from stagereplay.report.summary import item_verdicts
@@ -51,7 +54,7 @@ def factor_item_rows(
             cache = (
                 f"differs from layer {built['first_differing_layer']} (max |Δ| {max(built['layer_max_abs']):.3g})"
                 if built["cache_differs"]
-                else "same bytes"
+                else "same bytes as the reference"
             )
             if built["reused_tokens"] is not None:
                 cache += f"; {built['reused_tokens']} positions reused"
@@ -74,3 +77,24 @@ def factor_item_blocks(rows: list[list[str]]) -> list[tuple]:
             [("table", COLUMNS, rows)],
         ),
     ]
+
+
+def ledger_factor_text(root: str | Path, item_id: str) -> str | None:
+    """``stagereplay show``: the item's E6 rows as text, or None when the ledger has no E6."""
+    from stagereplay.ledger.layout import LedgerLayout
+    from stagereplay.ledger.tables import FACTOR_SCHEMA, TRAJECTORY_SCHEMA, read_table
+    from stagereplay.report.item_view import read_vocabularies
+
+    ledger = LedgerLayout(root)
+    if not Path(ledger.table("factors")).is_file():
+        return None
+    factors = read_table(ledger.table("factors"), FACTOR_SCHEMA)
+    factors = factors.filter(pa.compute.equal(factors.column("item_id"), item_id))
+    checkpoints = sorted(set(factors.column("checkpoint").to_pylist()))
+    vocabularies = read_vocabularies({name: ledger.vocab(name) for name in checkpoints})
+    rows = factor_item_rows(factors, read_table(ledger.table("trajectories"), TRAJECTORY_SCHEMA), vocabularies)
+    lines = [f"E6 factors (item {item_id}): verdict; built cache; each cell's suffix against the reference"]
+    for _, level, verdict, cache, *cells in rows:
+        lines.append(f"  {level}: {verdict}; built cache: {cache}")
+        lines += [f"    {cell}: {text}" for cell, text in zip(COLUMNS[4:], cells) if text != "—"]
+    return "\n".join(lines)
