@@ -18,6 +18,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from stagereplay.report.plots import PLOT_FILES
+
 pytestmark = pytest.mark.slow
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -156,9 +158,10 @@ def test_the_card_renders_every_item_every_mark_and_every_image(test_run, tmp_pa
     report = rendered(ledger / "report" / "results.html", tmp_path)
     assert problems(report, divergence) == []
     assert panel_problems(report, panel_expected(ledger)) == []
-    # The card's five plots and one per-layer plot per divergent item, each decoded by the browser.
+    # The card's plots (each written whether or not its experiment ran) and one per-layer plot per
+    # divergent item, each decoded by the browser.
     divergent = sum(at is not None for at in divergence.values())
-    assert len(report["images"]) == 5 + divergent
+    assert len(report["images"]) == len(PLOT_FILES) + divergent
     assert all(image["complete"] for image in report["images"])
 
 
