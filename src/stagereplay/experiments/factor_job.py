@@ -78,9 +78,14 @@ def run_factor_shard(
         test = level_setting(
             level, engine, runtime, suffix_tokens, eos, prefixes, ObjectStore(scratch), {**record, "path": model_record}
         )
+        # The kernels worker needs every reference cache first; they are read (or rebuilt) once, here.
+        early: dict[str, tuple[KVState, int]] = {}
         if isinstance(test, Kernels) and reason is None:
+            for row in own:
+                before = engine.fed_positions
+                early[row["item_id"]] = (caches.state(row), engine.fed_positions - before)
             mine = [prefixes[row["item_id"]] for row in own]
-            test.run_worker(mine, {row["item_id"]: caches.state(row) for row in own}, record)
+            test.run_worker(mine, {item_id: state for item_id, (state, _) in early.items()}, record)
         for row in own:
             if row["model_fingerprint"] != record["fingerprint"]:
                 raise LedgerError(
@@ -94,9 +99,12 @@ def run_factor_shard(
                 ]
                 bar.update()
                 continue
-            before = engine.fed_positions
-            reference_state = caches.state(row)
-            reference_fed = engine.fed_positions - before
+            if row["item_id"] in early:
+                reference_state, reference_fed = early.pop(row["item_id"])
+            else:
+                before = engine.fed_positions
+                reference_state = caches.state(row)
+                reference_fed = engine.fed_positions - before
             cells = item_cells(
                 level, prefixes[row["item_id"]], row, reference_state, reference, test, base, reference_fed
             )
