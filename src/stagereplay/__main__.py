@@ -483,16 +483,22 @@ def _add_store_caches(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_rebuild_runtime(parser: argparse.ArgumentParser) -> None:
-    """What a light job needs to rebuild a cache that is not stored: the models and how to run them."""
+def _add_model_records(parser: argparse.ArgumentParser, help_text: str, required: bool = False) -> None:
+    """``--model NAME RECORD``, repeated: the checkpoints a command reads, by name, with their model.json."""
     parser.add_argument(
         "--model",
         nargs=2,
         action="append",
-        default=[],
+        default=None if required else [],
+        required=required,
         metavar=("NAME", "RECORD"),
-        help="a checkpoint's name and model.json (repeat); without one, every cache must be stored",
+        help=help_text,
     )
+
+
+def _add_rebuild_runtime(parser: argparse.ArgumentParser) -> None:
+    """What a light job needs to rebuild a cache that is not stored: the models and how to run them."""
+    _add_model_records(parser, "a checkpoint's name and model.json (repeat); without one, every cache must be stored")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads, as the model jobs ran")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
@@ -595,14 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("provenance", help="record what the ledger is computed from: config, items, models, versions")
     p.add_argument("--design", required=True, help="the resolved config as JSON")
     p.add_argument("--items", required=True, help="the ledger's items.jsonl")
-    p.add_argument(
-        "--model",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("NAME", "RECORD"),
-        help="a used checkpoint and its model.json (repeat)",
-    )
+    _add_model_records(p, "a used checkpoint and its model.json (repeat)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_provenance)
 
@@ -758,13 +757,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comparisons", required=True)
     p.add_argument("--transplants", default=None, help="transplants table (absent when E5 is not run)")
     p.add_argument("--factors", default=None, help="factors table (absent when E6 is not run)")
-    p.add_argument(
-        "--model",
-        nargs=2,
-        action="append",
-        required=True,
-        metavar=("NAME", "RECORD"),
-        help="a checkpoint's name and its model.json (repeat for every checkpoint the run used)",
+    _add_model_records(
+        p, "a checkpoint's name and its model.json (repeat for every checkpoint the run used)", required=True
     )
     p.add_argument(
         "--vocab",
