@@ -26,6 +26,7 @@ import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from stagereplay.design.factors import ATTENTION_LEVELS
 from stagereplay.design.names import TransplantError
 from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
 from stagereplay.ledger.kvstate import KVState
@@ -144,9 +145,9 @@ class TransformersEngine(Engine):
         torch.set_num_threads(threads)
 
     def use_attention(self, implementation: str) -> None:
-        if implementation not in ATTENTION_IMPLEMENTATIONS + ("flash_attention_2",):
+        if implementation not in ATTENTION_LEVELS:
             raise ModelError(
-                f"unknown attention implementation {implementation!r} — use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+                f"unknown attention implementation {implementation!r} — use one of {', '.join(ATTENTION_LEVELS)}"
             )
         try:
             self.model.set_attn_implementation(implementation)

@@ -56,13 +56,21 @@ def decode_greedy(
     stop_after: Callable[[list[int]], bool] | None = None,
     on_token: Callable[[], None] | None = None,
     stop_reason: str = "marker",
+    feed: Callable[[int], torch.Tensor] | None = None,
 ) -> Decoded:
     """Choose from ``logits``, feed the choice, repeat: until EOS, the budget or ``stop_after``
     (which ends decoding with ``stop_reason``).
 
     The last emitted token is never fed, so on return ``cache`` covers every
     input before it: exactly the boundary state when decoding ends a stage.
+    ``feed`` replaces feeding ``cache`` one token (a batch feeds its other rows too): it takes the
+    chosen token and returns the next logits.
     """
+    if feed is None:
+
+        def feed(token: int) -> torch.Tensor:
+            return engine.forward([token], cache)
+
     tokens: list[int] = []
     margins: list[float] = []
     with torch.inference_mode():
@@ -78,7 +86,7 @@ def decode_greedy(
                 return Decoded(tuple(tokens), tuple(margins), stop_reason)
             if len(tokens) >= max_new_tokens:
                 return Decoded(tuple(tokens), tuple(margins), "budget")
-            logits = engine.forward([token], cache)
+            logits = feed(token)
 
 
 def read_out(engine: Engine, cache, pending: int, cue: ReadoutCue) -> Readout:

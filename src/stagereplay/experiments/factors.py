@@ -26,7 +26,7 @@ from stagereplay.design.factors import FactorError, Level
 from stagereplay.engines.base import Engine, ModelError, Runtime
 from stagereplay.engines.registry import load_checkpoint
 from stagereplay.experiments.constructions import build_boundary_state
-from stagereplay.experiments.decode import Decoded, continue_from, greedy_choice
+from stagereplay.experiments.decode import Decoded, continue_from, decode_greedy, greedy_choice
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
@@ -55,6 +55,7 @@ class Built:
     reused_tokens: int | None = None
     reused_digest: str | None = None
     companions: tuple[str, ...] = ()
+    companion_states: tuple[KVState, ...] = ()  # a batch's other rows, as the same batched prefill built them
 
 
 class Setting:
@@ -164,7 +165,6 @@ class Batch(Setting):
         super().__init__(engine, budget, eos)
         self.size, self.prefixes = size, prefixes
         self.order = sorted(prefixes)
-        self.companion_states: dict[str, list[KVState]] = {}
 
     def companions(self, item_id: str) -> tuple[str, ...]:
         start = self.order.index(item_id)
@@ -175,30 +175,24 @@ class Batch(Setting):
         rows = [prefix.context] + [self.prefixes[name].context for name in companions]
         batch, _ = self.engine.batch_forward(None, rows)
         states = [self.engine.batch_row(batch, row) for row in range(len(rows))]
-        self.companion_states[prefix.item_id] = states[1:]
         note = f"batch of {self.size}" + (f" with {', '.join(companions)}" if companions else "")
-        return Built(states[0], note, companions=companions)
+        return Built(states[0], note, companions=companions, companion_states=tuple(states[1:]))
 
     def read(self, prefix, state, built):
         if prefix.ended_by_eos:
             return Decoded((), (), "eos")
-        companions = self.companions(prefix.item_id)
-        batch = self.engine.batch_of([state, *self.companion_states[prefix.item_id]])
-        pending = [prefix.tokens[-1]] + [self.prefixes[name].tokens[-1] for name in companions]
-        tokens: list[int] = []
-        margins: list[float] = []
-        while True:
-            batch, logits = self.engine.batch_forward(batch, [[token] for token in pending])
-            choices = [greedy_choice(row) for row in logits]
-            token, margin = choices[0]
-            tokens.append(token)
-            margins.append(margin)
-            if token in self.eos:
-                return Decoded(tuple(tokens), tuple(margins), "eos")
-            if len(tokens) >= self.budget:
-                return Decoded(tuple(tokens), tuple(margins), "budget")
-            # A finished companion keeps decoding: the batch keeps its shape while the item's row runs.
-            pending = [choice for choice, _ in choices]
+        batch = self.engine.batch_of([state, *built.companion_states])
+        # Row 0 is decoded greedily as at batch 1; the other rows feed their own greedy choices alongside. A
+        # finished companion keeps decoding: the batch keeps its shape while the item's row runs.
+        others = [self.prefixes[name].tokens[-1] for name in built.companions]
+
+        def feed(token: int) -> torch.Tensor:
+            nonlocal batch, others
+            batch, logits = self.engine.batch_forward(batch, [[token], *([other] for other in others)])
+            others = [greedy_choice(row)[0] for row in logits[1:]]
+            return logits[0]
+
+        return decode_greedy(self.engine, None, feed(prefix.tokens[-1]), self.budget, self.eos, feed=feed)
 
 
 class Kernels(Setting):
@@ -217,22 +211,16 @@ class Kernels(Setting):
         return self.engine.fed_positions + self.worker_fed
 
     def run_worker(self, prefixes: list[Prefix], reference_states: dict[str, KVState], record: dict) -> None:
+        digests = {}
         for prefix in prefixes:
             state = to_host(reference_states[prefix.item_id])
-            store_cache(
-                self.scratch, state, fingerprint_cache(state).digest, record["fingerprint"], self.runtime.precision
-            )
+            digests[prefix.item_id] = fingerprint_cache(state).digest
+            store_cache(self.scratch, state, digests[prefix.item_id], record["fingerprint"], self.runtime.precision)
         request = {
             "model_record": str(self.model_record),
             "runtime": dataclasses.asdict(self.runtime),
             "budget": self.budget,
-            "items": [
-                {
-                    **dataclasses.asdict(prefix),
-                    "reference": fingerprint_cache(to_host(reference_states[prefix.item_id])).digest,
-                }
-                for prefix in prefixes
-            ],
+            "items": [{**dataclasses.asdict(prefix), "reference": digests[prefix.item_id]} for prefix in prefixes],
         }
         folder = Path(self.scratch.root)
         (folder / "request.json").write_text(json.dumps(request))
