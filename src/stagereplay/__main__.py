@@ -24,6 +24,7 @@ def _runtime(args):
         threads=args.threads,
         attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code,
+        flash_attn=args.flash_attn,
         max_positions=args.max_positions,
         device_memory_gb=args.device_memory_gb,
     )
@@ -249,7 +250,9 @@ def cmd_apply_storage(args) -> None:
     trajectories = read_table(ledger.table("trajectories"), TRAJECTORY_SCHEMA).to_pylist()
     transplants_path = Path(ledger.table("transplants"))
     transplants = read_table(transplants_path, TRANSPLANT_SCHEMA).to_pylist() if transplants_path.is_file() else []
-    runtime = Runtime("fp32", args.device, args.threads, args.attn_implementation, args.trust_remote_code)
+    runtime = Runtime(
+        "fp32", args.device, args.threads, args.attn_implementation, args.trust_remote_code, flash_attn=args.flash_attn
+    )
     models = ModelPool(dict(args.model), runtime) if args.model else None
     change = apply_policy(args.policy, ObjectStore(ledger.objects), trajectories, transplants, models)
     print(change.line())
@@ -288,7 +291,9 @@ def cmd_compare(args) -> None:
         {name: replication_specs(args.matched_precision) for name in args.replications if name != args.primary}
     )
     # With the model records given, a cache that is not stored (store_caches selected or none) is rebuilt.
-    runtime = Runtime("fp32", args.device, args.threads, args.attn_implementation, args.trust_remote_code)
+    runtime = Runtime(
+        "fp32", args.device, args.threads, args.attn_implementation, args.trust_remote_code, flash_attn=args.flash_attn
+    )
     models = ModelPool(dict(args.model), runtime) if args.model else None
     stores = [ObjectStore(root) for root in [args.store, *args.source_store]]
     table = comparison_table(read_table(args.trajectories, TRAJECTORY_SCHEMA), CacheSource(stores, models), specs)
@@ -438,14 +443,29 @@ def cmd_show(args) -> None:
     print("\n\n".join(texts + ([factors] if factors else [])))
 
 
+def _precision(text: str) -> str:
+    """bf16, or a precision llama.cpp runs (fp16, fp32, or a cache type such as q8_0 or q8_0-fp16)."""
+    from stagereplay.design.cache_types import CacheTypeError, cache_types
+
+    if text != "bf16":
+        try:
+            cache_types(text)
+        except CacheTypeError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-record", required=True, help="model.json written by register-model")
     parser.add_argument("--items", required=True, help="normalised items.jsonl")
     parser.add_argument("--checkpoint", required=True, help="checkpoint name (recorded in every row)")
-    parser.add_argument("--precision", required=True, choices=["bf16", "fp16", "fp32"])
+    parser.add_argument(
+        "--precision", required=True, type=_precision, help="bf16, fp16, fp32 or a llama.cpp cache type"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--threads", type=int, required=True, help="intra-op threads (fixed: replicas depend on it)")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention")
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)"
     )
@@ -502,6 +522,7 @@ def _add_rebuild_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads, as the model jobs ran")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention, as the jobs ran")
     parser.add_argument("--trust-remote-code", action="store_true")
 
 

@@ -9,6 +9,12 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
+from stagereplay.design.cache_types import (
+    LLAMACPP_PRECISION_PATTERN,
+    CacheTypeError,
+    cache_types,
+    check_cache_precision,
+)
 from stagereplay.design.factors import FACTORS as FACTOR_NAMES
 from stagereplay.design.jobs import job_list
 from stagereplay.ledger.layout import LedgerLayout
@@ -200,21 +206,44 @@ def engine_of(name):
     return engine
 
 
-def check_llamacpp_precisions():
-    """A llama.cpp checkpoint's precision is its KV cache type: refuse bf16 (or any other) before any job runs."""
+def check_precisions():
+    """Every checkpoint's precisions, before any job runs: a transformers checkpoint's are torch dtypes; a
+    llama.cpp checkpoint's are its KV cache types, a quantized V needs flash attention, and a quantized cache
+    is never cast to another precision (E5's cross-precision transplant)."""
     asked = {PRIMARY: {E1, *FIXED["precisions"], *([CROSS] if CROSS and TRANSPLANT["enabled"] else [])}}
     asked.setdefault(BLIND_CHECKPOINT, set()).add(E1)
     for name, precisions in asked.items():
         if name not in CHECKPOINTS:  # an unknown outcome-blind checkpoint: check_transplant_plan names it
             continue
-        other = sorted(precisions - {"fp16", "fp32"})
-        if engine_of(name) == "llamacpp" and other:
+        if engine_of(name) != "llamacpp":
+            other = sorted(precisions - {"bf16", "fp16", "fp32"})
+            if other:
+                raise WorkflowError(
+                    f"checkpoint {name!r} runs on transformers: {', '.join(other)} is a llama.cpp cache type — use bf16, fp16 or fp32 for its precisions"
+                )
+            continue
+        if "bf16" in precisions:
             raise WorkflowError(
-                f"checkpoint {name!r} runs on llama.cpp, whose precision is the KV cache type: {', '.join(other)} is not one — use fp16 or fp32 for its precisions"
+                f"checkpoint {name!r} runs on llama.cpp, whose precision is the KV cache type: bf16 is not one — use fp16, fp32, q8_0 or q4_0 for its precisions"
             )
+        for precision in sorted(precisions):
+            try:
+                check_cache_precision(precision, RUNTIME["flash_attn"])
+            except CacheTypeError as error:
+                raise WorkflowError(f"checkpoint {name!r}: {error}") from None
+        if name == PRIMARY and CROSS and TRANSPLANT["enabled"] and (
+            cache_types(E1).quantized or cache_types(CROSS).quantized
+        ):
+            raise WorkflowError(
+                f"transplant.cross_precision: a {E1} cache cannot be cast to {CROSS} (a quantized cache holds blocks, not values) — set transplant.cross_precision: null"
+            )
+    if RUNTIME["flash_attn"] and any(engine_of(name) != "llamacpp" for name in asked if name in CHECKPOINTS):
+        raise WorkflowError(
+            "runtime.flash_attn is llama.cpp's flash attention — remove it, or set runtime.attn_implementation for a transformers checkpoint"
+        )
 
 
-check_llamacpp_precisions()
+check_precisions()
 
 
 def model_folder(name):
@@ -288,8 +317,8 @@ BLIND_IDS = check_transplant_plan() if TRANSPLANT["enabled"] else []
 
 wildcard_constraints:
     checkpoint="[A-Za-z0-9][A-Za-z0-9._-]*",
-    precision="bf16|fp16|fp32",
-    prefix_precision="bf16|fp16|fp32",
+    precision=f"bf16|{LLAMACPP_PRECISION_PATTERN}",
+    prefix_precision=f"bf16|{LLAMACPP_PRECISION_PATTERN}",
     construction=r"incremental|prefill|chunked-[1-9][0-9]*",
     replica=r"\d+",
     shard=r"\d{3}",
@@ -311,6 +340,7 @@ def runtime_args(wildcards, replica=None, runtime=RUNTIME, store_caches=None):
         f"--device {runtime['device']}",
         f"--threads {runtime['threads']}",
         f"--attn-implementation {runtime['attn_implementation']}",
+        *(["--flash-attn"] if runtime["flash_attn"] else []),
         f"--shard {int(wildcards.shard)}",
         f"--shard-size {config['shard_size']}",
         f"--replica {int(wildcards.replica) if replica is None else replica}",
@@ -338,6 +368,7 @@ def rebuild_args(ledger, runtime):
         f"--device {runtime['device']}",
         f"--threads {runtime['threads']}",
         f"--attn-implementation {runtime['attn_implementation']}",
+        *(["--flash-attn"] if runtime["flash_attn"] else []),
     ]
     if runtime["trust_remote_code"]:
         args.append("--trust-remote-code")

@@ -31,6 +31,7 @@ class Runtime:
     threads: int
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    flash_attn: bool = False  # llama.cpp's flash attention (its quantized V caches need it)
     # What the fit check at load time needs: the longest sequence a job holds (prompt, stage and
     # suffix; 0: weights only) and the device memory it may use (None: the device's free memory).
     max_positions: int = 0

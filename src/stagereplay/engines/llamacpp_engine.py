@@ -1,14 +1,16 @@
 """The llama.cpp engine: a GGUF run as shipped through the pinned llama-cpp-python binding.
 
-One model, one context, one sequence (id 0). The context is built so that every
-stage-replay construction maps onto llama.cpp's own operations: ``n_batch`` and
-``n_ubatch`` equal the context size, so a prefix handed to one ``llama_decode``
-is one micro-batch (``prefill``) and a single token is one decode call
-(``live``, ``incremental``). Flash attention is off (a fixed kernel choice, and
-the V cache is then stored transposed, which the state parser reads), threads
-are the config's for both single-token and batch decoding, and the cache type
-is the precision (``fp16`` is llama.cpp's default, ``fp32``); the weights stay
-as the GGUF holds them.
+One model, one context. The reference context is built so that every stage-replay construction
+maps onto llama.cpp's own operations: ``n_batch`` and ``n_ubatch`` equal the context size, so a
+prefix handed to one ``llama_decode`` is one micro-batch (``prefill``) and a single token is one
+decode call (``live``, ``incremental``); one sequence (id 0); threads are the config's for both
+single-token and batch decoding; flash attention is ``runtime.flash_attn`` (off by default: the V
+cache is then stored transposed, which the state parser reads); the cache type is the precision
+(``fp16``, ``fp32``, ``q8_0``, ``q4_0``, or K's and V's: ``q8_0-fp16``); the weights stay as the GGUF
+holds them. E6 changes one of these settings at a time (``reconfigure``: a new context on the same
+model), runs several sequences in one decode call (``batch_forward``), keeps a sequence's first
+positions for a later request (``truncate``) or saves and restores it through llama.cpp's own files
+(``save_sequence`` / ``load_sequence``).
 
 The cache is read and written only through the sequence state
 (``llama_state_seq_get_data`` / ``set_data``), parsed by ``llamacpp_state``.
@@ -18,14 +20,19 @@ transplants run the same code on either engine.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import functools
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from stagereplay.design.cache_types import QUANTIZED, CacheTypeError, cache_types, check_cache_precision
 from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
 from stagereplay.engines.llamacpp_state import (
     CACHE_TYPE_IDS,
@@ -36,6 +43,7 @@ from stagereplay.engines.llamacpp_state import (
     write_seq_state,
 )
 from stagereplay.ledger.kvstate import KVState
+from stagereplay.ledger.quantized import BlockFormat
 
 PINNED_VERSION = "0.3.36"
 # Architectures whose every layer is full attention over every position, with one-position cells:
@@ -66,11 +74,27 @@ def binding():
     return llama_cpp
 
 
+# llama.cpp's log is dropped, except while a context is made: what it says then (whether it rotates the
+# cache) is read from it.
+_CAPTURED: list[str] | None = None
+
+
 def _silent(level, text, user_data) -> None:
-    return None
+    if _CAPTURED is not None and text:
+        _CAPTURED.append(text.decode("utf-8", errors="replace"))
 
 
 _SILENT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_silent)
+
+
+@contextlib.contextmanager
+def _captured_log():
+    global _CAPTURED
+    _CAPTURED = lines = []
+    try:
+        yield lines
+    finally:
+        _CAPTURED = None
 
 
 def build_info() -> str:
@@ -81,10 +105,25 @@ def build_info() -> str:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    cache_type: str  # "fp16" or "fp32"
+    cache_type: str  # the precision: "fp16", "fp32", "q8_0", "q4_0", or K's and V's ("q8_0-fp16")
     n_threads: int
     n_threads_batch: int
     n_ctx: int
+    n_ubatch: int = 0  # 0: n_ctx, so a prefix is one micro-batch
+    flash_attn: bool = False
+    rotation: bool = True  # llama.cpp's Hadamard rotation of a quantized cache (off: LLAMA_ATTN_ROT_DISABLE=1)
+    n_seq_max: int = 1  # more than 1: a unified cache of that many sequences, as llama.cpp's server runs
+
+    @property
+    def micro_batch(self) -> int:
+        return self.n_ubatch or self.n_ctx
+
+    def describe(self) -> str:
+        return (
+            f"n_ctx=n_batch={self.n_ctx}; n_ubatch={self.micro_batch}; n_threads={self.n_threads};"
+            f" n_threads_batch={self.n_threads_batch}; cache={self.cache_type}; flash_attn={'on' if self.flash_attn else 'off'};"
+            f" rotation={'default' if self.rotation else 'disabled'}; n_seq_max={self.n_seq_max}"
+        )
 
 
 class LlamaCppCache:
@@ -175,20 +214,20 @@ class LlamaCppEngine(Engine):
 
     def __init__(self, gguf_path: str | Path, settings: EngineSettings):
         self.llama_cpp = llama_cpp = binding()
-        self.settings = settings
         gguf_path = Path(gguf_path)
         if not gguf_path.is_file():
             raise LlamaCppError(f"GGUF file {gguf_path} not found — fix the checkpoint's gguf path")
-        if settings.cache_type not in CACHE_TYPE_IDS:
-            raise LlamaCppError(
-                f"precision {settings.cache_type!r} is not a llama.cpp cache type stagereplay reads — use fp16 or fp32"
-            )
+        try:
+            cache_types(settings.cache_type)
+        except CacheTypeError as error:
+            raise LlamaCppError(str(error)) from None
         model_params = llama_cpp.llama_model_default_params()
         model_params.n_gpu_layers = 0
         # No extra CPU buffer types (weight repacking, AMX): with them, any decode of more than one token
         # of the Q4_1 GGUF crashed llama.cpp 0.3.36 on an AMX-capable CPU here (SIGSEGV), and they make the
         # kernels depend on the CPU model. The plain ggml kernels read the weights as the GGUF holds them.
         model_params.use_extra_bufts = False
+        self.gguf_path = gguf_path
         self.model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), model_params)
         if not self.model:
             raise LlamaCppError(
@@ -210,28 +249,76 @@ class LlamaCppEngine(Engine):
             head_dim_v=head_dim_v,
         )
         self.context_length = llama_cpp.llama_model_n_ctx_train(self.model)
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = settings.n_ctx
-        params.n_batch = settings.n_ctx  # a whole prefix in one decode call ...
-        params.n_ubatch = settings.n_ctx  # ... and in one micro-batch: prefill is one forward
-        params.n_seq_max = 1
-        params.n_threads = settings.n_threads
-        params.n_threads_batch = settings.n_threads_batch
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        params.type_k = params.type_v = CACHE_TYPE_IDS[settings.cache_type]
-        params.no_perf = True
-        self.context = llama_cpp.llama_init_from_model(self.model, params)
-        if not self.context:
-            raise LlamaCppError(f"llama.cpp could not create a context of {settings.n_ctx} tokens for {gguf_path}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        self.memory = llama_cpp.llama_get_memory(self.context)
         # llama.cpp's own end of generation: every token its vocabulary marks as one.
         self.eog_ids = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
         self.tokenizer = LlamaCppTokenizer(self)
         self.environment: Environment | None = None  # set by load_llamacpp, which knows the runtime
         self.generation = 0
-        self.batch = llama_cpp.llama_batch_init(settings.n_ctx, 0, 1)
+        self.context = None
+        self._open(settings)
+
+    def _open(self, settings: EngineSettings) -> None:
+        """A new context at ``settings`` on the loaded model (every cache of the old one goes stale)."""
+        llama_cpp = self.llama_cpp
+        try:
+            check_cache_precision(settings.cache_type, settings.flash_attn, self.geometry.head_dim_k)
+        except CacheTypeError as error:
+            raise LlamaCppError(str(error)) from None
+        types = cache_types(settings.cache_type)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = settings.n_ctx * settings.n_seq_max  # every sequence of a batch gets a whole context
+        params.n_batch = params.n_ctx  # a whole prefix (or a batch's prefixes) in one decode call ...
+        params.n_ubatch = settings.n_ubatch or params.n_ctx  # ... and, unless told, in one micro-batch
+        params.n_seq_max = settings.n_seq_max
+        params.kv_unified = settings.n_seq_max > 1
+        params.n_threads = settings.n_threads
+        params.n_threads_batch = settings.n_threads_batch
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        params.type_k = CACHE_TYPE_IDS[types.k]
+        params.type_v = CACHE_TYPE_IDS[types.v]
+        params.no_perf = True
+        # llama.cpp reads LLAMA_ATTN_ROT_DISABLE when it makes the cache; only this engine's setting decides.
+        previous = os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+        if not settings.rotation:
+            os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
+        try:
+            with _captured_log() as log:
+                context = llama_cpp.llama_init_from_model(self.model, params)
+        finally:
+            os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+            if previous is not None:
+                os.environ["LLAMA_ATTN_ROT_DISABLE"] = previous
+        if not context:
+            raise LlamaCppError(
+                f"llama.cpp could not create a context ({settings.describe()}) for {self.gguf_path}: {_last_error(log)}"
+            )
+        self.close_context()
+        self.context = context
+        self.settings = settings
+        self.memory = llama_cpp.llama_get_memory(context)
+        self.batch = llama_cpp.llama_batch_init(params.n_ctx, 0, 1)
+        self.rotation = _rotation(log, types, self.geometry)
+        self.generation += 1
+
+    def reconfigure(self, **changes) -> None:
+        """Run the next calls with these settings changed (a new context; the model stays loaded)."""
+        settings = dataclasses.replace(self.settings, **changes)
+        if settings != self.settings:
+            self._open(settings)
+
+    @property
+    def formats(self) -> tuple[str, str]:
+        """How this context's K and V parts are stored: plain values (""), or a block format with its rotation."""
+        types = cache_types(self.settings.cache_type)
+
+        def part(cache_type: str, rotation: int) -> str:
+            return BlockFormat(cache_type, rotation).name if cache_type in QUANTIZED else ""
+
+        return part(types.k, self.rotation[0]), part(types.v, self.rotation[1])
 
     def metadata(self, key: str) -> str | None:
         buffer = ctypes.create_string_buffer(256)
@@ -257,26 +344,33 @@ class LlamaCppEngine(Engine):
     def forward(self, tokens: list[int], cache: LlamaCppCache) -> torch.Tensor:
         """One ``llama_decode`` of ``tokens`` after the cache; the float32 logits of the last one."""
         self._check(cache)
-        self.fed_positions += len(tokens)
         if cache.positions + len(tokens) > self.settings.n_ctx:
             raise LlamaCppError(
                 f"{cache.positions + len(tokens)} positions exceed the llama.cpp context of {self.settings.n_ctx} — raise n_ctx in the llamacpp config"
             )
-        batch = self.batch
-        for index, token in enumerate(tokens):
-            batch.token[index] = token
-            batch.pos[index] = cache.positions + index
-            batch.n_seq_id[index] = 1
-            batch.seq_id[index][0] = SEQ
-            batch.logits[index] = index == len(tokens) - 1
-        batch.n_tokens = len(tokens)
+        self._decode([(SEQ, cache.positions, tokens)])
+        cache.positions += len(tokens)
+        return self._logits(len(tokens) - 1)
+
+    def _decode(self, rows: list[tuple[int, int, list[int]]]) -> None:
+        """One ``llama_decode`` of each (sequence, first position, tokens), logits for each row's last token."""
+        batch, index = self.batch, 0
+        for seq, start, tokens in rows:
+            for offset, token in enumerate(tokens):
+                batch.token[index] = token
+                batch.pos[index] = start + offset
+                batch.n_seq_id[index] = 1
+                batch.seq_id[index][0] = seq
+                batch.logits[index] = offset == len(tokens) - 1
+                index += 1
+        batch.n_tokens = index
+        self.fed_positions += index
         status = self.llama_cpp.llama_decode(self.context, batch)
         if status != 0:
-            raise LlamaCppError(
-                f"llama_decode returned {status} for {len(tokens)} tokens at position {cache.positions}"
-            )
-        cache.positions += len(tokens)
-        logits = self.llama_cpp.llama_get_logits_ith(self.context, len(tokens) - 1)
+            raise LlamaCppError(f"llama_decode returned {status} for {index} tokens in {len(rows)} sequences")
+
+    def _logits(self, index: int) -> torch.Tensor:
+        logits = self.llama_cpp.llama_get_logits_ith(self.context, index)
         return torch.from_numpy(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy())
 
     def snapshot(self, cache: LlamaCppCache) -> KVState:
@@ -284,34 +378,125 @@ class LlamaCppEngine(Engine):
 
     def to_cache(self, state: KVState) -> LlamaCppCache:
         cache = self.empty_cache()
-        self.write_state(SeqState(kv=state, seq_id=SEQ, v_trans=True, cache_type=self.settings.cache_type), cache)
+        self.write_state(self._seq_state(state), cache)
         return cache
+
+    def _seq_state(self, state: KVState, seq: int = SEQ) -> SeqState:
+        if state.formats != self.formats:
+            raise LlamaCppError(
+                f"a cache stored as {state.formats} cannot go into this {self.settings.cache_type} context (stores"
+                f" {self.formats}) unconverted — convert it explicitly (experiments.factors.convert_cache)"
+            )
+        return SeqState(kv=state, seq_id=seq, v_trans=not self.settings.flash_attn, cache_type=self.settings.cache_type)
+
+    # --- E6: settings a server changes ---
+
+    def use_threads(self, threads: int) -> None:
+        self.llama_cpp.llama_set_n_threads(self.context, threads, threads)
+        self.settings = dataclasses.replace(self.settings, n_threads=threads, n_threads_batch=threads)
+
+    def truncate(self, cache: LlamaCppCache, positions: int) -> None:
+        """Keep only the first ``positions`` of the sequence, as a server slot does before a new request."""
+        self._check(cache)
+        if not self.llama_cpp.llama_memory_seq_rm(self.memory, SEQ, positions, -1):
+            raise LlamaCppError(f"llama.cpp refused to drop the positions after {positions}")
+        cache.positions = positions
+
+    def save_sequence(self, cache: LlamaCppCache, path: str | Path, tokens: list[int]) -> int:
+        """The sequence and its tokens saved to a file by llama.cpp (a server's slot save); the file's bytes."""
+        self._check(cache)
+        array = (self.llama_cpp.llama_token * len(tokens))(*tokens)
+        written = self.llama_cpp.llama_state_seq_save_file(self.context, str(path).encode(), SEQ, array, len(tokens))
+        if written == 0:
+            raise LlamaCppError(f"llama_state_seq_save_file could not write {path}")
+        return written
+
+    def load_sequence(self, path: str | Path, capacity: int) -> tuple[LlamaCppCache, list[int]]:
+        """A cache restored from a file ``save_sequence`` wrote (a server's slot restore), with its tokens."""
+        cache = self.empty_cache()
+        tokens = (self.llama_cpp.llama_token * capacity)()
+        count = ctypes.c_size_t(0)
+        read = self.llama_cpp.llama_state_seq_load_file(
+            self.context, str(path).encode(), SEQ, tokens, capacity, ctypes.byref(count)
+        )
+        if read == 0:
+            raise LlamaCppError(f"llama_state_seq_load_file could not restore {path} into this context")
+        cache.positions = count.value
+        return cache, list(tokens[: count.value])
+
+    def batch_forward(self, batch: LlamaCppBatch | None, rows: list[list[int]]) -> tuple[LlamaCppBatch, torch.Tensor]:
+        """Each row's tokens after what its sequence holds, all in one ``llama_decode`` (sequence i is row i)."""
+        if batch is None:
+            self._need_sequences(len(rows))
+            self.llama_cpp.llama_memory_clear(self.memory, True)
+            self.generation += 1
+            batch = LlamaCppBatch(self, self.generation, [0] * len(rows))
+        self._check(batch)
+        if len(rows) != len(batch.positions):
+            raise LlamaCppError(f"{len(rows)} rows fed to a batch of {len(batch.positions)} sequences")
+        self._decode([(seq, batch.positions[seq], tokens) for seq, tokens in enumerate(rows)])
+        ends = np.cumsum([len(tokens) for tokens in rows]) - 1
+        for seq, tokens in enumerate(rows):
+            batch.positions[seq] += len(tokens)
+        return batch, torch.stack([self._logits(int(end)) for end in ends])
+
+    def batch_of(self, states: list[KVState]) -> LlamaCppBatch:
+        self._need_sequences(len(states))
+        self.llama_cpp.llama_memory_clear(self.memory, True)
+        self.generation += 1
+        batch = LlamaCppBatch(self, self.generation, [0] * len(states))
+        for seq, state in enumerate(states):
+            self._set_sequence(write_seq_state(self._seq_state(state, seq)), seq)
+            batch.positions[seq] = state.num_positions
+        return batch
+
+    def batch_row(self, batch: LlamaCppBatch, row: int) -> KVState:
+        self._check(batch)
+        return self._parse(self._sequence_bytes(row), batch.positions[row]).kv
+
+    def _need_sequences(self, count: int) -> None:
+        if count > self.settings.n_seq_max:
+            raise LlamaCppError(
+                f"a batch of {count} sequences needs a context of as many (this one holds {self.settings.n_seq_max})"
+                " — reconfigure(n_seq_max=...) first"
+            )
 
     # The sequence state, raw and parsed.
 
-    def state_bytes(self, cache: LlamaCppCache) -> bytes:
-        self._check(cache)
-        size = self.llama_cpp.llama_state_seq_get_size(self.context, SEQ)
+    def _sequence_bytes(self, seq: int) -> bytes:
+        size = self.llama_cpp.llama_state_seq_get_size(self.context, seq)
         buffer = (ctypes.c_uint8 * size)()
-        written = self.llama_cpp.llama_state_seq_get_data(self.context, buffer, size, SEQ)
+        written = self.llama_cpp.llama_state_seq_get_data(self.context, buffer, size, seq)
         if written != size:
             raise LlamaCppError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
         return bytes(buffer)
 
-    def read_state(self, cache: LlamaCppCache) -> SeqState:
-        parsed = parse_seq_state(self.state_bytes(cache), self.geometry)
-        if parsed.kv.num_positions != cache.positions or parsed.cache_type != self.settings.cache_type:
+    def _set_sequence(self, data: bytes, seq: int) -> None:
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if self.llama_cpp.llama_state_seq_set_data(self.context, buffer, len(data), seq) != len(data):
+            raise LlamaCppError(f"llama_state_seq_set_data refused a state of {len(data)} bytes ({FORMAT} format)")
+
+    def _parse(self, data: bytes, positions: int) -> SeqState:
+        parsed = parse_seq_state(data, self.geometry, self.rotation)
+        if parsed.kv.num_positions != positions or parsed.cache_type != self.settings.cache_type:
             raise LlamaCppError(
-                f"the sequence state holds {parsed.kv.num_positions} {parsed.cache_type} cells, the engine decoded {cache.positions} {self.settings.cache_type} — {FORMAT}'s state does not match its context"
+                f"the sequence state holds {parsed.kv.num_positions} {parsed.cache_type} cells, the engine decoded {positions} {self.settings.cache_type} — {FORMAT}'s state does not match its context"
             )
         return parsed
+
+    def state_bytes(self, cache: LlamaCppCache) -> bytes:
+        self._check(cache)
+        return self._sequence_bytes(SEQ)
+
+    def read_state(self, cache: LlamaCppCache) -> SeqState:
+        return self._parse(self.state_bytes(cache), cache.positions)
 
     def write_state(self, state: SeqState | bytes, cache: LlamaCppCache) -> None:
         """Replace the sequence with ``state`` (parsed, or raw bytes as llama.cpp wrote them)."""
         self._check(cache)
         data = state if isinstance(state, bytes) else write_seq_state(state)
         positions = (
-            parse_seq_state(data, self.geometry).kv.num_positions
+            parse_seq_state(data, self.geometry, self.rotation).kv.num_positions
             if isinstance(state, bytes)
             else state.kv.num_positions
         )
@@ -320,51 +505,95 @@ class LlamaCppEngine(Engine):
                 f"a cache of {state.kv.num_layers} layers cannot feed a model of {self.geometry.n_layer} layers — continue a state only on the model that built it"
             )
         self.llama_cpp.llama_memory_clear(self.memory, True)
-        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if self.llama_cpp.llama_state_seq_set_data(self.context, buffer, len(data), SEQ) != len(data):
-            raise LlamaCppError(f"llama_state_seq_set_data refused a state of {len(data)} bytes ({FORMAT} format)")
+        self._set_sequence(data, SEQ)
         cache.positions = positions
 
-    def _check(self, cache: LlamaCppCache) -> None:
+    def _check(self, cache: LlamaCppCache | LlamaCppBatch) -> None:
         if cache.engine is not self or cache.generation != self.generation:
             raise LlamaCppError("a llama.cpp cache was used after its engine started another sequence")
 
-    def close(self) -> None:
+    def close_context(self) -> None:
         if self.context:
             self.llama_cpp.llama_batch_free(self.batch)
             self.llama_cpp.llama_free(self.context)
-            self.llama_cpp.llama_model_free(self.model)
             self.context = None
+
+    def close(self) -> None:
+        if self.model:
+            self.close_context()
+            self.llama_cpp.llama_model_free(self.model)
+            self.model = None
+
+
+class LlamaCppBatch:
+    """Several sequences of one context (ids 0..n-1), each with its own positions."""
+
+    def __init__(self, engine: LlamaCppEngine, generation: int, positions: list[int]):
+        self.engine, self.generation, self.positions = engine, generation, positions
+
+
+def _last_error(log: list[str]) -> str:
+    errors = [line.strip() for line in log if "error" in line.lower() or "requires" in line.lower()]
+    return errors[-1] if errors else "no reason logged"
+
+
+def _rotation(log: list[str], types, geometry: Geometry) -> tuple[int, int]:
+    """The Hadamard sizes the new context rotates a quantized K and V by, as llama.cpp logged its choice
+    (``attn_rot_k`` / ``attn_rot_v``); the sizes are llama.cpp 0.3.36's rule (llama-kv-cache.cpp): K by the
+    largest power of two from 64 that divides the head, V by 64."""
+    text = "".join(log)
+    found = {part: re.search(rf"attn_rot_{part} = (\d)", text) for part in ("k", "v")}
+    if not types.quantized:
+        return 0, 0
+    if not all(found.values()):
+        raise LlamaCppError(
+            f"llama.cpp {PINNED_VERSION} did not log whether it rotates the quantized cache — the state cannot be read"
+        )
+    k_size = 64
+    while geometry.head_dim_k % (k_size * 2) == 0:
+        k_size *= 2
+    return (k_size if found["k"].group(1) == "1" else 0, 64 if found["v"].group(1) == "1" else 0)
 
 
 # One context size for every llama.cpp job: a prefix is one micro-batch of at most this many tokens.
 LLAMACPP_N_CTX = 2048
-LLAMACPP_PRECISIONS = ("fp16", "fp32")  # llama.cpp cache types; the weights stay as the GGUF holds them
 
 
 def load_llamacpp(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:
     """A GGUF loaded at ``runtime`` (the precision is the cache type), with its environment record."""
-    import transformers
-
-    if runtime.precision not in LLAMACPP_PRECISIONS:
-        raise ModelError(
-            f"precision {runtime.precision} is not a llama.cpp cache type — use {' or '.join(LLAMACPP_PRECISIONS)} for a llamacpp checkpoint"
-        )
+    try:
+        check_cache_precision(runtime.precision, runtime.flash_attn)
+    except CacheTypeError as error:
+        raise ModelError(f"{error} (a llamacpp checkpoint's precision is its KV cache type)") from None
     if runtime.device != "cpu":
         raise ModelError(f"the llama.cpp engine runs on cpu only (asked for {runtime.device}) — set device: cpu")
     if runtime.threads < 1:
         raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")
     settings = EngineSettings(
-        cache_type=runtime.precision, n_threads=runtime.threads, n_threads_batch=runtime.threads, n_ctx=LLAMACPP_N_CTX
+        cache_type=runtime.precision,
+        n_threads=runtime.threads,
+        n_threads_batch=runtime.threads,
+        n_ctx=LLAMACPP_N_CTX,
+        flash_attn=runtime.flash_attn,
     )
     engine = LlamaCppEngine(gguf, settings)
-    engine.environment = Environment(
+    engine.environment = environment_of(engine, runtime)
+    return engine
+
+
+def environment_of(engine: LlamaCppEngine, runtime: Runtime) -> Environment:
+    """What the engine's numbers depend on: its build, its context settings, and the cache's rotation."""
+    import transformers
+
+    settings = engine.settings
+    k_format, v_format = engine.formats
+    return Environment(
         device="cpu",
         device_name=cpu_model(),
         cpu_capability=build_info(),
         precision=runtime.precision,
-        threads=runtime.threads,
-        attn_implementation="llamacpp:flash_attn=off",
+        threads=settings.n_threads,
+        attn_implementation=f"llamacpp:flash_attn={'on' if settings.flash_attn else 'off'}",
         tf32=False,
         bf16_reduced_precision_reduction=False,
         fp16_reduced_precision_reduction=False,
@@ -376,11 +605,10 @@ def load_llamacpp(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:
         engine="llamacpp",
         engine_version=f"llama-cpp-python {PINNED_VERSION}",
         engine_build=(
-            f"cpu; n_ctx=n_batch=n_ubatch={LLAMACPP_N_CTX}; n_threads=n_threads_batch={runtime.threads};"
-            f" cache={runtime.precision}; flash_attn=off; extra_bufts=off; weights as in the GGUF"
+            f"cpu; {settings.describe()}; K stored as {k_format or 'values'}, V as {v_format or 'values'};"
+            " extra_bufts=off; weights as in the GGUF"
         ),
     )
-    return engine
 
 
 def gguf_tokenizer(gguf: str | Path) -> tuple[LlamaCppTokenizer, int]:

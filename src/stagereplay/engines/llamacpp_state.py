@@ -16,6 +16,11 @@ writes exactly the format of the pinned binding (``FORMAT``), read from its
       v_trans 1, per layer: i32 v_type, u32 v_element_bytes, u32 n_embd_v_gqa,
                  n_embd_v_gqa rows of cell_count elements (V transposed: flash attention off)
 
+A row of a quantized type (q8_0, q4_0) is ggml blocks of 32 values; a head's values are whole blocks
+(head sizes are multiples of 32), so each head's blocks are kept as raw bytes per cell (``quantized``).
+The bytes do not say whether llama.cpp rotated the values before quantizing them: the context that
+wrote them does, so the caller gives the rotation and it is named in the parts' block format.
+
 Every length and type field is checked against the model's geometry and the
 bytes must be consumed exactly; anything else is refused with one line naming
 the pinned version, because a misread state would be a silently wrong cache.
@@ -33,12 +38,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from stagereplay.design.cache_types import CACHE_TYPES, QUANTIZED, cache_types
 from stagereplay.ledger.kvstate import KVState
+from stagereplay.ledger.quantized import BlockFormat
 
 FORMAT = "llama-cpp-python 0.3.36"
-# ggml_type ids (ggml.h) of the cache types stage replay reads: the f32 and f16 caches.
-GGML_TYPES: dict[int, tuple[str, np.dtype]] = {0: ("f32", np.dtype("<f4")), 1: ("f16", np.dtype("<f2"))}
-CACHE_TYPE_IDS = {"fp32": 0, "fp16": 1}
+CACHE_TYPE_IDS = {name: type_id for name, (type_id, _, _, _) in CACHE_TYPES.items()}
+_TYPE_NAMES = {type_id: name for name, type_id in CACHE_TYPE_IDS.items()}
+# The element of each cache type as numpy reads a row: plain values, or raw block bytes.
+_ELEMENT = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"), "q8_0": np.dtype("u1"), "q4_0": np.dtype("u1")}
 MAGIC = 0xAF143CD8  # llama_context's io_magic: the first four bytes of every sequence state
 
 
@@ -69,7 +77,7 @@ class SeqState:
     kv: KVState
     seq_id: int
     v_trans: bool
-    cache_type: str  # "fp16" or "fp32"
+    cache_type: str  # the precision: "fp16", "q8_0", or K's and V's type ("q8_0-fp16")
 
 
 class _Reader:
@@ -94,11 +102,19 @@ class _Reader:
         return values
 
 
-def _tensor_type(reader: _Reader, what: str) -> tuple[str, np.dtype]:
+def _tensor_type(reader: _Reader, what: str) -> str:
     type_id = reader.take("<i", f"{what} type")
-    if type_id not in GGML_TYPES:
-        raise _refuse(f"{what} has ggml type {type_id}; only f32 (0) and f16 (1) caches are read")
-    return GGML_TYPES[type_id]
+    if type_id not in _TYPE_NAMES:
+        raise _refuse(f"{what} has ggml type {type_id}; the cache types read are {', '.join(CACHE_TYPE_IDS)}")
+    return _TYPE_NAMES[type_id]
+
+
+def _part_format(cache_type: str, rotation: int) -> str:
+    return BlockFormat(cache_type, rotation).name if cache_type in QUANTIZED else ""
+
+
+def _precision(k_type: str, v_type: str) -> str:
+    return k_type if k_type == v_type else f"{k_type}-{v_type}"
 
 
 def _expect(found: int, expected: int, what: str) -> None:
@@ -106,15 +122,17 @@ def _expect(found: int, expected: int, what: str) -> None:
         raise _refuse(f"{what} is {found}, the model's geometry gives {expected}")
 
 
-def parse_seq_state(data: bytes, geometry: Geometry) -> SeqState:
-    """The per-layer K and V of one sequence's state, each [1, kv_heads, positions, head_dim]."""
+def parse_seq_state(data: bytes, geometry: Geometry, rotation: tuple[int, int] = (0, 0)) -> SeqState:
+    """The per-layer K and V of one sequence's state, each [1, kv_heads, positions, head_dim] (values) or
+    [1, kv_heads, positions, head bytes] (raw blocks). ``rotation``: the Hadamard size llama.cpp rotated a
+    quantized K and V by in the context that wrote ``data`` (0: not rotated)."""
     reader = _Reader(data)
     magic = reader.take("<I", "the header")
     if magic != MAGIC:
         raise _refuse(f"the header is {magic:#010x}, not the magic {MAGIC:#010x}")
     header_seq_id = reader.take("<i", "the header's sequence id")
     n_stream = reader.take("<I", "the stream count")
-    _expect(n_stream, 1, "the stream count")  # one sequence in a unified cache: one stream
+    _expect(n_stream, 1, "the stream count")  # a single-sequence context, or a unified cache: one stream
     cells = reader.take("<I", "the cell count")
     if cells == 0:
         raise _refuse("the sequence holds no cells (an empty cache has no boundary to read)")
@@ -131,74 +149,95 @@ def parse_seq_state(data: bytes, geometry: Geometry) -> SeqState:
     if v_trans not in (0, 1):
         raise _refuse(f"the v_trans flag is {v_trans}, not 0 or 1")
     _expect(reader.take("<I", "the layer count"), geometry.n_layer, "the layer count")
-    k_width = geometry.n_head_kv * geometry.head_dim_k
-    v_width = geometry.n_head_kv * geometry.head_dim_v
-    keys, values, types = [], [], set()
+    heads = geometry.n_head_kv
+
+    def rows(part: str, head_dim: int, what: str) -> tuple[str, np.ndarray]:
+        """One layer's cells of K or V (one row per cell): [kv_heads, cells, head values or head bytes]."""
+        cache_type = _tensor_type(reader, what)
+        types = cache_types(cache_type)
+        row_bytes = types.row_bytes(part, heads * head_dim)
+        _expect(reader.take("<Q", f"{what} row size"), row_bytes, f"{what} row size")
+        element = _ELEMENT[cache_type]
+        array = reader.array(element, cells * row_bytes // element.itemsize, what)
+        return cache_type, array.reshape(cells, heads, -1).transpose(1, 0, 2)
+
+    keys, values, k_types, v_types = [], [], set(), set()
     for layer in range(geometry.n_layer):
-        name, dtype = _tensor_type(reader, f"layer {layer}'s K")
-        types.add(name)
-        _expect(
-            reader.take("<Q", f"layer {layer}'s K row size"), k_width * dtype.itemsize, f"layer {layer}'s K row size"
-        )
-        rows = reader.array(dtype, cells * k_width, f"layer {layer}'s K")
-        keys.append(rows.reshape(cells, geometry.n_head_kv, geometry.head_dim_k).transpose(1, 0, 2))
+        cache_type, key = rows("k", geometry.head_dim_k, f"layer {layer}'s K")
+        k_types.add(cache_type)
+        keys.append(key)
     for layer in range(geometry.n_layer):
-        name, dtype = _tensor_type(reader, f"layer {layer}'s V")
-        types.add(name)
-        if v_trans:
-            element = reader.take("<I", f"layer {layer}'s V element size")
-            _expect(element, dtype.itemsize, f"layer {layer}'s V element size")
-            _expect(reader.take("<I", f"layer {layer}'s V width"), v_width, f"layer {layer}'s V width")
-            columns = reader.array(dtype, v_width * cells, f"layer {layer}'s V")
-            values.append(columns.reshape(geometry.n_head_kv, geometry.head_dim_v, cells).transpose(0, 2, 1))
-        else:
-            row_bytes = reader.take("<Q", f"layer {layer}'s V row size")
-            _expect(row_bytes, v_width * dtype.itemsize, f"layer {layer}'s V row size")
-            rows = reader.array(dtype, cells * v_width, f"layer {layer}'s V")
-            values.append(rows.reshape(cells, geometry.n_head_kv, geometry.head_dim_v).transpose(1, 0, 2))
+        if not v_trans:
+            cache_type, value = rows("v", geometry.head_dim_v, f"layer {layer}'s V")
+            v_types.add(cache_type)
+            values.append(value)
+            continue
+        cache_type = _tensor_type(reader, f"layer {layer}'s V")
+        if cache_type in QUANTIZED:
+            raise _refuse(f"layer {layer}'s V is {cache_type} and transposed, which llama.cpp never writes")
+        v_types.add(cache_type)
+        dtype = _ELEMENT[cache_type]
+        element = reader.take("<I", f"layer {layer}'s V element size")
+        _expect(element, dtype.itemsize, f"layer {layer}'s V element size")
+        v_width = heads * geometry.head_dim_v
+        _expect(reader.take("<I", f"layer {layer}'s V width"), v_width, f"layer {layer}'s V width")
+        columns = reader.array(dtype, v_width * cells, f"layer {layer}'s V")
+        values.append(columns.reshape(heads, geometry.head_dim_v, cells).transpose(0, 2, 1))
     if reader.offset != len(data):
         raise _refuse(f"{len(data) - reader.offset} bytes follow the last layer's V")
-    if len(types) != 1:
-        raise _refuse(f"the layers mix cache types {sorted(types)}")
-    cache_type = {"f32": "fp32", "f16": "fp16"}[types.pop()]
+    if len(k_types) != 1 or len(v_types) != 1:
+        raise _refuse(f"the layers mix cache types (K {sorted(k_types)}, V {sorted(v_types)})")
+    k_type, v_type = k_types.pop(), v_types.pop()
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).unsqueeze(0)
 
-    kv = KVState(keys=tuple(tensor(key) for key in keys), values=tuple(tensor(value) for value in values))
-    return SeqState(kv=kv, seq_id=seq_ids.pop(), v_trans=bool(v_trans), cache_type=cache_type)
+    kv = KVState(
+        keys=tuple(tensor(key) for key in keys),
+        values=tuple(tensor(value) for value in values),
+        key_format=_part_format(k_type, rotation[0]),
+        value_format=_part_format(v_type, rotation[1]),
+    )
+    return SeqState(kv=kv, seq_id=seq_ids.pop(), v_trans=bool(v_trans), cache_type=_precision(k_type, v_type))
 
 
 def write_seq_state(state: SeqState) -> bytes:
     """The bytes ``llama_state_seq_set_data`` reads back as ``state`` (the inverse of ``parse_seq_state``)."""
     kv = state.kv
-    if state.cache_type not in CACHE_TYPE_IDS:
-        raise _refuse(f"cache type {state.cache_type!r} cannot be written; use fp16 or fp32")
-    type_id = CACHE_TYPE_IDS[state.cache_type]
-    dtype = GGML_TYPES[type_id][1]
+    types = cache_types(state.cache_type)
     cells = kv.num_positions
+    if types.v in QUANTIZED and state.v_trans:
+        raise _refuse(f"a {types.v} V cache cannot be written transposed (llama.cpp quantizes V only untransposed)")
+    for part, (cache_type, block_format) in {"K": (types.k, kv.key_format), "V": (types.v, kv.value_format)}.items():
+        stored = BlockFormat.parse(block_format).cache_type if block_format else None
+        if stored != (cache_type if cache_type in QUANTIZED else None):
+            raise _refuse(
+                f"a {part} part stored as {block_format or 'values'} cannot go into a {cache_type} cache unconverted"
+            )
 
-    def host(tensor: torch.Tensor) -> np.ndarray:
-        array = tensor.detach().cpu()[0].numpy()  # [kv_heads, positions, head_dim]
-        if array.dtype != dtype:
-            raise _refuse(f"a {array.dtype} tensor cannot go into a {state.cache_type} cache unconverted")
+    def host(tensor: torch.Tensor, cache_type: str) -> np.ndarray:
+        array = tensor.detach().cpu()[0].numpy()  # [kv_heads, positions, head values or bytes]
+        if array.dtype != _ELEMENT[cache_type]:
+            raise _refuse(f"a {array.dtype} tensor cannot go into a {cache_type} cache unconverted")
         return array
+
+    def row_major(tensor: torch.Tensor, cache_type: str) -> list:
+        rows = host(tensor, cache_type).transpose(1, 0, 2)  # [positions, kv_heads, ...]: one cell per row
+        row_bytes = rows[0].size * rows.dtype.itemsize
+        return [struct.pack("<iQ", CACHE_TYPE_IDS[cache_type], row_bytes), np.ascontiguousarray(rows).tobytes()]
 
     parts = [struct.pack("<IiII", MAGIC, state.seq_id, 1, cells)]
     parts += [struct.pack("<iIi", cell, 1, state.seq_id) for cell in range(cells)]
     parts.append(struct.pack("<II", int(state.v_trans), kv.num_layers))
     for key in kv.keys:
-        rows = host(key).transpose(1, 0, 2)  # [positions, kv_heads, head_dim]: one cell per row
-        parts += [struct.pack("<iQ", type_id, rows[0].size * dtype.itemsize), np.ascontiguousarray(rows).tobytes()]
+        parts += row_major(key, types.k)
     for value in kv.values:
-        array = host(value)
-        if state.v_trans:
-            columns = array.transpose(0, 2, 1)  # [kv_heads, head_dim, positions]: one row per V element
-            parts += [
-                struct.pack("<iII", type_id, dtype.itemsize, columns.shape[0] * columns.shape[1]),
-                np.ascontiguousarray(columns).tobytes(),
-            ]
-        else:
-            rows = array.transpose(1, 0, 2)
-            parts += [struct.pack("<iQ", type_id, rows[0].size * dtype.itemsize), np.ascontiguousarray(rows).tobytes()]
+        if not state.v_trans:
+            parts += row_major(value, types.v)
+            continue
+        columns = host(value, types.v).transpose(0, 2, 1)  # [kv_heads, head_dim, positions]: a row per V element
+        parts += [
+            struct.pack("<iII", CACHE_TYPE_IDS[types.v], columns.dtype.itemsize, columns.shape[0] * columns.shape[1]),
+            np.ascontiguousarray(columns).tobytes(),
+        ]
     return b"".join(parts)

@@ -50,6 +50,10 @@ def check_transplant(donor: KVState, recipient: KVState, spec: TransplantSpec) -
         raise TransplantError(
             f"layer {bad[0]} out of range for a {recipient.num_layers}-layer cache — use layers 0..{recipient.num_layers - 1}"
         )
+    if donor.formats != recipient.formats:
+        raise TransplantError(
+            f"donor and recipient caches are stored in different block formats ({donor.formats} and {recipient.formats}) — transplant only between caches of one cache type"
+        )
     if spec.kv not in KV_PARTS:
         raise TransplantError(f"unknown cache part {spec.kv!r} — use kv, k or v")
     if spec.last_positions is not None and not 1 <= spec.last_positions <= recipient.num_positions:
@@ -69,10 +73,14 @@ def transplant(donor: KVState, recipient: KVState, spec: TransplantSpec) -> KVSt
             keys[layer][..., start:, :] = donor.keys[layer][..., start:, :].to(keys[layer].dtype)
         if "v" in spec.kv:
             values[layer][..., start:, :] = donor.values[layer][..., start:, :].to(values[layer].dtype)
-    return KVState(tuple(keys), tuple(values))
+    return recipient.replace(keys, values)
 
 
 def cast_state(state: KVState, dtype: torch.dtype) -> KVState:
+    if any(state.formats):
+        raise TransplantError(
+            "a quantized llama.cpp cache cannot be cast to another precision — set transplant.cross_precision: null"
+        )
     return KVState(tuple(key.to(dtype) for key in state.keys), tuple(value.to(dtype) for value in state.values))
 
 

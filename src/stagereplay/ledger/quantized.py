@@ -1,0 +1,81 @@
+"""Cache tensors kept as the blocks llama.cpp stored: their format, their values, and offline quantization.
+
+A quantized K or V part is kept as its raw ggml blocks, uint8 [batch, kv_heads, positions, blocks x
+block bytes], so that a fingerprint is of the bytes llama.cpp stored and a state written back is
+byte-identical. Its values come from the ``gguf`` package's dequantizer (the reference Python port of
+ggml's block formats). The pinned llama.cpp rotates a quantized part before it stores it: each run of
+``n`` head values is multiplied by the orthonormal n-point Walsh-Hadamard matrix (and the queries with
+it, so attention scores are unchanged); that matrix is its own inverse, so the stored values are
+un-rotated by applying it once more, here in float64, then rounded to float32. ``values`` therefore
+gives the cached K and V in the model's own basis, as a float16 cache would hold them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.linalg
+import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from stagereplay.design.cache_types import CACHE_TYPES, QUANTIZED
+
+_GGML = {name: GGMLQuantizationType[ggml_name.upper()] for name, (_, ggml_name, _, _) in CACHE_TYPES.items()}
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """How one quantized part is stored: its ggml block type and the rotation llama.cpp applied first."""
+
+    cache_type: str  # "q8_0", "q4_0"
+    rotation: int = 0  # 0: none; n: each run of n head values was multiplied by the n-point Hadamard matrix
+
+    @property
+    def name(self) -> str:
+        """The format as the tensor name's suffix in a stored cache: q8_0, q8_0-h64."""
+        return self.cache_type + (f"-h{self.rotation}" if self.rotation else "")
+
+    @classmethod
+    def parse(cls, name: str) -> BlockFormat:
+        match = re.fullmatch(r"([a-z0-9_]+?)(?:-h([1-9][0-9]*))?", name)
+        if not match or match.group(1) not in QUANTIZED:
+            raise ValueError(f"unknown cache block format {name!r} — a stored quantized part is q8_0 or q4_0[-hN]")
+        return cls(match.group(1), int(match.group(2) or 0))
+
+    def block_bytes(self, values: int) -> int:
+        """Bytes of ``values`` values in this format."""
+        _, _, block, size = CACHE_TYPES[self.cache_type]
+        return values // block * size
+
+
+@functools.cache
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal n-point Walsh-Hadamard matrix in Sylvester's order, as llama.cpp builds it."""
+    return scipy.linalg.hadamard(n).astype(np.float64) / np.sqrt(n)
+
+
+def _rotate(values: np.ndarray, n: int) -> np.ndarray:
+    """Each run of n values along the last axis multiplied by the Hadamard matrix (symmetric: its own inverse)."""
+    runs = values.astype(np.float64).reshape(*values.shape[:-1], -1, n)
+    return (runs @ hadamard(n)).reshape(values.shape)
+
+
+def values_of(raw: torch.Tensor, block_format: BlockFormat) -> torch.Tensor:
+    """The float32 values [.., head_dim] of raw blocks [.., blocks x block bytes], un-rotated."""
+    values = gguf_quants.dequantize(raw.contiguous().numpy(), _GGML[block_format.cache_type])
+    if block_format.rotation:
+        values = _rotate(values, block_format.rotation)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def blocks_of(values: torch.Tensor, block_format: BlockFormat) -> torch.Tensor:
+    """Offline quantization: values [.., head_dim] rotated as llama.cpp would, then quantized by gguf's
+    reference quantizer into raw blocks [.., blocks x block bytes]."""
+    array = values.detach().cpu().float().numpy()
+    if block_format.rotation:
+        array = _rotate(array, block_format.rotation).astype(np.float32)
+    return torch.from_numpy(gguf_quants.quantize(np.ascontiguousarray(array), _GGML[block_format.cache_type]))
