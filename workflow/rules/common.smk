@@ -231,8 +231,11 @@ def check_precisions():
                 check_cache_precision(precision, RUNTIME["flash_attn"])
             except CacheTypeError as error:
                 raise WorkflowError(f"checkpoint {name!r}: {error}") from None
-        if name == PRIMARY and CROSS and TRANSPLANT["enabled"] and (
-            cache_types(E1).quantized or cache_types(CROSS).quantized
+        if (
+            name == PRIMARY
+            and CROSS
+            and TRANSPLANT["enabled"]
+            and (cache_types(E1).quantized or cache_types(CROSS).quantized)
         ):
             raise WorkflowError(
                 f"transplant.cross_precision: a {E1} cache cannot be cast to {CROSS} (a quantized cache holds blocks, not values) — set transplant.cross_precision: null"
