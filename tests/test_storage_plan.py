@@ -12,7 +12,8 @@ from workflow_helpers import REPO, check_storage_plan, stagereplay, write_config
 
 from stagereplay.design.projection import cache_object_bytes, project, token_object_bytes
 from stagereplay.design.schema import load_config
-from stagereplay.design.shapes import ModelShapes, job_memory_bytes, read_model_config
+from stagereplay.design.shapes import ModelShapes, PlanError, job_memory_bytes, read_model_config
+from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
 
 
@@ -44,6 +45,99 @@ def test_object_bytes_equal_the_files_the_store_writes(tmp_path, precision, dtyp
     tokens = store.put_tokens(range(41))
     assert store.path_for(cache).stat().st_size == cache_object_bytes(shapes, precision, positions)
     assert store.path_for(tokens).stat().st_size == token_object_bytes(41)
+
+
+# ggml's blocks, written out here so the plan's sizes are checked against figures it did not compute.
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+
+
+@pytest.mark.parametrize(
+    "model, precision, rotation, k_name, v_name",
+    [
+        # SmolLM2-135M (the embedded model): head dim 64, K and V rotated by 64.
+        ("smollm2-135m-instruct", "q8_0", True, "layer.000.k.q8_0-h64", "layer.000.v.q8_0-h64"),
+        ("smollm2-135m-instruct", "q4_0", True, "layer.000.k.q4_0-h64", "layer.000.v.q4_0-h64"),
+        ("smollm2-135m-instruct", "q8_0-fp16", True, "layer.000.k.q8_0-h64", "layer.000.v"),
+        # Head dim 128: K rotated by 128, V by 64; unrotated parts carry the bare block type.
+        ("qwen2.5-7b-instruct", "q4_0", True, "layer.000.k.q4_0-h128", "layer.000.v.q4_0-h64"),
+        ("qwen2.5-7b-instruct", "q8_0", False, "layer.000.k.q8_0", "layer.000.v.q8_0"),
+    ],
+)
+def test_quantized_object_bytes_equal_the_files_the_store_writes(tmp_path, model, precision, rotation, k_name, v_name):
+    shapes = read_model_config(model)[0]
+    positions = 37
+
+    def part(name):
+        block_format = name.split(".", 3)[3] if name.count(".") == 3 else ""
+        if block_format:  # raw ggml blocks
+            width = shapes.head_dim // 32 * BLOCK_BYTES[block_format.split("-")[0]]
+            return torch.randint(0, 256, (1, shapes.kv_heads, positions, width), dtype=torch.uint8)
+        return torch.randn(1, shapes.kv_heads, positions, shapes.head_dim).to(torch.float16)
+
+    tensors = {
+        name.replace(".000.", f".{layer:03d}."): part(name)
+        for layer in range(shapes.layers)
+        for name in (k_name, v_name)
+    }
+    # The names are the ones a KVState of these parts stores under.
+    assert list(KVState.from_named_tensors(tensors).named_tensors()) == list(tensors)
+    store = ObjectStore(tmp_path)
+    meta = {"model_fingerprint": "f" * 32, "precision": precision}
+    cache = store.put(tensors, {"kind": "kv_cache", "positions": f"0:{positions}", **meta})
+    assert store.path_for(cache).stat().st_size == cache_object_bytes(shapes, precision, positions, rotation=rotation)
+
+
+def test_a_mixed_cache_type_lies_between_its_two_types():
+    shapes = read_model_config("smollm2-135m-instruct")[0]  # 30 layers, 3 KV heads, head dim 64
+    per_position = {p: shapes.kv_bytes_per_position(p) for p in ("q4_0", "q8_0", "q8_0-fp16", "fp16")}
+    assert per_position == {
+        "q4_0": 30 * 3 * 2 * 36,
+        "q8_0": 30 * 3 * 2 * 68,
+        "q8_0-fp16": 30 * 3 * (68 + 128),
+        "fp16": 30 * 3 * 2 * 128,
+    }
+    q4_0, q8_0, mixed, fp16 = (cache_object_bytes(shapes, p, 400) for p in per_position)
+    assert q4_0 < q8_0 < mixed < fp16
+
+
+def test_a_name_no_cache_holds_is_one_plan_error():
+    shapes = read_model_config("smollm2-135m-instruct")[0]
+    with pytest.raises(PlanError, match="^precision 'q5_0' is not a llama.cpp cache type — use one of"):
+        cache_object_bytes(shapes, "q5_0", 10)
+    odd = ModelShapes(
+        layers=2, kv_heads=2, head_dim=48, hidden=96, heads=2, intermediate=64, vocab=259, tied=True, qkv_bias=True
+    )
+    with pytest.raises(PlanError, match="^precision q8_0: a head of 48 values is not whole 32-value blocks"):
+        cache_object_bytes(odd, "q8_0", 10)
+
+
+def test_a_llamacpp_config_at_q8_0_plans_smaller_caches_than_at_fp16(tmp_path):
+    shapes = read_model_config("smollm2-135m-instruct")[0]
+    projections = {}
+    for precision in ("fp16", "q8_0"):
+        config = write_config(
+            tmp_path / f"{precision}.yaml",
+            base="config/llamacpp.yaml",
+            runtime={"flash_attn": True},  # a quantized V cache needs it
+            matched={"precision": precision},
+            fixed_prefix={"precisions": [precision]},
+            transplant={"cross_precision": None},
+        )
+        projections[precision] = project(load_config(config), shapes, [120] * 8, prompt_measured=False)
+    fp16, q8_0 = projections["fp16"], projections["q8_0"]
+    assert q8_0.caches_per_item == fp16.caches_per_item
+    assert 0 < q8_0.cache_bytes["all"] < fp16.cache_bytes["all"]
+    assert q8_0.cache_bytes["selected"] < fp16.cache_bytes["selected"]
+    # Only the caches differ: tokens, tables and documents do not depend on the cache type.
+    assert fp16.ledger_bytes("none") == q8_0.ledger_bytes("none")
+    # A job's memory changes by its caches only (the weights are the GGUF's, whatever the cache type).
+    positions = 400
+    saved = 4 * (shapes.kv_bytes_per_position("fp16") - shapes.kv_bytes_per_position("q8_0")) * positions
+    assert job_memory_bytes(shapes, "fp16", positions) - job_memory_bytes(shapes, "q8_0", positions) == saved
+    # The plan command prints the quantized figure: 30 layers x 3 KV heads x (K + V) x 68 bytes.
+    result = stagereplay("plan", "--configfile", tmp_path / "q8_0.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "KV per position: q8_0 12.2 kB" in result.stdout
 
 
 def test_selected_and_none_store_fewer_caches_and_the_same_tokens():

@@ -144,9 +144,11 @@ def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject
             report.faults.append(Fault(where, f"content hashes to {actual}, not its name (bytes flipped or edited)"))
             continue
         tokens = tuple(tensors["tokens"].tolist()) if set(tensors) == {"tokens"} else None
+        # A cache part stored as blocks names its format after the part (layer.000.k.q8_0-h64): rows name parts.
+        parts = {".".join(name.split(".")[:3]): tensor for name, tensor in tensors.items()}
         known[object_id] = StoredObject(
-            layer_digests={name: fingerprint_tensor(tensor) for name, tensor in tensors.items()},
-            shapes={name: tuple(tensor.shape) for name, tensor in tensors.items()},
+            layer_digests={name: fingerprint_tensor(tensor) for name, tensor in parts.items()},
+            shapes={name: tuple(tensor.shape) for name, tensor in parts.items()},
             tokens=tokens,
         )
     return known

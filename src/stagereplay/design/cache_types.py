@@ -60,6 +60,18 @@ def cache_types(precision: str) -> CacheTypes:
     return CacheTypes(k, v or k)
 
 
+def rotation_size(part: str, head_dim: int) -> int:
+    """The Hadamard size the pinned llama.cpp rotates a quantized K ("k") or V ("v") part by before it stores
+    it, 0 for none: only heads of whole 64-value runs are rotated, K by the largest power of two dividing
+    the head, V by 64 (llama_kv_cache::build_input_k_rot and build_input_v_rot)."""
+    if head_dim % 64:
+        return 0
+    size = 64
+    while part == "k" and head_dim % (2 * size) == 0:
+        size *= 2
+    return size
+
+
 def check_cache_precision(precision: str, flash_attn: bool, head_dim: int | None = None) -> CacheTypes:
     """The precision's cache types, refused in one line where the pinned llama.cpp cannot run them."""
     types = cache_types(precision)

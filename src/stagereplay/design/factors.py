@@ -22,8 +22,25 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-FACTORS = ("prefix_reuse", "batch", "attention", "threads", "chunk", "kernels")
-BUILD_ONLY = frozenset({"prefix_reuse", "chunk"})
+from stagereplay.design.cache_types import QUANTIZED, CacheTypeError, cache_types, check_cache_precision
+
+FACTORS = (
+    "prefix_reuse",
+    "batch",
+    "attention",
+    "threads",
+    "chunk",
+    "kernels",
+    "flash_attn",
+    "ubatch",
+    "cache_type",
+    "rotation",
+)
+BUILD_ONLY = frozenset({"prefix_reuse", "chunk", "ubatch"})
+# A factor whose one-sided cells cannot be built honestly: a cache written with llama.cpp's Hadamard
+# rotation is read only by a context that rotates (and the other way round); moving one across would
+# re-quantize it, which neither setting does. Only (t, t) is computed.
+SERVER_ONLY = frozenset({"rotation"})
 ATTENTION_LEVELS = ("sdpa", "eager", "flash_attention_2")
 # torch's ATEN_CPU_CAPABILITY values on x86-64, and the CPU flags each needs (torch's own test).
 KERNEL_LEVELS = {
@@ -31,17 +48,29 @@ KERNEL_LEVELS = {
     "avx2": ("avx2", "fma"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
 }
+ON_OFF = ("on", "off")
 # Settings of the CPU's own computation: nothing on a GPU run.
 CPU_ONLY = frozenset({"threads", "kernels"})
 # The engines each factor runs on today.
-FACTOR_ENGINES = {factor: ("transformers",) for factor in FACTORS}
+FACTOR_ENGINES = {
+    "prefix_reuse": ("transformers", "llamacpp"),
+    "batch": ("transformers", "llamacpp"),
+    "attention": ("transformers",),
+    "threads": ("transformers", "llamacpp"),
+    "chunk": ("transformers", "llamacpp"),
+    "kernels": ("transformers",),
+    "flash_attn": ("llamacpp",),
+    "ubatch": ("llamacpp",),
+    "cache_type": ("llamacpp",),
+    "rotation": ("llamacpp",),
+}
 
 # Cells, as (build, read): "ref" or "test".
 REFERENCE = ("ref", "ref")
 WRITE = ("test", "ref")
 READ = ("ref", "test")
 SERVER = ("test", "test")
-VERDICTS = ("none", "write", "read", "both", "interaction")
+VERDICTS = ("none", "write", "read", "both", "interaction", "served")
 
 
 class FactorError(ValueError):
@@ -50,7 +79,14 @@ class FactorError(ValueError):
 
 def cells_of(factor: str) -> tuple[tuple[str, str], ...]:
     """The cells a factor level computes (the reference cell is E2's row, never computed here)."""
+    if factor in SERVER_ONLY:
+        return (SERVER,)
     return (WRITE,) if factor in BUILD_ONLY else (WRITE, READ, SERVER)
+
+
+def served_cell(factor: str) -> tuple[str, str]:
+    """The cell that runs the level as a server would: (t, t), or (t, r) for a build-only factor."""
+    return WRITE if factor in BUILD_ONLY else SERVER
 
 
 def cell_label(cell: tuple[str, str]) -> str:
@@ -66,16 +102,27 @@ class Level:
 
     @property
     def value(self):
-        """The level as the engine takes it: an int for batch, threads, chunk; a block size for block-N."""
-        if self.factor in ("batch", "threads", "chunk"):
+        """The level as the engine takes it: an int for batch, threads, chunk, ubatch; a block size for
+        (restore-)block-N; True/False for on/off."""
+        if self.factor in ("batch", "threads", "chunk", "ubatch"):
             return int(self.name)
-        if self.factor == "prefix_reuse" and self.name.startswith("block-"):
-            return int(self.name.removeprefix("block-"))
+        if self.factor == "prefix_reuse":
+            reused = self.name.removeprefix("restore-")
+            return int(reused.removeprefix("block-")) if reused.startswith("block-") else reused
+        if self.factor in ("flash_attn", "rotation"):
+            return self.name == "on"
         return self.name
+
+    @property
+    def restores(self) -> bool:
+        """A prefix-cache hit through a saved and restored sequence (llama.cpp's slot save/restore)."""
+        return self.factor == "prefix_reuse" and self.name.startswith("restore-")
 
 
 def level_name(factor: str, level) -> str:
     """A config level as its path component: block:16 -> block-16; 4 -> "4"."""
+    if isinstance(level, bool):  # YAML reads on/off as booleans
+        return "on" if level else "off"
     text = str(level).strip()
     return text.replace(":", "-") if factor == "prefix_reuse" else text
 
@@ -89,6 +136,10 @@ def reference_level(factor: str, runtime: dict, cpu_capability: str | None = Non
         "threads": str(runtime.get("threads", 1)),
         "chunk": "whole",  # one forward over the whole prefix
         "kernels": (cpu_capability or "default").lower(),
+        "flash_attn": "on" if runtime.get("flash_attn") else "off",
+        "ubatch": "whole",  # the whole prefix in one micro-batch
+        "cache_type": runtime.get("precision", "fp16"),
+        "rotation": "on",  # llama.cpp's default for a quantized cache
     }[factor]
 
 
@@ -105,8 +156,11 @@ def check_levels(
     shortest_prompt: int,
     cpu_flags: frozenset[str] | None = None,
     device: str = "cpu",
+    precision: str = "",
+    flash_attn: bool = False,
 ) -> list[Level]:
-    """Every configured test level, checked before any job; one line naming the supported values otherwise."""
+    """Every configured test level, checked before any job; one line naming the supported values otherwise.
+    ``precision`` and ``flash_attn``: the run's (E1's) precision and llama.cpp flash attention."""
     levels = []
     for factor, given in factors.items():
         if factor not in FACTORS:
@@ -128,8 +182,31 @@ def check_levels(
             raise FactorError(f"factors.{factor}: a level is listed twice — list each once")
         for name in names:
             _check_level(factor, name, item_count, shortest_prompt, cpu_flags)
+            _check_llamacpp_level(factor, name, engine, precision, flash_attn)
             levels.append(Level(factor, name))
     return levels
+
+
+def _check_llamacpp_level(factor: str, name: str, engine: str, precision: str, flash_attn: bool) -> None:
+    if factor == "prefix_reuse" and name.startswith("restore-") and engine != "llamacpp":
+        raise FactorError(
+            f"factors.prefix_reuse: {name.replace('-', ':', 1)} restores llama.cpp's saved sequence file — run it"
+            " on a llama.cpp checkpoint, or use prompt / block:N"
+        )
+    if factor == "cache_type":
+        try:
+            check_cache_precision(name, flash_attn)
+        except CacheTypeError as error:
+            raise FactorError(f"factors.cache_type: {error}") from None
+    if factor == "flash_attn" and name == "off" and precision and cache_types(precision).v in QUANTIZED:
+        raise FactorError(
+            f"factors.flash_attn: the run's {precision} V cache needs flash attention, so off cannot run — remove it"
+        )
+    if factor == "rotation" and not (precision and cache_types(precision).quantized):
+        raise FactorError(
+            f"factors.rotation: llama.cpp rotates only a quantized cache and the run's is {precision or 'not one'} —"
+            " set matched.precision to a quantized type (q8_0), or remove rotation"
+        )
 
 
 def _check_level(factor: str, name: str, item_count: int, shortest_prompt: int, cpu_flags) -> None:
@@ -147,18 +224,25 @@ def _check_level(factor: str, name: str, item_count: int, shortest_prompt: int, 
         if name not in ATTENTION_LEVELS:
             raise FactorError(f"factors.attention: unknown level {name!r} — use {', '.join(ATTENTION_LEVELS)}")
     elif factor == "prefix_reuse":
-        if name != "prompt" and not re.fullmatch(r"block-[1-9][0-9]*", name):
+        reused = name.removeprefix("restore-")
+        if reused != "prompt" and not re.fullmatch(r"block-[1-9][0-9]*", reused):
             raise FactorError(
-                f"factors.prefix_reuse: unknown level {name!r} — use prompt (the cached prompt) or block:N"
-                " (the longest run of whole N-token blocks of the prefix)"
+                f"factors.prefix_reuse: unknown level {name!r} — use prompt (the cached prompt), block:N (the"
+                " longest run of whole N-token blocks of the prefix), or on llama.cpp restore:prompt / restore:block:N"
+                " (the same, through a saved and restored sequence)"
             )
         # Every context holds its prompt, so a block no longer than the shortest prompt is reused on every item.
-        if name != "prompt" and Level(factor, name).value > shortest_prompt:
+        if reused != "prompt" and Level(factor, name).value > shortest_prompt:
             raise FactorError(
                 f"factors.prefix_reuse: a block of {Level(factor, name).value} tokens is longer than the shortest"
                 f" prompt ({shortest_prompt} tokens), so a hit could reuse nothing — use block:N with N at most"
                 f" {shortest_prompt}"
             )
+    elif factor == "ubatch":
+        _positive_int(factor, name, "a micro-batch size in tokens such as 512 or 7")
+    elif factor in ("flash_attn", "rotation"):
+        if name not in ON_OFF:
+            raise FactorError(f"factors.{factor}: unknown level {name!r} — use on or off")
     elif factor == "kernels":
         if name not in KERNEL_LEVELS:
             raise FactorError(f"factors.kernels: unknown level {name!r} — use {', '.join(KERNEL_LEVELS)}")
@@ -184,7 +268,7 @@ def cpu_flags() -> frozenset[str] | None:
     return frozenset()
 
 
-def verdict(reference: list[int], write: list[int], read: list[int] | None, server: list[int] | None) -> str:
+def verdict(reference: list[int], write: list[int] | None, read: list[int] | None, server: list[int] | None) -> str:
     """Where the divergence of one item enters, from the suffixes of its cells (token lists).
 
     - ``none``: every cell continues like the reference;
@@ -194,9 +278,13 @@ def verdict(reference: list[int], write: list[int], read: list[int] | None, serv
     - ``both``: ``(t, r)`` and ``(r, t)`` each differ from the reference;
     - ``interaction``: neither one-sided cell differs, only ``(t, t)``.
 
-    For a build-only factor (``read`` and ``server`` None) it is ``write`` or ``none``. With identical
-    cache bytes ``(t, r)`` is the reference computation, so such an item is ``none`` or ``read``.
+    For a build-only factor (``read`` and ``server`` None) it is ``write`` or ``none``. For a factor with
+    (t, t) alone (``write`` and ``read`` None, ``SERVER_ONLY``) it is ``served`` (the level changes the
+    continuation, where it enters is not separable) or ``none``. With identical cache bytes ``(t, r)`` is the
+    reference computation, so such an item is ``none`` or ``read``.
     """
+    if write is None:
+        return "served" if server != reference else "none"
     write_differs = write != reference
     if read is None:
         return "write" if write_differs else "none"

@@ -11,6 +11,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagereplay.design.cache_types import CacheTypeError, CacheTypes, check_cache_precision
+
+# A transformers precision's width: its weights' and its cache's. bf16 is transformers' only; every other
+# precision name is also a llama.cpp cache type, whose cached bytes design.cache_types counts (head_bytes).
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Where the published config.json shapes of known models lie (the embedded default among them).
 MODEL_CONFIGS = Path(__file__).resolve().parents[3] / "data" / "model_configs"
@@ -62,7 +66,7 @@ class ModelShapes:
 
     def kv_bytes_per_position(self, precision: str) -> int:
         """K and V of every layer for one position: what a boundary cache stores per position."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * BYTES[precision]
+        return self.layers * self.kv_heads * sum(head_bytes(precision, part, self.head_dim) for part in "kv")
 
     def parameters(self) -> int:
         kv = self.kv_heads * self.head_dim
@@ -73,6 +77,34 @@ class ModelShapes:
         layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
         return self.layers * layer + embeddings + self.hidden
+
+
+def llamacpp_types(precision: str, head_dim: int | None = None) -> CacheTypes:
+    """A llama.cpp precision's K and V cache types, as a PlanError (one line) where the name is none or the
+    head is not whole blocks. A quantized V also needs flash attention: that is the run's check
+    (runtime.flash_attn), not the plan's, which counts bytes either way."""
+    try:
+        return check_cache_precision(precision, flash_attn=True, head_dim=head_dim)
+    except CacheTypeError as error:
+        raise PlanError(str(error)) from None
+
+
+def head_bytes(precision: str, part: str, head_dim: int) -> int:
+    """Bytes of one head's K (``part`` "k") or V ("v") at one position, as a cache at ``precision`` holds
+    them: bf16 values, or the part's llama.cpp cache type (plain values, or ggml blocks for q8_0 and q4_0)."""
+    if precision == "bf16":
+        return head_dim * BYTES[precision]
+    return llamacpp_types(precision, head_dim).row_bytes(part, head_dim)
+
+
+def weight_bytes(precision: str) -> int:
+    """Bytes per weight of a job at ``precision``. A quantized llama.cpp cache type says nothing of the
+    weights (the GGUF's own, as shipped): they are counted at fp16 width, as under llama.cpp's default
+    fp16 cache, so a cache type changes a job's figure by its caches only."""
+    if precision in BYTES:
+        return BYTES[precision]
+    llamacpp_types(precision)  # refuses a name that is no precision at all
+    return BYTES["fp16"]
 
 
 def random_qwen2_shapes(layers: int, hidden: int, near_ties: bool) -> ModelShapes:
@@ -142,8 +174,7 @@ def job_memory_bytes(shapes: ModelShapes, precision: str, max_positions: int) ->
     boundary plus suffix (a transplant job holds donor, recipient, the transplanted cache and the
     one it continues), the activations of a one-shot prefill of that length (MLP and attention
     scores in fp32, the score matrix of the math kernel being the largest) and a fixed overhead."""
-    width = BYTES[precision]
-    weights = shapes.parameters() * width
+    weights = shapes.parameters() * weight_bytes(precision)
     caches = 4 * shapes.kv_bytes_per_position(precision) * max_positions
     activations = max_positions * (4 * shapes.hidden + 2 * shapes.intermediate) * 4
     activations += shapes.heads * max_positions * max_positions * 4
