@@ -409,7 +409,14 @@ def parse_time_factor_levels():
     prompts = measured_prompt_tokens(LAYOUT.prompts(PRIMARY)) or PROMPT_LENGTHS
     try:
         return check_levels(
-            config["factors"], engine_of(PRIMARY), len(ITEMS), min(prompts), cpu_flags(), RUNTIME["device"]
+            config["factors"],
+            engine_of(PRIMARY),
+            len(ITEMS),
+            min(prompts),
+            cpu_flags(),
+            RUNTIME["device"],
+            E1,
+            RUNTIME["flash_attn"],
         )
     except FactorError as error:
         raise WorkflowError(str(error)) from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import platform
 import subprocess
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,9 @@ class Engine(ABC):
     environment: Environment  # recorded in every ledger row the engine's outputs fill
     # Token positions fed through the model so far, padding included: what E6's cost figures count.
     fed_positions: int = 0
+    # Can keep a sequence's first positions for a later request, and save and restore a sequence through
+    # its own files (``truncate``, ``save_sequence``, ``load_sequence``): a server's prefix reuse.
+    keeps_sequences: bool = False
 
     @classmethod
     @abstractmethod
@@ -113,6 +117,18 @@ class Engine(ABC):
     def use_attention(self, implementation: str) -> None:
         """Run the next calls with this attention implementation."""
         raise ModelError(f"the {self.environment.engine} engine cannot change its attention kernel between calls")
+
+    def reconfigure(self, **settings) -> None:
+        """Run the next calls with these engine settings changed (llama.cpp's context parameters)."""
+        raise ModelError(f"the {self.environment.engine} engine has no settings to change between calls")
+
+    def converted(self, state: KVState) -> KVState:
+        """``state`` as this engine's cache stores it (another cache type converted), or as it is."""
+        return state
+
+    def batch_context(self, size: int) -> AbstractContextManager:
+        """Where a batch of ``size`` sequences runs (nothing to set up by default)."""
+        return nullcontext()
 
     def batch_forward(self, batch: object | None, rows: list[list[int]]) -> tuple[object, torch.Tensor]:
         """Feed several sequences in one call, each row's tokens after what ``batch`` holds for it (None: an

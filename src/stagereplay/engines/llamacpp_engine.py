@@ -32,7 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stagereplay.design.cache_types import QUANTIZED, CacheTypeError, cache_types, check_cache_precision
+from stagereplay.design.cache_types import (
+    QUANTIZED,
+    CacheTypeError,
+    cache_types,
+    check_cache_precision,
+    rotation_size,
+)
 from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
 from stagereplay.engines.llamacpp_state import (
     CACHE_TYPE_IDS,
@@ -43,7 +49,7 @@ from stagereplay.engines.llamacpp_state import (
     write_seq_state,
 )
 from stagereplay.ledger.kvstate import KVState
-from stagereplay.ledger.quantized import BlockFormat
+from stagereplay.ledger.quantized import BlockFormat, blocks_of
 
 PINNED_VERSION = "0.3.36"
 # Architectures whose every layer is full attention over every position, with one-position cells:
@@ -207,6 +213,8 @@ class LlamaCppTokenizer:
 class LlamaCppEngine(Engine):
     """A GGUF loaded in llama.cpp with one single-sequence context."""
 
+    keeps_sequences = True
+
     @classmethod
     def load(cls, record: dict, runtime: Runtime) -> LlamaCppEngine:
         """The record's GGUF as shipped (``gguf``)."""
@@ -309,6 +317,41 @@ class LlamaCppEngine(Engine):
         settings = dataclasses.replace(self.settings, **changes)
         if settings != self.settings:
             self._open(settings)
+
+    @contextlib.contextmanager
+    def batch_context(self, size: int):
+        """A unified cache of ``size`` sequences while the batch runs, then the single-sequence context again."""
+        self.reconfigure(n_seq_max=size)
+        try:
+            yield
+        finally:
+            self.reconfigure(n_seq_max=1)
+
+    def converted(self, state: KVState) -> KVState:
+        """``state`` in this context's cache type: values quantized offline (rotated first where this context
+        rotates) by gguf's reference quantizer, or blocks dequantized (un-rotated) and rounded to fp16/fp32."""
+        types = cache_types(self.settings.cache_type)
+        dtypes = (state.keys[0].dtype, state.values[0].dtype)
+        if state.formats == self.formats and dtypes == (self._plain_dtype(types.k), self._plain_dtype(types.v)):
+            return state
+        numeric = state.numeric()
+
+        def part(tensors, cache_type, block_format):
+            if block_format:
+                return tuple(blocks_of(tensor, BlockFormat.parse(block_format)).contiguous() for tensor in tensors)
+            return tuple(tensor.to(self._plain_dtype(cache_type)) for tensor in tensors)
+
+        key_format, value_format = self.formats
+        return KVState(
+            part(numeric.keys, types.k, key_format),
+            part(numeric.values, types.v, value_format),
+            key_format,
+            value_format,
+        )
+
+    @staticmethod
+    def _plain_dtype(cache_type: str) -> torch.dtype:
+        return {"fp16": torch.float16, "fp32": torch.float32}.get(cache_type, torch.uint8)
 
     @property
     def formats(self) -> tuple[str, str]:
@@ -538,21 +581,19 @@ def _last_error(log: list[str]) -> str:
 
 
 def _rotation(log: list[str], types, geometry: Geometry) -> tuple[int, int]:
-    """The Hadamard sizes the new context rotates a quantized K and V by, as llama.cpp logged its choice
-    (``attn_rot_k`` / ``attn_rot_v``); the sizes are llama.cpp 0.3.36's rule (llama-kv-cache.cpp): K by the
-    largest power of two from 64 that divides the head, V by 64."""
-    text = "".join(log)
-    found = {part: re.search(rf"attn_rot_{part} = (\d)", text) for part in ("k", "v")}
+    """The Hadamard sizes the new context rotates a quantized K and V by: whether it does, as llama.cpp logged
+    its choice (``attn_rot_k`` / ``attn_rot_v``), and by how much, its rule (``cache_types.rotation_size``)."""
     if not types.quantized:
         return 0, 0
+    text = "".join(log)
+    found = {part: re.search(rf"attn_rot_{part} = (\d)", text) for part in ("k", "v")}
     if not all(found.values()):
         raise LlamaCppError(
             f"llama.cpp {PINNED_VERSION} did not log whether it rotates the quantized cache — the state cannot be read"
         )
-    k_size = 64
-    while geometry.head_dim_k % (k_size * 2) == 0:
-        k_size *= 2
-    return (k_size if found["k"].group(1) == "1" else 0, 64 if found["v"].group(1) == "1" else 0)
+    k_size = rotation_size("k", geometry.head_dim_k) if found["k"].group(1) == "1" else 0
+    v_size = rotation_size("v", geometry.head_dim_v) if found["v"].group(1) == "1" else 0
+    return k_size, v_size
 
 
 # One context size for every llama.cpp job: a prefix is one micro-batch of at most this many tokens.

@@ -11,10 +11,11 @@ not stored (any of them is rebuilt from the saved tokens and the level).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 from pathlib import Path
 
-from stagereplay.design.factors import BUILD_ONLY, READ, SERVER, WRITE, Level, cell_label, cells_of, reference_level
+from stagereplay.design.factors import READ, SERVER, WRITE, Level, cell_label, cells_of, reference_level
 from stagereplay.engines.base import Engine, Runtime
 from stagereplay.engines.registry import load_checkpoint
 from stagereplay.experiments.compare import first_divergence
@@ -124,7 +125,8 @@ def item_cells(
     base: dict,
     reference_fed: int = 0,
 ) -> list[dict]:
-    """The rows of one item's cells: (t, r), and unless the factor is build-only, (r, t) and (t, t).
+    """The rows of one item's cells (``design.factors.cells_of``): (t, r), (r, t) and (t, t); (t, r) alone for
+    a build-only factor, (t, t) alone for a server-only one.
     ``reference_fed``: positions fed to rebuild the reference cache (0 when it was stored)."""
     reference_suffix = list(reference_row["suffix_tokens"])
     start = test.fed_positions()
@@ -151,12 +153,25 @@ def item_cells(
         start = test.fed_positions()
         return result
 
-    cells = {WRITE: (test_state, test_fingerprint, counted(WRITE, lambda: reference.read(prefix, test_state, None)))}
-    if level.factor not in BUILD_ONLY:
-        cells[READ] = (reference_state, None, counted(READ, lambda: test.read(prefix, reference_state, built)))
-        cells[SERVER] = (test_state, test_fingerprint, counted(SERVER, lambda: test.read(prefix, test_state, built)))
-    write_suffix = list(cells[WRITE][2].tokens)
-    if same_bytes and write_suffix != reference_suffix:
+    wanted = cells_of(level.factor)
+    # What each cell's reader is given: the cache as built, or converted where the other setting stores
+    # another cache type (then the row records the converted cache).
+    inputs = {
+        WRITE: (test_state, lambda: test.for_reference(test_state), lambda state: reference.read(prefix, state, None)),
+        READ: (reference_state, lambda: test.for_test(reference_state), lambda state: test.read(prefix, state, built)),
+        SERVER: (test_state, lambda: test_state, lambda state: test.read(prefix, state, built)),
+    }
+    cells, converted = {}, {}
+    for cell in (WRITE, READ, SERVER):
+        if cell not in wanted:
+            continue
+        state, convert, read = inputs[cell]
+        given = convert()
+        if given is not state:
+            converted[cell] = fingerprint_cache(to_host(given))
+        fingerprint = test_fingerprint if state is test_state else None
+        cells[cell] = (state, fingerprint, counted(cell, functools.partial(read, given)))
+    if WRITE in cells and same_bytes and list(cells[WRITE][2].tokens) != reference_suffix:
         # The same bytes continued by the same reader: only a run that does not reproduce itself differs.
         raise LedgerError(
             f"item {prefix.item_id}: the reference cache rebuilt under {level.factor}={level.name} continued"
@@ -185,10 +200,33 @@ def item_cells(
                 "suffix_tokens": tokens,
                 "suffix_stop": decoded.stop,
                 "first_divergence": first_divergence(tokens, reference_suffix),
-                "forward_positions": fed[cell] + (reference_fed if cell == WRITE else 0),
+                **_conversion(converted.get(cell), test_fingerprint if cell == READ else None),
+                "forward_positions": fed[cell] + (reference_fed if cell == wanted[0] else 0),
             }
         )
     return rows
+
+
+def _conversion(given, test_fingerprint) -> dict:
+    """The converted cache a cell read, and on ref-test how the offline-quantized reference compares with
+    the native test build."""
+    if given is None:
+        return {"converted_digest": None, "converted_equals_test": None, "converted_first_differing_layer": None}
+    compared = test_fingerprint is not None
+    differing = (
+        [
+            layer
+            for layer, pair in enumerate(zip(given.keys, test_fingerprint.keys, given.values, test_fingerprint.values))
+            if pair[0] != pair[1] or pair[2] != pair[3]
+        ]
+        if compared
+        else []
+    )
+    return {
+        "converted_digest": given.digest,
+        "converted_equals_test": given.digest == test_fingerprint.digest if compared else None,
+        "converted_first_differing_layer": (differing[0] if differing else None) if compared else None,
+    }
 
 
 def _cell(cell: tuple[str, str]) -> dict:
@@ -223,6 +261,9 @@ def _base_row(level: Level, spec: ShardSpec, row: dict, record: dict, engine: En
         "suffix_tokens": [],
         "suffix_stop": None,
         "first_divergence": None,
+        "converted_digest": None,
+        "converted_equals_test": None,
+        "converted_first_differing_layer": None,
         "forward_positions": None,
         **environment_columns(engine.environment),
     }

@@ -4,8 +4,11 @@ continues from one (the job that runs them is ``factor_job``; the cells and verd
 
 The reference setting is the one E2 ran: a one-shot prefill, then greedy decoding at batch 1 with the
 run's threads and attention. A test level switches a setting around its builds and reads (threads,
-attention), builds another way (chunks, a prefix-cache hit), runs in a batch, or runs in a worker
-process of its own (CPU kernels, fixed when torch starts).
+attention; on llama.cpp a new context with flash attention, micro-batch size, cache type or rotation
+changed), builds another way (chunks, a prefix-cache hit), runs in a batch, or runs in a worker
+process of its own (CPU kernels, fixed when torch starts). A cache another setting wrote is converted
+before it is read only where the two store different things (a cache type): ``for_reference`` and
+``for_test`` say how, and the row records the converted cache.
 """
 
 from __future__ import annotations
@@ -83,6 +86,14 @@ class Setting:
         with self.active():
             return continue_from(self.engine, state, prefix.tokens[-1], self.budget, self.eos)
 
+    def for_reference(self, state: KVState) -> KVState:
+        """A cache this level built, as the reference setting reads it (as it is, unless it stores another type)."""
+        return state
+
+    def for_test(self, state: KVState) -> KVState:
+        """The reference cache, as this level reads it."""
+        return state
+
 
 class Switched(Setting):
     """A level the engine switches to around each build and read, then back: threads, attention kernel."""
@@ -98,6 +109,27 @@ class Switched(Setting):
             yield
         finally:
             self.switch(self.reference_value)
+
+
+class Reconfigured(Switched):
+    """A llama.cpp context setting (flash attention, micro-batch size, cache type, rotation): the engine
+    makes a new context with it around each build and read, then goes back to the reference's."""
+
+    def __init__(self, engine, budget, eos, key: str, value, reference_value):
+        super().__init__(engine, budget, eos, lambda v: engine.reconfigure(**{key: v}), value, reference_value)
+
+
+class CacheType(Reconfigured):
+    """A KV cache type. Built natively in a context of that type; read across types after a conversion
+    (``LlamaCppEngine.converted``): a test-built cache dequantized for the reference's context (t, r), and
+    the reference cache quantized offline, by gguf's reference quantizer, for the test context (r, t)."""
+
+    def for_reference(self, state):
+        return self.engine.converted(state)
+
+    def for_test(self, state):
+        with self.active():
+            return self.engine.converted(state)
 
 
 class Chunk(Setting):
@@ -124,7 +156,7 @@ class PrefixReuse(Setting):
 
     def reused(self, prefix: Prefix) -> int:
         context = len(prefix.tokens) - 1
-        if self.level.name == "prompt":
+        if self.level.value == "prompt":
             return min(prefix.prompt_length, context)
         block = self.level.value
         reused = (context // block) * block
@@ -156,6 +188,46 @@ class PrefixReuse(Setting):
         return Built(self.engine.snapshot(cache), f"{reused} positions reused, {rest} prefilled on top", reused, digest)
 
 
+class HeldPrefix(PrefixReuse):
+    """A prefix-cache hit through the engine's own mechanism (llama.cpp), never a simulation.
+
+    ``prompt`` / ``block:N``: the slot keeps an earlier request in its context — that request's tokens, one
+    prefill, then the token it generated — and the new request keeps the longest common prefix of the two
+    token lists (``truncate``, llama.cpp's ``llama_memory_seq_rm``), then decodes only the rest in one call.
+    ``restore:...``: the earlier request's sequence is saved to a file with its tokens and restored into an
+    emptied context (``llama_state_seq_save_file`` / ``load_file``: a server's slot save and restore)."""
+
+    def build(self, prefix):
+        context, reused = prefix.context, self.reused(prefix)
+        earlier = context[:reused]
+        cache = self.engine.empty_cache()
+        with torch.inference_mode():
+            logits = self.engine.forward(earlier, cache)
+            if self.level.restores:
+                path = Path(self.scratch.root) / "slot.bin"
+                size = self.engine.save_sequence(cache, path, earlier)
+                cache, tokens = self.engine.load_sequence(path, len(context) + 1)
+                path.unlink()
+                if tokens != earlier:
+                    raise LedgerError(
+                        f"item {prefix.item_id}: the restored sequence holds other tokens than were saved"
+                    )
+                kept, how = reused, f"restored from a {size}-byte slot file"
+            else:
+                held = [*earlier, greedy_choice(logits)[0]]
+                self.engine.forward(held[-1:], cache)
+                kept = next((i for i, (a, b) in enumerate(zip(held, context)) if a != b), min(len(held), len(context)))
+                self.engine.truncate(cache, kept)
+                how = f"kept in the context (the earlier request held {len(held)})"
+            if kept == 0:
+                raise FactorError(f"factors.prefix_reuse {self.level.name}: item {prefix.item_id} would reuse nothing")
+            reused_digest = fingerprint_cache(self.engine.snapshot(cache)).digest
+            if kept < len(context):
+                self.engine.forward(context[kept:], cache)
+        note = f"{kept} positions {how}, {len(context) - kept} decoded on top"
+        return Built(self.engine.snapshot(cache), note, kept, reused_digest)
+
+
 class Batch(Setting):
     """The item in row 0 of a batch of B, with the next B-1 items (by id, wrapping round) as companions:
     left-padded, with an attention mask and per-row positions. Built in one batched prefill; read by
@@ -166,6 +238,9 @@ class Batch(Setting):
         self.size, self.prefixes = size, prefixes
         self.order = sorted(prefixes)
 
+    def active(self):
+        return self.engine.batch_context(self.size)
+
     def companions(self, item_id: str) -> tuple[str, ...]:
         start = self.order.index(item_id)
         return tuple(self.order[(start + offset) % len(self.order)] for offset in range(1, self.size))
@@ -173,14 +248,19 @@ class Batch(Setting):
     def build(self, prefix):
         companions = self.companions(prefix.item_id)
         rows = [prefix.context] + [self.prefixes[name].context for name in companions]
-        batch, _ = self.engine.batch_forward(None, rows)
-        states = [self.engine.batch_row(batch, row) for row in range(len(rows))]
+        with self.active():
+            batch, _ = self.engine.batch_forward(None, rows)
+            states = [self.engine.batch_row(batch, row) for row in range(len(rows))]
         note = f"batch of {self.size}" + (f" with {', '.join(companions)}" if companions else "")
         return Built(states[0], note, companions=companions, companion_states=tuple(states[1:]))
 
     def read(self, prefix, state, built):
         if prefix.ended_by_eos:
             return Decoded((), (), "eos")
+        with self.active():
+            return self._read(prefix, state, built)
+
+    def _read(self, prefix, state, built):
         batch = self.engine.batch_of([state, *built.companion_states])
         # Row 0 is decoded greedily as at batch 1; the other rows feed their own greedy choices alongside. A
         # finished companion keeps decoding: the batch keeps its shape while the item's row runs.
@@ -290,8 +370,21 @@ def run_kernel_worker(folder: str | Path) -> None:
     (folder / "answer.json").write_text(json.dumps(answer))
 
 
+# llama.cpp context settings: the engine's name for each, and the reference's value.
+RECONFIGURED = {
+    "flash_attn": ("flash_attn", lambda runtime: runtime.flash_attn),
+    "ubatch": ("n_ubatch", lambda runtime: 0),  # 0: the whole prefix in one micro-batch
+    "rotation": ("rotation", lambda runtime: True),
+}
+
+
 def level_setting(level: Level, engine: Engine, runtime: Runtime, budget, eos, prefixes, scratch, record) -> Setting:
     factor = level.factor
+    if factor in RECONFIGURED:
+        key, reference_value = RECONFIGURED[factor]
+        return Reconfigured(engine, budget, eos, key, level.value, reference_value(runtime))
+    if factor == "cache_type":
+        return CacheType(engine, budget, eos, "cache_type", level.value, runtime.precision)
     if factor == "threads":
         return Switched(engine, budget, eos, engine.use_threads, level.value, runtime.threads)
     if factor == "attention":
@@ -299,7 +392,8 @@ def level_setting(level: Level, engine: Engine, runtime: Runtime, budget, eos, p
     if factor == "chunk":
         return Chunk(engine, budget, eos, level.value)
     if factor == "prefix_reuse":
-        return PrefixReuse(engine, budget, eos, level, scratch, record["fingerprint"], runtime.precision)
+        kind = HeldPrefix if engine.keeps_sequences else PrefixReuse
+        return kind(engine, budget, eos, level, scratch, record["fingerprint"], runtime.precision)
     if factor == "batch":
         return Batch(engine, budget, eos, level.value, prefixes)
     if factor == "kernels":

@@ -192,6 +192,12 @@ FACTOR_SCHEMA = pa.schema(
         ("suffix_tokens", pa.list_(pa.int64())),
         ("suffix_stop", pa.string()),
         ("first_divergence", pa.int32()),  # the first suffix step that differs from the reference's
+        # cache_type: a cell that read a cache of the other type read it converted (design in experiments.factors):
+        # that cache's fingerprint; on ref-test (the reference quantized offline) whether it has the native
+        # test build's bytes, and from which layer it differs.
+        ("converted_digest", pa.string()),
+        ("converted_equals_test", pa.bool_()),
+        ("converted_first_differing_layer", pa.int32()),
         # Token positions this cell fed through the model, padding included (its build, where it built one,
         # and its continuation); test-ref also counts a reference cache rebuilt because it was not stored.
         ("forward_positions", pa.int64()),

@@ -282,8 +282,8 @@ def factor_blocks(summary: dict) -> list[tuple]:
             "paragraph",
             f"Checkpoint `{e6['checkpoint']}` at {e6['precision']}; the reference cell is {e6['reference']}. Cells"
             " are (build, read): test-ref is the write side, ref-test the read side, test-test the level as a"
-            " server runs it; a build-only factor has test-ref alone. Suffixes differ counts test-test (test-ref"
-            " for a build-only factor). Verdicts are defined in docs/experiments.md (E6); x/N with Wilson 95% intervals.",
+            " server runs it; a build-only factor has test-ref alone, a server-only one (rotation) test-test alone."
+            " Suffixes differ counts test-test (test-ref for a build-only factor). Verdicts are defined in docs/experiments.md (E6); x/N with Wilson 95% intervals.",
         ),
         ("table", FACTOR_COLUMNS, rows),
     ]

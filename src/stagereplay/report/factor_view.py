@@ -48,7 +48,7 @@ def factor_item_rows(
         for row in level_rows:
             by_item.setdefault(row["item_id"], {})[row["cell"]] = row
         for item_id, cells in sorted(by_item.items()):
-            built = cells["test-ref"]
+            built = cells.get("test-ref") or cells["test-test"]  # test-test alone: a server-only factor
             vocabulary = vocabularies.get(built["checkpoint"], {})
             reference = reference_tokens.get(built["reference_suffix"], [])
             cache = (

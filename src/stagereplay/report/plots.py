@@ -35,6 +35,7 @@ VERDICT_COLOURS = {
     "read": "tab:blue",
     "both": "tab:purple",
     "interaction": "tab:red",
+    "served": "tab:green",
 }
 
 

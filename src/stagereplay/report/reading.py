@@ -287,6 +287,7 @@ SIDE_WORDS = {
     "read": "changes only where the reference cache is read under the level (read side)",
     "both": "changes in the write cell and in the read cell (both sides)",
     "interaction": "changes only when the level both builds and reads (interaction)",
+    "served": "changes as a server runs it (its one-sided cells cannot be built, so the side is not separated)",
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
-from stagereplay.design.factors import BUILD_ONLY, VERDICTS, verdict
+from stagereplay.design.factors import VERDICTS, cell_label, cells_of, served_cell, verdict
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS
 from stagereplay.report.stats import (
     mcnemar_exact,
@@ -323,11 +323,10 @@ def item_verdicts(rows: list[dict]) -> dict[str, str]:
             by_item[row["item_id"]][row["cell"]] = row
     verdicts = {}
     for item_id, cells in sorted(by_item.items()):
-        write = cells["test-ref"]
-        read, server = cells.get("ref-test"), cells.get("test-test")
+        write, read, server = cells.get("test-ref"), cells.get("ref-test"), cells.get("test-test")
         verdicts[item_id] = verdict(
-            write["reference_suffix"],
-            write["suffix_object"],
+            next(iter(cells.values()))["reference_suffix"],
+            write["suffix_object"] if write else None,
             read["suffix_object"] if read else None,
             server["suffix_object"] if server else None,
         )
@@ -350,8 +349,9 @@ def e6_level(rows: list[dict]) -> dict:
     }
     if not applicable:
         return figures
-    built = [row for row in applicable if row["cell"] == "test-ref"]
-    served = [row for row in applicable if row["cell"] == ("test-ref" if factor in BUILD_ONLY else "test-test")]
+    # Every factor has one test-built cell per item: (t, r), or (t, t) alone for a server-only factor.
+    built = [row for row in applicable if row["cell"] == cell_label(cells_of(factor)[0])]
+    served = [row for row in applicable if row["cell"] == cell_label(served_cell(factor))]
     differing_layers = [row["first_differing_layer"] for row in built if row["cache_differs"]]
     verdicts = Counter(item_verdicts(applicable).values())
     n = len(built)
