@@ -1,15 +1,19 @@
 """What E6 cost, per factor level: positions fed through the model per item against the design minimum,
-and model-job wall time per item against E1's.
+and model-job wall time per item against E1's; then the boundary cache's bytes per item for each cache
+type the ledger ran (llama.cpp's precisions are cache types).
 
     python bench/factor_costs.py ledger/factors
 
 Measured: each factor row's ``forward_positions`` (counted by the engine as it fed them: builds,
 continuations, batch padding, and any reference cache rebuilt because it was not stored) and each factor
 job's benchmark file. The design minimum counts each distinct computation once and the reference cell
-not at all (it is E2's row): one build under the level (a batch's B padded rows; a prefix hit's reused
-and new positions) and one continuation per other cell (B rows per step where it is read in a batch).
+not at all (it is E2's row): one build under the level (a batch's B rows, padded to the longest on
+transformers, as they are on llama.cpp; a prefix hit's reused and new positions) and one continuation per
+other cell (B rows per step where it is read in a batch).
 E1 per item: the live and prefill jobs of replica 0 at the E1 precision, wall seconds summed over shards
-and divided by the items. Prints one Markdown table.
+and divided by the items. Cache bytes per item: the stored objects of E2's prefill rows at each precision
+(measured, file sizes), beside the plan's projection for the same positions (``design.projection``); a
+cache type E6 ran but no row stored (a ``cache_type`` level) is projected only. Prints two Markdown tables.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from stagereplay.design.projection import cache_object_bytes
+from stagereplay.design.shapes import checkpoint_shapes
 from stagereplay.ledger.layout import LedgerLayout
 
 
@@ -36,8 +42,9 @@ def minimum_positions(row: dict, contexts: dict[str, int]) -> int:
     continuation = len(row["suffix_tokens"]) * (batch if row["read"] == "test" else 1)
     if row["build"] != "test" or row["cell"] != "test-ref":
         return continuation  # (t, t) continues the cache (t, r) built: it is built once
-    members = [row["item_id"], *row["companions"]]
-    return batch * max(contexts[member] for member in members) + continuation
+    members = [contexts[member] for member in (row["item_id"], *row["companions"])]
+    built = sum(members) if row["engine"] == "llamacpp" else batch * max(members)  # llama.cpp: no padding
+    return built + continuation
 
 
 def factor_costs(root: str | Path) -> list[dict]:
@@ -83,6 +90,38 @@ def factor_costs(root: str | Path) -> list[dict]:
     return table
 
 
+def cache_bytes(root: str | Path) -> list[dict]:
+    """Per cache type: bytes per item of the stored boundary caches (E2's prefill rows, replica 0) and the
+    projection's figure for the same positions."""
+    ledger = LedgerLayout(root)
+    trajectories = pq.read_table(ledger.table("trajectories")).to_pylist()
+    factors = pq.read_table(ledger.table("factors")).to_pylist() if Path(ledger.table("factors")).is_file() else []
+    config = json.loads(Path(ledger.provenance).read_text())["config"]
+    prefill = [r for r in trajectories if (r["construction"], r["replica"]) == ("prefill", 0)]
+    checkpoint = prefill[0]["checkpoint"]
+    shapes = checkpoint_shapes(config["checkpoints"][checkpoint])
+    positions = {r["item_id"]: r["cache_positions"] for r in prefill}
+    types = sorted({r["precision"] for r in prefill} | {r["level"] for r in factors if r["factor"] == "cache_type"})
+    table = []
+    for cache_type in types:
+        stored = [
+            Path(ledger.objects, r["cache_object"][:2], f"{r['cache_object']}.safetensors")
+            for r in prefill
+            if r["precision"] == cache_type
+        ]
+        sizes = [path.stat().st_size for path in stored if path.is_file()]
+        projected = [cache_object_bytes(shapes, cache_type, count) for count in positions.values()] if shapes else []
+        table.append(
+            {
+                "cache_type": cache_type,
+                "items": len(positions),
+                "stored": sum(sizes) / len(sizes) if sizes else None,
+                "projected": sum(projected) / len(projected) if projected else None,
+            }
+        )
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ledger", help="a ledger with E6 (tables/factors.parquet)")
@@ -96,6 +135,13 @@ def main() -> None:
             f"| {row['level']} | {row['items']} | {row['fed']:.0f} | {row['minimum']:.0f} | {row['ratio']:.2f} |"
             f" {row['wall']:.2f} | {row['e1']:.2f} | {row['wall'] / row['e1']:.2f}× |"
         )
+    print()
+    print("| cache type | items | stored bytes / item | projected bytes / item |")
+    print("|---|---:|---:|---:|")
+    for row in cache_bytes(args.ledger):
+        stored = f"{row['stored']:,.0f}" if row["stored"] is not None else "— (not stored)"
+        projected = f"{row['projected']:,.0f}" if row["projected"] is not None else "—"
+        print(f"| {row['cache_type']} | {row['items']} | {stored} | {projected} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,217 @@
+"""E6 and quantized caches through the real workflow on llama.cpp: a tiny random Qwen2 GGUF with 64-value heads
+(so q8_0/q4_0 blocks are whole and llama.cpp rotates them), every llama.cpp factor end to end, then the audit.
+
+Skips with the reason when llama_cpp is not importable; STAGEREPLAY_REQUIRE_LLAMACPP=1 (.ci/run) fails instead.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_llamacpp import _binding_problem
+from workflow_helpers import skip_unless_required, snakemake, write_config
+
+from stagereplay.design.factors import FactorError, check_levels
+from stagereplay.ledger.kvstate import KVState
+from stagereplay.ledger.store import ObjectStore
+
+pytestmark = pytest.mark.slow
+
+TINY = "tiny-gguf"
+WIDE = {"engine": "llamacpp", "random_qwen2": {"seed": 2, "layers": 2, "hidden": 256}}
+FACTORS = {
+    "cache_type": ["q8_0", "q4_0-fp16"],
+    "flash_attn": ["off", "on"],  # on is the reference's own: a known answer
+    "ubatch": [7, 4096],  # 4096 holds every prefix in one micro-batch, as the reference does: a known answer
+    "threads": [2],
+    "batch": [1, 3],  # 1: one sequence, as the reference: a known answer
+    "prefix_reuse": ["prompt", "block:4", "restore:prompt"],
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _binding():
+    skip_unless_required(_binding_problem(), "STAGEREPLAY_REQUIRE_LLAMACPP")
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory):
+    """fp16 reference with flash attention, E2 and the bridge also at q8_0, every llama.cpp factor, then the audit."""
+    workdir = tmp_path_factory.mktemp("llamacpp-factors")
+    ledger = workdir / "ledger"
+    config = write_config(
+        workdir / "config.yaml",
+        ledger_dir=str(ledger),
+        checkpoints={TINY: WIDE},
+        runtime={"flash_attn": True},
+        matched={"precision": "fp16"},
+        fixed_prefix={"precisions": ["fp16", "q8_0"]},
+        transplant={"enabled": False},
+        factors=FACTORS,
+    )
+    result = snakemake(workdir, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    audit = snakemake(workdir, config, "audit")
+    assert audit.returncode == 0, audit.stderr[-4000:]
+    rows = pq.read_table(ledger / "tables" / "factors.parquet").to_pylist()
+    return ledger, rows
+
+
+def _level(rows, factor, level):
+    return [row for row in rows if (row["factor"], row["level"]) == (factor, level)]
+
+
+def test_every_llamacpp_factor_runs_its_cells(fp16_run):
+    _, rows = fp16_run
+    for factor, levels in FACTORS.items():
+        for level in levels:
+            name = {True: "on", False: "off"}.get(level, str(level)).replace(":", "-")
+            cells = {row["cell"] for row in _level(rows, factor, name)}
+            expected = {"test-ref"} if factor in ("ubatch", "prefix_reuse") else {"test-ref", "ref-test", "test-test"}
+            assert cells == expected, (factor, level)
+    assert all(row["applicable"] and row["engine"] == "llamacpp" for row in rows)
+
+
+def test_known_answers_are_bit_identical(fp16_run):
+    """A level that is the reference's own setting builds the reference's bytes and continues like it."""
+    _, rows = fp16_run
+    for factor, level in (("flash_attn", "on"), ("ubatch", "4096"), ("batch", "1")):
+        cells = _level(rows, factor, level)
+        assert cells and not any(row["cache_differs"] for row in cells if row["build"] == "test"), (factor, level)
+        assert all(row["suffix_object"] == row["reference_suffix"] for row in cells), (factor, level)
+    # Flash attention changes the computation: its caches differ from the reference's.
+    assert all(row["cache_differs"] for row in _level(rows, "flash_attn", "off") if row["build"] == "test")
+    assert all("n_ubatch=7" in row["engine_build"] for row in _level(rows, "ubatch", "7"))
+
+
+def test_cache_type_cells_read_converted_caches(fp16_run):
+    ledger, rows = fp16_run
+    store = ObjectStore(ledger / "objects")
+    for row in _level(rows, "cache_type", "q8_0"):
+        if row["cell"] == "test-test":
+            assert row["converted_digest"] is None  # read as built
+        else:
+            # (t, r) read the q8_0 build dequantized to fp16; (r, t) the fp16 reference quantized offline.
+            assert row["converted_digest"]
+        if row["cell"] == "ref-test":
+            assert isinstance(row["converted_equals_test"], bool)
+            differs = row["converted_first_differing_layer"]
+            assert row["converted_equals_test"] == (differs is None)
+        if row["cell"] == "test-ref":
+            # Every test-built q8_0 cache differs in bytes from fp16's, by no more than its quantization.
+            reference = KVState.from_named_tensors(store.get(row["reference_cache"]))
+            largest = max(float(t.abs().max()) for t in reference.keys + reference.values)
+            assert row["cache_differs"] and row["first_differing_layer"] == 0
+            assert 0 < row["layer_max_abs"][0] <= largest / 127 + 1e-3
+    k_q4 = next(row for row in _level(rows, "cache_type", "q4_0-fp16") if row["cell"] == "test-test")
+    assert "K stored as q4_0-h64, V as values" in k_q4["engine_build"]
+
+
+def test_prefix_reuse_uses_llamacpp_mechanisms(fp16_run):
+    ledger, rows = fp16_run
+    prompts = {
+        row["item_id"]: row["prompt_length"]
+        for row in pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
+    }
+    for row in _level(rows, "prefix_reuse", "prompt"):
+        # The earlier request (the prompt and the token it generated) is kept up to the common prefix.
+        assert prompts[row["item_id"]] <= row["reused_tokens"] <= prompts[row["item_id"]] + 1
+        assert "kept in the context" in row["setting"]
+    for row in _level(rows, "prefix_reuse", "restore-prompt"):
+        assert row["reused_tokens"] == prompts[row["item_id"]]
+        assert "restored from a" in row["setting"] and "slot file" in row["setting"]
+    for row in _level(rows, "prefix_reuse", "block-4"):
+        assert row["reused_tokens"] % 4 in (0, 1) and row["reused_tokens"] > 0
+
+
+def test_batch_rows_share_one_decode(fp16_run):
+    _, rows = fp16_run
+    batch = _level(rows, "batch", "3")
+    assert all(len(row["companions"]) == 2 for row in batch)
+    assert all("n_seq_max=1" in row["engine_build"] for row in batch)  # recorded at the reference's context
+
+
+def test_q8_0_bridge_and_audit(fp16_run):
+    ledger, _ = fp16_run
+    summary = json.loads((ledger / "summary.json").read_text())
+    bridge = summary["E3"]["checkpoints"][TINY]["precisions"]["q8_0"]["bit_exact"]
+    assert bridge["n"] == 4 and bridge["count"] == 4  # llama.cpp's token-by-token caches, byte for byte
+    e4 = json.loads((ledger / "audit" / "e4.json").read_text())
+    assert e4["status"] == "reproduced"
+    for part in ("factor_cache", "factor_suffix"):
+        assert e4["artifacts"][part]["reproduced"] == e4["artifacts"][part]["n"] > 0
+    card = (ledger / "results.md").read_text()
+    assert "E6 cache_type q8_0 (reference fp16)" in card
+
+
+def test_quantized_run_every_experiment_and_rotation(tmp_path):
+    """A q8_0 cache for E1 (replicas), E2, the bridge and E5 transplants; rotation off as E6's level."""
+    ledger = tmp_path / "ledger"
+    config = write_config(
+        tmp_path / "config.yaml",
+        ledger_dir=str(ledger),
+        checkpoints={TINY: WIDE},
+        runtime={"flash_attn": True},
+        matched={"precision": "q8_0"},
+        fixed_prefix={"precisions": ["q8_0"]},
+        transplant={"cross_precision": None},
+        factors={"rotation": ["off"]},
+    )
+    result = snakemake(tmp_path, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((ledger / "summary.json").read_text())
+    for side in ("live", "prefill"):
+        exact = summary["E1"]["checkpoints"][TINY]["replicas_exact"][side]
+        assert exact["count"] == exact["n"] == 4
+    transplants = pq.read_table(ledger / "tables" / "transplants.parquet").to_pylist()
+    assert transplants and all(row["precision"] == "q8_0" for row in transplants)
+    stored = ObjectStore(ledger / "objects")
+    live = next(
+        r for r in pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist() if r["construction"] == "live"
+    )
+    state = KVState.from_named_tensors(stored.get(live["cache_object"]))
+    assert state.formats == ("q8_0-h64", "q8_0-h64") and state.keys[0].dtype == torch.uint8
+    rotation = pq.read_table(ledger / "tables" / "factors.parquet").to_pylist()
+    assert {row["cell"] for row in rotation} == {"test-test"}  # its one-sided cells would re-quantize
+    assert all("rotation=disabled" in row["engine_build"] or row["reference_level"] == "on" for row in rotation)
+    assert all(row["cache_differs"] for row in rotation)  # another basis, other bytes
+
+
+@pytest.mark.parametrize(
+    ("factors", "precision", "flash", "message"),
+    [
+        ({"rotation": ["off"]}, "fp16", True, "llama.cpp rotates only a quantized cache"),
+        ({"cache_type": ["q8_0"]}, "fp16", False, "q8_0 V cache only with flash attention"),
+        ({"cache_type": ["q5_1"]}, "fp16", True, "is not a llama.cpp cache type"),
+        ({"flash_attn": ["off"]}, "q8_0", True, "needs flash attention, so off cannot run"),
+        ({"flash_attn": ["maybe"]}, "fp16", True, "use on or off"),
+        ({"ubatch": [0]}, "fp16", True, "not a positive integer"),
+        ({"attention": ["eager"]}, "fp16", True, "not supported on the llamacpp engine"),
+    ],
+)
+def test_llamacpp_factor_config_errors(factors, precision, flash, message):
+    with pytest.raises(FactorError, match=message):
+        check_levels(factors, "llamacpp", 4, 12, None, "cpu", precision, flash)
+
+
+def test_restore_on_transformers_is_refused():
+    with pytest.raises(FactorError, match="restores llama.cpp's saved sequence file"):
+        check_levels({"prefix_reuse": ["restore:prompt"]}, "transformers", 4, 12)
+
+
+def test_quantized_v_without_flash_attention_stops_snakemake(tmp_path):
+    config = write_config(
+        tmp_path / "config.yaml",
+        ledger_dir=str(tmp_path / "ledger"),
+        checkpoints={TINY: WIDE},
+        matched={"precision": "q8_0"},
+        fixed_prefix={"precisions": ["q8_0"]},
+        transplant={"cross_precision": None},
+    )
+    result = snakemake(tmp_path, config, "-n")
+    assert result.returncode != 0
+    assert "llama.cpp stores a q8_0 V cache only with flash attention — set runtime.flash_attn: true" in result.stdout
+    assert not (tmp_path / "ledger").exists()
