@@ -242,6 +242,8 @@ def test_the_audit_names_a_cell_that_does_not_reproduce(factor_run):
         ([1, 2], [1, 2], [1, 2], [1, 5], "interaction"),
         ([1, 2], [1, 3], None, None, "write"),
         ([1, 2], [1, 2], None, None, "none"),
+        ([1, 2], None, None, [1, 3], "served"),
+        ([1, 2], None, None, [1, 2], "none"),
     ],
 )
 def test_verdicts(reference, write, read, server, expected):
@@ -253,8 +255,9 @@ def test_verdicts(reference, write, read, server, expected):
     [
         ({"speed": [1]}, "transformers", None, "unknown factor 'speed' — use one of prefix_reuse"),
         ({"batch": [9]}, "transformers", None, "a batch of 9 needs 9 items, the run has 4 — use at most 4"),
-        ({"batch": [2]}, "llamacpp", None, "not supported on the llamacpp engine"),
-        ({"prefix_reuse": ["half"]}, "transformers", None, "use prompt (the cached prompt) or block:N"),
+        ({"kernels": ["avx2"]}, "llamacpp", None, "not supported on the llamacpp engine"),
+        ({"flash_attn": ["off"]}, "transformers", None, "not supported on the transformers engine"),
+        ({"prefix_reuse": ["half"]}, "transformers", None, "use prompt (the cached prompt), block:N"),
         ({"kernels": ["avx512"]}, "transformers", frozenset({"avx2", "fma"}), "lacks avx512f"),
         ({"attention": ["flash"]}, "transformers", None, "use sdpa, eager, flash_attention_2"),
         ({"chunk": [0]}, "transformers", None, "is not a positive integer"),
