@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.linalg
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from stagereplay.design.cache_types import CACHE_TYPES, QUANTIZED
 
-_GGML = {name: GGMLQuantizationType[ggml_name.upper()] for name, (_, ggml_name, _, _) in CACHE_TYPES.items()}
+def _ggml_type(cache_type: str) -> GGMLQuantizationType:
+    """The ggml block type of a cache type's name (q8_0 -> Q8_0), as the gguf package knows it."""
+    return GGMLQuantizationType[cache_type.upper()]
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,14 @@ class BlockFormat:
 
     @classmethod
     def parse(cls, name: str) -> BlockFormat:
-        match = re.fullmatch(r"([a-z0-9_]+?)(?:-h([1-9][0-9]*))?", name)
-        if not match or match.group(1) not in QUANTIZED:
+        match = re.fullmatch(r"(q[0-9]_[0-9])(?:-h([1-9][0-9]*))?", name)
+        if not match or match.group(1).upper() not in GGMLQuantizationType.__members__:
             raise ValueError(f"unknown cache block format {name!r} — a stored quantized part is q8_0 or q4_0[-hN]")
         return cls(match.group(1), int(match.group(2) or 0))
 
     def block_bytes(self, values: int) -> int:
         """Bytes of ``values`` values in this format."""
-        _, _, block, size = CACHE_TYPES[self.cache_type]
+        block, size = GGML_QUANT_SIZES[_ggml_type(self.cache_type)]
         return values // block * size
 
 
@@ -66,7 +67,7 @@ def _rotate(values: np.ndarray, n: int) -> np.ndarray:
 
 def values_of(raw: torch.Tensor, block_format: BlockFormat) -> torch.Tensor:
     """The float32 values [.., head_dim] of raw blocks [.., blocks x block bytes], un-rotated."""
-    values = gguf_quants.dequantize(raw.contiguous().numpy(), _GGML[block_format.cache_type])
+    values = gguf_quants.dequantize(raw.contiguous().numpy(), _ggml_type(block_format.cache_type))
     if block_format.rotation:
         values = _rotate(values, block_format.rotation)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
@@ -78,4 +79,4 @@ def blocks_of(values: torch.Tensor, block_format: BlockFormat) -> torch.Tensor:
     array = values.detach().cpu().float().numpy()
     if block_format.rotation:
         array = _rotate(array, block_format.rotation).astype(np.float32)
-    return torch.from_numpy(gguf_quants.quantize(np.ascontiguousarray(array), _GGML[block_format.cache_type]))
+    return torch.from_numpy(gguf_quants.quantize(np.ascontiguousarray(array), _ggml_type(block_format.cache_type)))
