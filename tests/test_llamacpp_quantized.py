@@ -14,8 +14,7 @@ from stagereplay.experiments.constructions import StageBoundary, build_boundary_
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 from stagereplay.ledger.fingerprint import fingerprint_cache
-from stagereplay.ledger.kvstate import KVState
-from stagereplay.ledger.quantized import BlockFormat, blocks_of, values_of
+from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of, values_of
 
 
 def _binding_problem() -> str | None:

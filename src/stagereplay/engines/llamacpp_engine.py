@@ -48,8 +48,7 @@ from stagereplay.engines.llamacpp_state import (
     parse_seq_state,
     write_seq_state,
 )
-from stagereplay.ledger.kvstate import KVState
-from stagereplay.ledger.quantized import BlockFormat, blocks_of
+from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of
 
 PINNED_VERSION = "0.3.36"
 # Architectures whose every layer is full attention over every position, with one-position cells:
@@ -428,7 +427,7 @@ class LlamaCppEngine(Engine):
         if state.formats != self.formats:
             raise LlamaCppError(
                 f"a cache stored as {state.formats} cannot go into this {self.settings.cache_type} context (stores"
-                f" {self.formats}) unconverted — convert it explicitly (experiments.factors.convert_cache)"
+                f" {self.formats}) unconverted — convert it first (the engine's converted)"
             )
         return SeqState(kv=state, seq_id=seq, v_trans=not self.settings.flash_attn, cache_type=self.settings.cache_type)
 

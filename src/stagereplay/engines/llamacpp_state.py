@@ -39,8 +39,7 @@ import numpy as np
 import torch
 
 from stagereplay.design.cache_types import CACHE_TYPES, QUANTIZED, cache_types
-from stagereplay.ledger.kvstate import KVState
-from stagereplay.ledger.quantized import BlockFormat
+from stagereplay.ledger.kvstate import BlockFormat, KVState
 
 FORMAT = "llama-cpp-python 0.3.36"
 CACHE_TYPE_IDS = {name: type_id for name, (type_id, _, _, _) in CACHE_TYPES.items()}

@@ -121,7 +121,7 @@ class Reconfigured(Switched):
 
 class CacheType(Reconfigured):
     """A KV cache type. Built natively in a context of that type; read across types after a conversion
-    (``LlamaCppEngine.converted``): a test-built cache dequantized for the reference's context (t, r), and
+    (the engine's ``converted``): a test-built cache dequantized for the reference's context (t, r), and
     the reference cache quantized offline, by gguf's reference quantizer, for the test context (r, t)."""
 
     def for_reference(self, state):
