@@ -322,7 +322,8 @@ def audit_transplants(saved: pa.Table, audited: pa.Table) -> list[Check]:
 
 
 def audit_factors(saved: pa.Table, audited: pa.Table) -> list[Check]:
-    """E6: each cell's cache (layer by layer) and suffix, and whether a level ran at all."""
+    """E6: each cell's cache (layer by layer), the converted cache it read (if any) and suffix, and whether a
+    level ran at all."""
     pairs, checks = _paired(
         "factor", saved, audited, FACTOR_KEY, lambda row: f"{row['factor']}={row['level']} {row['cell']}"
     )
@@ -350,6 +351,18 @@ def audit_factors(saved: pa.Table, audited: pa.Table) -> list[Check]:
                 **extra_fields,
             ),
         ]
+        if old["converted_digest"] or new["converted_digest"]:
+            # cache_type: the converted cache the cell read (offline quantization, dequantization) is recomputed too.
+            checks.append(
+                _same(
+                    "factor",
+                    "factor_converted_cache",
+                    where,
+                    old["converted_digest"],
+                    new["converted_digest"],
+                    **extra_fields,
+                )
+            )
     return checks
 
 
