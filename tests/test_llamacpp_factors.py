@@ -84,7 +84,9 @@ def test_known_answers_are_bit_identical(fp16_run):
         assert all(row["suffix_object"] == row["reference_suffix"] for row in cells), (factor, level)
     # Flash attention changes the computation: its caches differ from the reference's.
     assert all(row["cache_differs"] for row in _level(rows, "flash_attn", "off") if row["build"] == "test")
-    assert all("n_ubatch=7" in row["engine_build"] for row in _level(rows, "ubatch", "7"))
+    # engine_build is the reference context the job ran; setting, the test level's own context.
+    for row in _level(rows, "ubatch", "7"):
+        assert "n_ubatch=2048" in row["engine_build"] and "n_ubatch=7;" in row["setting"]
 
 
 def test_cache_type_cells_read_converted_caches(fp16_run):
@@ -107,7 +109,8 @@ def test_cache_type_cells_read_converted_caches(fp16_run):
             assert row["cache_differs"] and row["first_differing_layer"] == 0
             assert 0 < row["layer_max_abs"][0] <= largest / 127 + 1e-3
     k_q4 = next(row for row in _level(rows, "cache_type", "q4_0-fp16") if row["cell"] == "test-test")
-    assert "K stored as q4_0-h64, V as values" in k_q4["engine_build"]
+    assert "K stored as q4_0-h64, V as values" in k_q4["setting"]
+    assert "K stored as values, V as values" in k_q4["engine_build"]  # the fp16 reference
 
 
 def test_prefix_reuse_uses_llamacpp_mechanisms(fp16_run):
@@ -176,7 +179,8 @@ def test_quantized_run_every_experiment_and_rotation(tmp_path):
     assert state.formats == ("q8_0-h64", "q8_0-h64") and state.keys[0].dtype == torch.uint8
     rotation = pq.read_table(ledger / "tables" / "factors.parquet").to_pylist()
     assert {row["cell"] for row in rotation} == {"test-test"}  # its one-sided cells would re-quantize
-    assert all("rotation=disabled" in row["engine_build"] or row["reference_level"] == "on" for row in rotation)
+    assert all("rotation=disabled" in row["setting"] and "K stored as q8_0," in row["setting"] for row in rotation)
+    assert all("K stored as q8_0-h64" in row["engine_build"] for row in rotation)  # the reference rotates
     assert all(row["cache_differs"] for row in rotation)  # another basis, other bytes
 
 

@@ -352,6 +352,14 @@ class LlamaCppEngine(Engine):
     def _plain_dtype(cache_type: str) -> torch.dtype:
         return {"fp16": torch.float16, "fp32": torch.float32}.get(cache_type, torch.uint8)
 
+    def build_description(self) -> str:
+        """The context as it runs now, in words: every setting the numbers depend on, and how the cache is stored."""
+        k_format, v_format = self.formats
+        return (
+            f"cpu; {self.settings.describe()}; K stored as {k_format or 'values'}, V as {v_format or 'values'};"
+            " extra_bufts=off; weights as in the GGUF"
+        )
+
     @property
     def formats(self) -> tuple[str, str]:
         """How this context's K and V parts are stored: plain values (""), or a block format with its rotation."""
@@ -626,7 +634,6 @@ def environment_of(engine: LlamaCppEngine, runtime: Runtime) -> Environment:
     import transformers
 
     settings = engine.settings
-    k_format, v_format = engine.formats
     return Environment(
         device="cpu",
         device_name=cpu_model(),
@@ -644,10 +651,7 @@ def environment_of(engine: LlamaCppEngine, runtime: Runtime) -> Environment:
         transformers_version=transformers.__version__,
         engine="llamacpp",
         engine_version=f"llama-cpp-python {PINNED_VERSION}",
-        engine_build=(
-            f"cpu; {settings.describe()}; K stored as {k_format or 'values'}, V as {v_format or 'values'};"
-            " extra_bufts=off; weights as in the GGUF"
-        ),
+        engine_build=engine.build_description(),
     )
 
 

@@ -118,6 +118,11 @@ class Reconfigured(Switched):
     def __init__(self, engine, budget, eos, key: str, value, reference_value):
         super().__init__(engine, budget, eos, lambda v: engine.reconfigure(**{key: v}), value, reference_value)
 
+    def build(self, prefix):
+        with self.active():
+            state = build_boundary_state(self.engine, list(prefix.tokens), "prefill", prefix.prompt_length)
+            return Built(state, f"llama.cpp context: {self.engine.build_description()}")
+
 
 class CacheType(Reconfigured):
     """A KV cache type. Built natively in a context of that type; read across types after a conversion
