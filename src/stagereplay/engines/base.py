@@ -118,6 +118,10 @@ class Engine(ABC):
         """Run the next calls with this attention implementation."""
         raise ModelError(f"the {self.environment.engine} engine cannot change its attention kernel between calls")
 
+    def build_description(self) -> str:
+        """How the engine runs right now, in words (after ``reconfigure``, the changed settings)."""
+        return self.environment.engine_build
+
     def reconfigure(self, **settings) -> None:
         """Run the next calls with these engine settings changed (llama.cpp's context parameters)."""
         raise ModelError(f"the {self.environment.engine} engine has no settings to change between calls")
