@@ -4,7 +4,8 @@ No torch: the workflow's parse-time checks, summary, verify and the report read 
 
 A factor has one reference level — the setting every other experiment ran with (one-shot prefill,
 batch 1, the run's attention kernel and thread count, the CPU kernel level torch picks on this
-machine) — and the test levels the config lists. For a test level t and the reference r, an item's
+machine; on llama.cpp the run's flash attention, one micro-batch, its cache type rotated as llama.cpp
+rotates it by default) — and the test levels the config lists. For a test level t and the reference r, an item's
 boundary state over the E1 prefix is built under b and continued under c, for b, c in {r, t}:
 
 - ``(r, r)`` the reference: E2's prefill row at the factor precision, reused, never recomputed;
@@ -12,9 +13,10 @@ boundary state over the E1 prefix is built under b and continued under c, for b,
 - ``(r, t)`` the read side: the reference cache, continued under t;
 - ``(t, t)`` the factor as a server runs it.
 
-A factor that acts only while the cache is built (``BUILD_ONLY``: prefix reuse, chunked prefill) reads
-the same way at every level, so it has two cells, ``(r, r)`` and ``(t, r)``; ``(t, t)`` is the same
-computation as ``(t, r)`` and is not recorded twice.
+A factor that acts only while the cache is built (``BUILD_ONLY``: prefix reuse, chunked prefill,
+micro-batches) reads the same way at every level, so it has two cells, ``(r, r)`` and ``(t, r)``;
+``(t, t)`` is the same computation as ``(t, r)`` and is not recorded twice. A factor whose one-sided
+cells cannot be built honestly (``SERVER_ONLY``: the rotation) has ``(t, t)`` alone.
 """
 
 from __future__ import annotations
