@@ -39,10 +39,14 @@ FACTORS = (
     "rotation",
 )
 BUILD_ONLY = frozenset({"prefix_reuse", "chunk", "ubatch"})
-# A factor whose one-sided cells cannot be built honestly: a cache written with llama.cpp's Hadamard
-# rotation is read only by a context that rotates (and the other way round); moving one across would
-# re-quantize it, which neither setting does. Only (t, t) is computed.
-SERVER_ONLY = frozenset({"rotation"})
+# A factor whose one-sided cells cannot be built honestly, and why: only (t, t) is computed, and its
+# rows of (t, r) and (r, t) say they are not applicable, with this reason.
+SERVER_ONLY = {
+    "rotation": (
+        "a cache llama.cpp wrote rotated is read only by a context that rotates, and a plain one only by one"
+        " that does not: reading it across would re-quantize it, which neither setting does"
+    ),
+}
 ATTENTION_LEVELS = ("sdpa", "eager", "flash_attention_2")
 # torch's ATEN_CPU_CAPABILITY values on x86-64, and the CPU flags each needs (torch's own test).
 KERNEL_LEVELS = {
@@ -84,6 +88,13 @@ def cells_of(factor: str) -> tuple[tuple[str, str], ...]:
     if factor in SERVER_ONLY:
         return (SERVER,)
     return (WRITE,) if factor in BUILD_ONLY else (WRITE, READ, SERVER)
+
+
+def unbuilt_cells(factor: str) -> dict[tuple[str, str], str]:
+    """The cells of the 2x2 a factor cannot build honestly, each with the reason its row records."""
+    if factor in SERVER_ONLY:
+        return {WRITE: SERVER_ONLY[factor], READ: SERVER_ONLY[factor]}
+    return {}
 
 
 def served_cell(factor: str) -> tuple[str, str]:

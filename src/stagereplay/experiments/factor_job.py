@@ -15,7 +15,16 @@ import functools
 import tempfile
 from pathlib import Path
 
-from stagereplay.design.factors import READ, SERVER, WRITE, Level, cell_label, cells_of, reference_level
+from stagereplay.design.factors import (
+    READ,
+    SERVER,
+    WRITE,
+    Level,
+    cell_label,
+    cells_of,
+    reference_level,
+    unbuilt_cells,
+)
 from stagereplay.engines.base import Engine, Runtime
 from stagereplay.engines.registry import load_checkpoint
 from stagereplay.experiments.compare import first_divergence
@@ -110,6 +119,10 @@ def run_factor_shard(
                 level, prefixes[row["item_id"]], row, reference_state, reference, test, base, reference_fed
             )
             rows += [{**cell, "suffix_object": store.put_tokens(cell["suffix_tokens"])} for cell in cells]
+            rows += [
+                {**base, **_cell(cell), "applicable": False, "reason": why}
+                for cell, why in unbuilt_cells(level.factor).items()
+            ]
             bar.update()
     bar.close()
     return write_table(rows, FACTOR_SCHEMA, out_path)

@@ -343,7 +343,8 @@ def e6_level(rows: list[dict]) -> dict:
         "factor": factor,
         "level": first["level"],
         "reference_level": first["reference_level"],
-        "cells": sorted({row["cell"] for row in rows}),
+        # The cells computed (a cell that cannot be built honestly has its rows, not applicable, and is not listed).
+        "cells": sorted({row["cell"] for row in (applicable or rows)}),
         "applicable": bool(applicable),
         "reason": None if applicable else first["reason"],
     }
