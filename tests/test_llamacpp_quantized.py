@@ -191,3 +191,12 @@ def test_state_of_another_type_is_refused(wide_gguf):
     finally:
         fp16.close()
         q8.close()
+
+
+def test_a_head_of_no_whole_blocks_is_refused(tiny_qwen2_folder, tmp_path):
+    """The tiny test model's heads are 16 values: not one 32-value block, so no quantized cache."""
+    from stagereplay.engines.llamacpp_engine import LlamaCppError
+
+    narrow = write_qwen2_gguf(tiny_qwen2_folder, tmp_path / "narrow.gguf")
+    with pytest.raises(LlamaCppError, match="a head of 16 values is not whole 32-value blocks — use fp16 or fp32"):
+        _engine(narrow, "q8_0")

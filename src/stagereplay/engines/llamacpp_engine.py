@@ -270,7 +270,8 @@ class LlamaCppEngine(Engine):
         """A new context at ``settings`` on the loaded model (every cache of the old one goes stale)."""
         llama_cpp = self.llama_cpp
         try:
-            check_cache_precision(settings.cache_type, settings.flash_attn, self.geometry.head_dim_k)
+            for head_dim in {self.geometry.head_dim_k, self.geometry.head_dim_v}:
+                check_cache_precision(settings.cache_type, settings.flash_attn, head_dim)
         except CacheTypeError as error:
             raise LlamaCppError(str(error)) from None
         types = cache_types(settings.cache_type)
