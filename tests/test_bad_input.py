@@ -132,6 +132,31 @@ CATALOGUE = {
         "whose precision is the KV cache type: bf16 is not one",
         {"checkpoints": {"tiny": {"engine": "llamacpp", "random_qwen2": {"seed": 0}}}},
     ),
+    "a llama.cpp cache type on a transformers checkpoint": BadInput(
+        "q8_0 is a llama.cpp cache type — use bf16, fp16 or fp32", {"fixed_prefix": {"precisions": ["bf16", "q8_0"]}}
+    ),
+    "a quantized V cache without flash attention": BadInput(
+        "llama.cpp stores a q8_0 V cache only with flash attention — set runtime.flash_attn: true",
+        {
+            "checkpoints": {"tiny": {"engine": "llamacpp", "random_qwen2": {"seed": 0}}},
+            "matched": {"precision": "q8_0"},
+            "fixed_prefix": {"precisions": ["q8_0"]},
+            "transplant": {"cross_precision": None},
+        },
+    ),
+    "a quantized cache cast to another precision": BadInput(
+        "a q8_0 cache cannot be cast to fp16",
+        {
+            "checkpoints": {"tiny": {"engine": "llamacpp", "random_qwen2": {"seed": 0}}},
+            "runtime": {"flash_attn": True},
+            "matched": {"precision": "q8_0"},
+            "fixed_prefix": {"precisions": ["q8_0"]},
+            "transplant": {"cross_precision": "fp16"},
+        },
+    ),
+    "llama.cpp flash attention on a transformers checkpoint": BadInput(
+        "runtime.flash_attn is llama.cpp's flash attention", {"runtime": {"flash_attn": True}}
+    ),
     "gguf checksum mismatch": BadInput("checksum mismatch", prepare=fake_gguf, in_job=True),
     "pickle weights only": BadInput("no .safetensors weights", prepare=pickle_only_folder, in_job=True),
     "cuda without a GPU": BadInput(

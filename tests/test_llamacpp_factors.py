@@ -213,18 +213,3 @@ def test_llamacpp_factor_config_errors(factors, precision, flash, message):
 def test_restore_on_transformers_is_refused():
     with pytest.raises(FactorError, match="restores llama.cpp's saved sequence file"):
         check_levels({"prefix_reuse": ["restore:prompt"]}, "transformers", 4, 12)
-
-
-def test_quantized_v_without_flash_attention_stops_snakemake(tmp_path):
-    config = write_config(
-        tmp_path / "config.yaml",
-        ledger_dir=str(tmp_path / "ledger"),
-        checkpoints={TINY: WIDE},
-        matched={"precision": "q8_0"},
-        fixed_prefix={"precisions": ["q8_0"]},
-        transplant={"cross_precision": None},
-    )
-    result = snakemake(tmp_path, config, "-n")
-    assert result.returncode != 0
-    assert "llama.cpp stores a q8_0 V cache only with flash attention — set runtime.flash_attn: true" in result.stdout
-    assert not (tmp_path / "ledger").exists()
