@@ -309,6 +309,12 @@ def e6_level_reading(level: dict) -> str:
         if caches["count"]
         else f"the caches it builds are bit-identical to the reference on all {n} items"
     )
+    if level["factor"] == "cache_type":
+        # Another cache type never has the reference's bytes: what says something is how far its values are.
+        cache_text = (
+            f"its caches are another type (max |Δ| of their values from the reference's"
+            f" {level['max_abs_difference']:.3g})"
+        )
     served = "as built" if level["cells"] == ["test-ref"] else "as a server runs it"
     suffixes = level["suffixes_differ"]
     text = f"{name}: {cache_text}; suffixes differ on {suffixes['count']}/{n} {served} ({_bound(suffixes)})"
