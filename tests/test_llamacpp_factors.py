@@ -15,6 +15,7 @@ from test_llamacpp import _binding_problem
 from workflow_helpers import skip_unless_required, snakemake, write_config
 
 from stagereplay.design.factors import FactorError, check_levels
+from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
 
@@ -132,11 +133,34 @@ def test_prefix_reuse_uses_llamacpp_mechanisms(fp16_run):
         assert row["reused_tokens"] % 4 in (0, 1) and row["reused_tokens"] > 0
 
 
-def test_batch_rows_share_one_decode(fp16_run):
-    _, rows = fp16_run
-    batch = _level(rows, "batch", "3")
-    assert all(len(row["companions"]) == 2 for row in batch)
-    assert all("n_seq_max=1" in row["engine_build"] for row in batch)  # recorded at the reference's context
+def test_batch_cache_is_the_items_sequence_of_one_decode_call(fp16_run):
+    """The batch-3 cache of an item equals sequence 0 of a unified 3-sequence decode the test runs itself
+    through the engine, with its companions as sequences 1 and 2, fed without padding."""
+    from stagereplay.engines.llamacpp_engine import LLAMACPP_N_CTX, EngineSettings, LlamaCppEngine
+    from stagereplay.ledger.fingerprint import fingerprint_cache
+
+    ledger, rows = fp16_run
+    record = read_model_record(ledger / "models" / TINY / "model.json")
+    store = ObjectStore(ledger / "objects")
+    prefill = {
+        row["item_id"]: row
+        for row in pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
+        if (row["construction"], row["precision"], row["replica"]) == ("prefill", "fp16", 0)
+    }
+    row = next(row for row in _level(rows, "batch", "3") if row["cell"] == "test-ref")
+    contexts = [store.get_tokens(prefill[item]["prefix_object"])[:-1] for item in (row["item_id"], *row["companions"])]
+    engine = LlamaCppEngine(record["gguf"], EngineSettings("fp16", 1, 1, LLAMACPP_N_CTX, flash_attn=True))
+    try:
+        with engine.batch_context(3):
+            before = engine.fed_positions
+            batch, logits = engine.batch_forward(None, contexts)
+            assert engine.fed_positions - before == sum(len(context) for context in contexts)  # no padding
+            assert logits.shape[0] == 3
+            state = engine.batch_row(batch, 0)
+    finally:
+        engine.close()
+    assert fingerprint_cache(state).digest == row["cache_digest"]
+    assert "n_seq_max=1" in row["engine_build"]  # the row's environment is the reference's context
 
 
 def test_q8_0_bridge_and_audit(fp16_run):
