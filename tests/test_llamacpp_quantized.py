@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_llamacpp import _binding_problem
 from workflow_helpers import skip_unless_required
 
 from stagereplay.engines.llamacpp_state import parse_seq_state, write_seq_state
@@ -15,14 +16,6 @@ from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of, values_of
-
-
-def _binding_problem() -> str | None:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError as error:
-        return f"llama_cpp not importable ({error}); install it with pip install -e .[llamacpp]"
-    return None
 
 
 @pytest.fixture(scope="module", autouse=True)

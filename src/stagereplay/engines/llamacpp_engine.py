@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from stagereplay.design.cache_types import (
-    QUANTIZED,
     CacheTypeError,
     cache_types,
     check_cache_precision,
@@ -46,6 +45,7 @@ from stagereplay.engines.llamacpp_state import (
     Geometry,
     SeqState,
     parse_seq_state,
+    part_format,
     write_seq_state,
 )
 from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of
@@ -365,11 +365,7 @@ class LlamaCppEngine(Engine):
     def formats(self) -> tuple[str, str]:
         """How this context's K and V parts are stored: plain values (""), or a block format with its rotation."""
         types = cache_types(self.settings.cache_type)
-
-        def part(cache_type: str, rotation: int) -> str:
-            return BlockFormat(cache_type, rotation).name if cache_type in QUANTIZED else ""
-
-        return part(types.k, self.rotation[0]), part(types.v, self.rotation[1])
+        return part_format(types.k, self.rotation[0]), part_format(types.v, self.rotation[1])
 
     def metadata(self, key: str) -> str | None:
         buffer = ctypes.create_string_buffer(256)

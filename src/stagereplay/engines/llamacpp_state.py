@@ -108,7 +108,8 @@ def _tensor_type(reader: _Reader, what: str) -> str:
     return _TYPE_NAMES[type_id]
 
 
-def _part_format(cache_type: str, rotation: int) -> str:
+def part_format(cache_type: str, rotation: int) -> str:
+    """How a part of this cache type is kept: plain values (""), or its block format with the rotation."""
     return BlockFormat(cache_type, rotation).name if cache_type in QUANTIZED else ""
 
 
@@ -194,8 +195,8 @@ def parse_seq_state(data: bytes, geometry: Geometry, rotation: tuple[int, int] =
     kv = KVState(
         keys=tuple(tensor(key) for key in keys),
         values=tuple(tensor(value) for value in values),
-        key_format=_part_format(k_type, rotation[0]),
-        value_format=_part_format(v_type, rotation[1]),
+        key_format=part_format(k_type, rotation[0]),
+        value_format=part_format(v_type, rotation[1]),
     )
     return SeqState(kv=kv, seq_id=seq_ids.pop(), v_trans=bool(v_trans), cache_type=_precision(k_type, v_type))
 
