@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from stagereplay.design.factors import cell_label, cells_of
+from stagereplay.design.factors import cell_label, factor_named
 from stagereplay.design.projection import cache_object_bytes
-from stagereplay.design.shapes import checkpoint_shapes
+from stagereplay.engines.shapes import checkpoint_shapes
 from stagereplay.ledger.layout import LedgerLayout
 
 
@@ -41,7 +41,7 @@ def minimum_positions(row: dict, contexts: dict[str, int]) -> int:
     """The positions one cell needs at least, as the design defines it (module docstring)."""
     batch = 1 + len(row["companions"]) if row["factor"] == "batch" else 1
     continuation = len(row["suffix_tokens"]) * (batch if row["read"] == "test" else 1)
-    if row["cell"] != cell_label(cells_of(row["factor"])[0]):
+    if row["cell"] != cell_label(factor_named(row["factor"]).cells[0]):
         return continuation  # the level's first cell built the cache; the others continue it or the reference
     members = [contexts[member] for member in (row["item_id"], *row["companions"])]
     built = sum(members) if row["engine"] == "llamacpp" else batch * max(members)  # llama.cpp: no padding

@@ -10,7 +10,6 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from stagereplay.design.names import TransplantError
 from stagereplay.engines.transformers_engine import ModelError, Runtime, TransformersEngine, load_model
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState
@@ -108,5 +107,5 @@ def test_a_state_of_another_depth_is_refused(tiny_fp32):
         tiny_fp32.forward(PROMPT, cache)
     state = tiny_fp32.snapshot(cache)
     one_layer = KVState(state.keys[:1], state.values[:1])
-    with pytest.raises(TransplantError, match="cache of 1 layers cannot feed a model of 2 layers"):
+    with pytest.raises(ModelError, match="cache of 1 layers cannot feed a model of 2 layers"):
         tiny_fp32.to_cache(one_layer)

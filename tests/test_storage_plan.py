@@ -12,7 +12,7 @@ from workflow_helpers import REPO, check_storage_plan, stagereplay, write_config
 
 from stagereplay.design.projection import cache_object_bytes, project, token_object_bytes
 from stagereplay.design.schema import load_config
-from stagereplay.design.shapes import ModelShapes, PlanError, job_memory_bytes, read_model_config
+from stagereplay.engines.shapes import ModelShapes, PlanError, job_memory_bytes, read_model_config
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
 

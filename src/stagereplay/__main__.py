@@ -445,7 +445,7 @@ def cmd_show(args) -> None:
 
 def _precision(text: str) -> str:
     """bf16, or a precision llama.cpp runs (fp16, fp32, or a cache type such as q8_0 or q8_0-fp16)."""
-    from stagereplay.design.cache_types import CacheTypeError, cache_types
+    from stagereplay.engines.cache_types import CacheTypeError, cache_types
 
     if text != "bf16":
         try:
@@ -807,9 +807,9 @@ def main(argv: list[str] | None = None) -> int:
     from stagereplay.design.factors import FactorError
     from stagereplay.design.names import ConstructionError, TransplantError
     from stagereplay.design.schema import ConfigError
-    from stagereplay.design.shapes import PlanError
     from stagereplay.design.storage import StorageError
     from stagereplay.engines.base import ModelError
+    from stagereplay.engines.shapes import PlanError
     from stagereplay.inputs.checkpoints import CheckpointError
     from stagereplay.inputs.items import ItemError
     from stagereplay.ledger.tables import LedgerError

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from stagereplay.design.cache_types import (
+from stagereplay.engines.cache_types import (
     LLAMACPP_PRECISION_PATTERN,
     CacheTypeError,
     cache_types,
@@ -389,7 +389,7 @@ AUDIT_COMPARE_REBUILDS = AUDIT_STORE_CACHES != "all"
 def parse_time_prompt_lengths():
     """Each item's prompt length, estimated from the items' text (the prompt tokens do not exist yet)."""
     from stagereplay.design.projection import estimate_prompt_tokens
-    from stagereplay.design.shapes import checkpoint_shapes
+    from stagereplay.engines.shapes import checkpoint_shapes
 
     shapes = checkpoint_shapes(CHECKPOINTS[PRIMARY], model_folder(PRIMARY))
     return estimate_prompt_tokens(ITEMS, shapes is not None and shapes.vocab <= 512)
@@ -426,10 +426,10 @@ FACTOR_LEVELS = parse_time_factor_levels()
 
 
 def device_memory_mb(runtime):
-    """A model job's expected device memory (design.shapes.job_memory_bytes: weights at the precision,
+    """A model job's expected device memory (engines.shapes.job_memory_bytes: weights at the precision,
     caches, activations), as the resource gpu_mem_mb: the profiles run as many model jobs per GPU as
     fit. 0 on the CPU, and for a GGUF not converted yet (its shapes are unknown until then)."""
-    from stagereplay.design.shapes import checkpoint_shapes, job_memory_bytes
+    from stagereplay.engines.shapes import checkpoint_shapes, job_memory_bytes
 
     def job_mb(checkpoint, precision):
         shapes = checkpoint_shapes(CHECKPOINTS[checkpoint], model_folder(checkpoint))

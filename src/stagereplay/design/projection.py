@@ -19,20 +19,17 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stagereplay.design.cache_types import QUANTIZED, rotation_size
 from stagereplay.design.jobs import JobList, job_list, sweep_subsets
-from stagereplay.design.shapes import (
+from stagereplay.design.storage import DEFAULT, POLICIES, check_policy
+from stagereplay.engines.shapes import (
     MODEL_CONFIGS,
     ModelShapes,
     PlanError,
     checkpoint_shapes,
-    head_bytes,
-    llamacpp_types,
     read_model_config,
+    stored_part,
 )
-from stagereplay.design.storage import DEFAULT, POLICIES, check_policy
 
-SAFETENSORS_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1}
 # An object's metadata holds a model fingerprint: 32 hex digits (xxh3-128).
 _FINGERPRINT = "0" * 32
@@ -55,24 +52,12 @@ def _safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], metadata: dict
     return 8 + len(text) + (-len(text)) % 8 + offset
 
 
-def _stored_part(shapes: ModelShapes, precision: str, part: str, rotation: bool) -> tuple[str, str, int]:
-    """One layer's K or V as the store holds it: the name's suffix, the dtype and the last dimension. Plain
-    values keep the head's values under today's names; a quantized llama.cpp part is its raw ggml blocks
-    (U8), named with its block format (kvstate.KVState.named_tensors, quantized.BlockFormat.name)."""
-    kind = precision if precision == "bf16" else getattr(llamacpp_types(precision), part)
-    if kind not in QUANTIZED:
-        return "", SAFETENSORS_DTYPES[kind], shapes.head_dim
-    size = rotation_size(part, shapes.head_dim) if rotation else 0
-    suffix = f".{kind}-h{size}" if size else f".{kind}"
-    return suffix, "U8", head_bytes(precision, part, shapes.head_dim)
-
-
 def cache_object_bytes(shapes: ModelShapes, precision: str, positions: int, rotation: bool = True) -> int:
     """A boundary cache object as ObjectStore.put writes it (ShardRecorder's metadata). ``rotation``: a
     quantized llama.cpp cache stored rotated (llama.cpp's default), which its tensor names say."""
     tensors = {}
     for part in ("k", "v"):
-        suffix, dtype, width = _stored_part(shapes, precision, part, rotation)
+        suffix, dtype, width = stored_part(precision, part, shapes.head_dim, rotation)
         for layer in range(shapes.layers):
             tensors[f"layer.{layer:03d}.{part}{suffix}"] = (dtype, [1, shapes.kv_heads, positions, width])
     metadata = {

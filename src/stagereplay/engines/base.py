@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from stagereplay.engines.spec import ModelError
 from stagereplay.ledger.kvstate import KVState
 
-
-class ModelError(RuntimeError):
-    """One-line message naming the problem and the fix."""
+__all__ = ["ModelError"]  # defined with the specs (no torch), raised by every engine
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,11 @@ class Engine(ABC):
     @abstractmethod
     def load(cls, record: dict, runtime: Runtime) -> Engine:
         """The checkpoint a model record names, loaded at ``runtime`` (its precision, device and threads)."""
+
+    @classmethod
+    @abstractmethod
+    def checkpoint_tokenizer(cls, record: dict, trust_remote_code: bool = False) -> tuple[object, int]:
+        """The checkpoint's own tokenizer and the context a prompt must fit (0: unknown), without loading it."""
 
     @property
     @abstractmethod

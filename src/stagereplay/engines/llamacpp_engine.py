@@ -32,13 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stagereplay.design.cache_types import (
+from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
+from stagereplay.engines.cache_types import (
     CacheTypeError,
     cache_types,
     check_cache_precision,
     rotation_size,
 )
-from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
 from stagereplay.engines.llamacpp_state import (
     CACHE_TYPE_IDS,
     FORMAT,
@@ -213,6 +213,10 @@ class LlamaCppEngine(Engine):
     """A GGUF loaded in llama.cpp with one single-sequence context."""
 
     keeps_sequences = True
+
+    @classmethod
+    def checkpoint_tokenizer(cls, record: dict, trust_remote_code: bool = False) -> tuple[object, int]:
+        return gguf_tokenizer(record["gguf"])
 
     @classmethod
     def load(cls, record: dict, runtime: Runtime) -> LlamaCppEngine:

@@ -1,33 +1,68 @@
-"""Which engine runs a checkpoint: transformers (a safetensors folder) or llama.cpp (a GGUF as shipped).
+"""Every engine stagereplay runs, by name: the one place that lists them (no torch).
 
-A model record names its engine (``engine``; absent means transformers). Every model job loads
-through ``load_checkpoint`` and gets a ``base.Engine`` (``engine_class`` says which); the prompts job asks ``checkpoint_tokenizer``
-for the tokenizer alone. This is the one place that maps an engine's name to its module.
+A model record names its engine (``engine``; absent means the default, transformers). Everything that
+must know what an engine takes asks its ``EngineSpec`` here (``spec_of``, ``spec_named``); a model job
+loads the engine itself through ``load_checkpoint``, which imports the engine's module only then; the
+prompts job asks ``checkpoint_tokenizer`` for the tokenizer alone.
 """
 
 from __future__ import annotations
 
-from stagereplay.engines.base import Engine, ModelError, Runtime
+import re
+from typing import TYPE_CHECKING
 
-ENGINES = ("transformers", "llamacpp")
+from stagereplay.engines.llamacpp_spec import LLAMACPP
+from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
+from stagereplay.engines.transformers_spec import TRANSFORMERS
+
+if TYPE_CHECKING:
+    from stagereplay.engines.base import Engine, Runtime
+
+SPECS: dict[str, EngineSpec] = {spec.name: spec for spec in (TRANSFORMERS, LLAMACPP)}
+DEFAULT_ENGINE = TRANSFORMERS.name
+ENGINES = tuple(SPECS)
+# Every precision some engine takes, as one regular expression (the workflow's precision wildcard).
+PRECISION_PATTERN = "|".join(f"(?:{spec.precision_pattern})" for spec in SPECS.values())
 
 
-def engine_of(record: dict) -> str:
-    engine = record.get("engine", "transformers")
-    if engine not in ENGINES:
-        raise ModelError(f"model record names engine {engine!r} — use one of {', '.join(ENGINES)}")
-    return engine
+def spec_named(name: str) -> EngineSpec:
+    if name not in SPECS:
+        raise ModelError(f"model record names engine {name!r} — use one of {', '.join(SPECS)}")
+    return SPECS[name]
+
+
+def engine_name(record: dict) -> str:
+    """The engine a model record or a checkpoint's config entry names (the default where none)."""
+    return record.get("engine", DEFAULT_ENGINE)
+
+
+def spec_of(record: dict) -> EngineSpec:
+    """The spec of the engine a model record or a checkpoint's config entry names."""
+    return spec_named(engine_name(record))
+
+
+def any_precision(precision: str) -> bool:
+    return re.fullmatch(PRECISION_PATTERN, precision) is not None
+
+
+def precision_spec(precision: str) -> EngineSpec:
+    """The first engine that takes ``precision``: a precision name two engines share (fp16, fp32) holds the
+    same bytes in both. A name none takes is refused with the last engine's reason."""
+    for spec in SPECS.values():
+        if spec.takes(precision):
+            return spec
+    refusal = None
+    for spec in SPECS.values():
+        try:
+            spec.check_precision(precision, flash_attn=True)
+        except SpecError as error:
+            refusal = error
+    raise refusal or SpecError(f"precision {precision!r} is taken by no engine")
 
 
 def engine_class(record: dict) -> type[Engine]:
     """The engine that runs the record's checkpoint (its module is imported only when asked for)."""
-    if engine_of(record) == "transformers":
-        from stagereplay.engines.transformers_engine import TransformersEngine
-
-        return TransformersEngine
-    from stagereplay.engines.llamacpp_engine import LlamaCppEngine
-
-    return LlamaCppEngine
+    return spec_of(record).engine_class()
 
 
 def load_checkpoint(record: dict, runtime: Runtime) -> Engine:
@@ -36,13 +71,4 @@ def load_checkpoint(record: dict, runtime: Runtime) -> Engine:
 
 def checkpoint_tokenizer(record: dict, trust_remote_code: bool = False) -> tuple[object, int]:
     """The checkpoint's own tokenizer and the context a prompt must fit (0: unknown)."""
-    if engine_of(record) == "transformers":
-        from transformers import AutoConfig, AutoTokenizer
-
-        folder = record["folder"]
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        return tokenizer, int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0)
-    from stagereplay.engines.llamacpp_engine import gguf_tokenizer
-
-    return gguf_tokenizer(record["gguf"])
+    return engine_class(record).checkpoint_tokenizer(record, trust_remote_code)

@@ -26,9 +26,8 @@ import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from stagereplay.design.factors import ATTENTION_LEVELS
-from stagereplay.design.names import TransplantError
 from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
+from stagereplay.engines.transformers_spec import ATTENTION_LEVELS, RUN_ATTENTION
 from stagereplay.ledger.kvstate import KVState
 
 PRECISIONS: dict[str, torch.dtype] = {
@@ -36,7 +35,6 @@ PRECISIONS: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 @functools.cache
@@ -82,6 +80,15 @@ class TransformersEngine(Engine):
         self.tokenizer = tokenizer
         self.environment = environment
         self.device = next(model.parameters()).device
+
+    @classmethod
+    def checkpoint_tokenizer(cls, record: dict, trust_remote_code: bool = False) -> tuple[object, int]:
+        from transformers import AutoConfig, AutoTokenizer
+
+        folder = record["folder"]
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        return tokenizer, int(getattr(config.get_text_config(), "max_position_embeddings", 0) or 0)
 
     @classmethod
     def load(cls, record: dict, runtime: Runtime) -> TransformersEngine:
@@ -133,7 +140,7 @@ class TransformersEngine(Engine):
     def to_cache(self, state: KVState) -> DynamicCache:
         cache = self.empty_cache()
         if state.num_layers != len(cache.layers):
-            raise TransplantError(
+            raise ModelError(
                 f"a cache of {state.num_layers} layers cannot feed a model of {len(cache.layers)} layers — continue a state only on the model that built it"
             )
         for index, (key, value) in enumerate(zip(state.keys, state.values)):
@@ -236,9 +243,9 @@ def configure_runtime(runtime: Runtime) -> Environment:
     """Fix threads and kernels before the model is built; return the record of it."""
     if runtime.precision not in PRECISIONS:
         raise ModelError(f"unknown precision {runtime.precision!r} — use one of {', '.join(PRECISIONS)}")
-    if runtime.attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+    if runtime.attn_implementation not in RUN_ATTENTION:
         raise ModelError(
-            f"unknown attention implementation {runtime.attn_implementation!r} — use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+            f"unknown attention implementation {runtime.attn_implementation!r} — use one of {', '.join(RUN_ATTENTION)}"
         )
     if runtime.threads < 1:
         raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")
@@ -334,9 +341,9 @@ def _check_precision_runs(device: str, precision: str) -> None:
 def check_fits(config: dict, runtime: Runtime, device: str) -> None:
     """Stop before the weights are read when the job cannot fit the device: one line now, not an
     out-of-memory error an hour in. Needed: weights at the precision plus caches and activations
-    (design.shapes.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
+    (engines.shapes.job_memory_bytes, the figure the workflow declares as gpu_mem_mb); available: the
     device's free memory (CUDA) or the host's available RAM, capped by runtime.device_memory_gb."""
-    from stagereplay.design.shapes import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
+    from stagereplay.engines.shapes import ModelShapes, PlanError, available_host_memory_bytes, job_memory_bytes
 
     try:
         shapes = ModelShapes.from_config(config)

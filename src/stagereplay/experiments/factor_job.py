@@ -21,15 +21,13 @@ from stagereplay.design.factors import (
     WRITE,
     Level,
     cell_label,
-    cells_of,
     reference_level,
-    unbuilt_cells,
 )
 from stagereplay.engines.base import Engine, Runtime
 from stagereplay.engines.registry import load_checkpoint
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.difference import cache_difference
-from stagereplay.experiments.factors import Kernels, Prefix, Setting, level_setting, not_applicable
+from stagereplay.experiments.factors import Kernels, LevelJob, Prefix, Setting, level_setting
 from stagereplay.experiments.job import ShardSpec, environment_columns, progress_bar
 from stagereplay.experiments.recompute import CacheSource, ModelPool
 from stagereplay.inputs.checkpoints import read_model_record
@@ -80,14 +78,15 @@ def run_factor_shard(
         for item_id, row in references.items()
     }
     eos = engine.eos_ids
-    reason = not_applicable(level, engine)
     rows = []
     bar, _ = progress_bar(len(own), f"factor {level.factor}={level.name} {spec.precision} shard {spec.shard}")
     with tempfile.TemporaryDirectory(prefix="stagereplay-prefix-reuse-") as scratch:
         reference = Setting(engine, suffix_tokens, eos)
-        test = level_setting(
-            level, engine, runtime, suffix_tokens, eos, prefixes, ObjectStore(scratch), {**record, "path": model_record}
+        job = LevelJob(
+            engine, runtime, suffix_tokens, eos, prefixes, ObjectStore(scratch), {**record, "path": model_record}
         )
+        test = level_setting(level, job)
+        reason = test.unavailable()
         # The kernels worker needs every reference cache first; they are read (or rebuilt) once, here.
         early: dict[str, tuple[KVState, int]] = {}
         if isinstance(test, Kernels) and reason is None:
@@ -104,9 +103,7 @@ def run_factor_shard(
                 )
             base = _base_row(level, spec, row, record, engine, runtime)
             if reason is not None:
-                rows += [
-                    {**base, **_cell(cell), "applicable": False, "reason": reason} for cell in cells_of(level.factor)
-                ]
+                rows += [{**base, **_cell(cell), "applicable": False, "reason": reason} for cell in level.of.cells]
                 bar.update()
                 continue
             if row["item_id"] in early:
@@ -121,7 +118,7 @@ def run_factor_shard(
             rows += [{**cell, "suffix_object": store.put_tokens(cell["suffix_tokens"])} for cell in cells]
             rows += [
                 {**base, **_cell(cell), "applicable": False, "reason": why}
-                for cell, why in unbuilt_cells(level.factor).items()
+                for cell, why in level.of.unbuilt_cells().items()
             ]
             bar.update()
     bar.close()
@@ -138,7 +135,7 @@ def item_cells(
     base: dict,
     reference_fed: int = 0,
 ) -> list[dict]:
-    """The rows of one item's cells (``design.factors.cells_of``): (t, r), (r, t) and (t, t); (t, r) alone for
+    """The rows of one item's cells (``design.factors.Factor.cells``): (t, r), (r, t) and (t, t); (t, r) alone for
     a build-only factor, (t, t) alone for a server-only one.
     ``reference_fed``: positions fed to rebuild the reference cache (0 when it was stored)."""
     reference_suffix = list(reference_row["suffix_tokens"])
@@ -166,7 +163,7 @@ def item_cells(
         start = test.fed_positions()
         return result
 
-    wanted = cells_of(level.factor)
+    wanted = level.of.cells
     # What each cell's reader is given: the cache as built, or converted where the other setting stores
     # another cache type (then the row records the converted cache).
     inputs = {

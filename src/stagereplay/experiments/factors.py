@@ -28,6 +28,7 @@ import torch
 from stagereplay.design.factors import FactorError, Level
 from stagereplay.engines.base import Engine, ModelError, Runtime
 from stagereplay.engines.registry import load_checkpoint
+from stagereplay.engines.transformers_spec import RUN_ATTENTION
 from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.experiments.decode import Decoded, continue_from, decode_greedy, greedy_choice
 from stagereplay.inputs.checkpoints import read_model_record
@@ -61,11 +62,48 @@ class Built:
     companion_states: tuple[KVState, ...] = ()  # a batch's other rows, as the same batched prefill built them
 
 
+@dataclass
+class LevelJob:
+    """What a factor level's setting is made from: the job's engine and runtime, the continuation budget,
+    every item's prefix (a batch's companions come from any shard), a scratch store and the model record."""
+
+    engine: Engine
+    runtime: Runtime
+    budget: int
+    eos: frozenset[int]
+    prefixes: dict[str, Prefix]
+    scratch: ObjectStore
+    record: dict  # the model record, with "path": the model.json it was read from
+
+
+# factor name -> the setting that runs its test levels (each class says which factor it runs)
+SETTINGS: dict[str, type[Setting]] = {}
+
+
+def runs(factor: str):
+    """Register a setting class as the one that runs ``factor``'s test levels."""
+
+    def register(cls):
+        SETTINGS[factor] = cls
+        return cls
+
+    return register
+
+
 class Setting:
     """The reference level: a one-shot prefill, then batch-1 greedy decoding with the run's settings."""
 
     def __init__(self, engine: Engine, budget: int, eos: frozenset[int]):
         self.engine, self.budget, self.eos = engine, budget, eos
+
+    @classmethod
+    def for_level(cls, level: Level, job: LevelJob) -> Setting:
+        """This setting at a factor's test level."""
+        return cls(job.engine, job.budget, job.eos)
+
+    def unavailable(self) -> str | None:
+        """Why the level cannot run here (recorded on every row of the job), or None."""
+        return None
 
     def fed_positions(self) -> int:
         """Positions fed through the model so far for this setting's builds and reads (and the job's)."""
@@ -111,12 +149,48 @@ class Switched(Setting):
             self.switch(self.reference_value)
 
 
+@runs("threads")
+class Threads(Switched):
+    @classmethod
+    def for_level(cls, level, job):
+        return cls(job.engine, job.budget, job.eos, job.engine.use_threads, level.value, job.runtime.threads)
+
+
+@runs("attention")
+class Attention(Switched):
+    @classmethod
+    def for_level(cls, level, job):
+        engine = job.engine
+        return cls(engine, job.budget, job.eos, engine.use_attention, level.value, job.runtime.attn_implementation)
+
+    def unavailable(self):
+        """An attention kernel whose package is absent (flash_attention_2) is recorded as not applicable."""
+        if self.value in RUN_ATTENTION:
+            return None  # built into transformers
+        try:
+            self.engine.use_attention(self.value)
+        except ModelError as error:
+            return str(error)
+        self.engine.use_attention(self.reference_value)
+        return None
+
+
 class Reconfigured(Switched):
     """A llama.cpp context setting (flash attention, micro-batch size, cache type, rotation): the engine
     makes a new context with it around each build and read, then goes back to the reference's."""
 
+    key = ""  # the engine's name of the context setting
+
     def __init__(self, engine, budget, eos, key: str, value, reference_value):
         super().__init__(engine, budget, eos, lambda v: engine.reconfigure(**{key: v}), value, reference_value)
+
+    @classmethod
+    def for_level(cls, level, job):
+        return cls(job.engine, job.budget, job.eos, cls.key, level.value, cls.reference_value_of(job.runtime))
+
+    @staticmethod
+    def reference_value_of(runtime: Runtime):
+        raise NotImplementedError
 
     def build(self, prefix):
         with self.active():
@@ -124,10 +198,44 @@ class Reconfigured(Switched):
             return Built(state, f"llama.cpp context: {self.engine.build_description()}")
 
 
+@runs("flash_attn")
+class FlashAttn(Reconfigured):
+    key = "flash_attn"
+
+    @staticmethod
+    def reference_value_of(runtime):
+        return runtime.flash_attn
+
+
+@runs("ubatch")
+class Ubatch(Reconfigured):
+    key = "n_ubatch"
+
+    @staticmethod
+    def reference_value_of(runtime):
+        return 0  # the whole prefix in one micro-batch
+
+
+@runs("rotation")
+class Rotation(Reconfigured):
+    key = "rotation"
+
+    @staticmethod
+    def reference_value_of(runtime):
+        return True
+
+
+@runs("cache_type")
 class CacheType(Reconfigured):
     """A KV cache type. Built natively in a context of that type; read across types after a conversion
     (the engine's ``converted``): a test-built cache dequantized for the reference's context (t, r), and
     the reference cache quantized offline, by gguf's reference quantizer, for the test context (r, t)."""
+
+    key = "cache_type"
+
+    @staticmethod
+    def reference_value_of(runtime):
+        return runtime.precision
 
     def for_reference(self, state):
         return self.engine.converted(state)
@@ -137,10 +245,15 @@ class CacheType(Reconfigured):
             return self.engine.converted(state)
 
 
+@runs("chunk")
 class Chunk(Setting):
     def __init__(self, engine, budget, eos, chunk: int):
         super().__init__(engine, budget, eos)
         self.chunk = chunk
+
+    @classmethod
+    def for_level(cls, level, job):
+        return cls(job.engine, job.budget, job.eos, level.value)
 
     def build(self, prefix):
         context = len(prefix.tokens) - 1
@@ -149,15 +262,24 @@ class Chunk(Setting):
         return Built(state, f"{chunks} chunks of at most {self.chunk} over {context} positions")
 
 
+@runs("prefix_reuse")
 class PrefixReuse(Setting):
     """A prefix-cache hit: the first k positions come from an earlier request's cache, saved to an object
     store and loaded back (the same safetensors round trip as the ledger's); the rest is prefilled on top
-    in one forward. The reference (a miss) prefills everything in one forward."""
+    in one forward. The reference (a miss) prefills everything in one forward. An engine that keeps
+    sequences itself reuses them its own way (``HeldPrefix``)."""
 
     def __init__(self, engine, budget, eos, level: Level, scratch: ObjectStore, model_fingerprint: str, precision):
         super().__init__(engine, budget, eos)
         self.level, self.scratch = level, scratch
         self.model_fingerprint, self.precision = model_fingerprint, precision
+
+    @classmethod
+    def for_level(cls, level, job):
+        kind = HeldPrefix if job.engine.keeps_sequences else PrefixReuse
+        return kind(
+            job.engine, job.budget, job.eos, level, job.scratch, job.record["fingerprint"], job.runtime.precision
+        )
 
     def reused(self, prefix: Prefix) -> int:
         context = len(prefix.tokens) - 1
@@ -233,6 +355,7 @@ class HeldPrefix(PrefixReuse):
         return Built(self.engine.snapshot(cache), note, kept, reused_digest)
 
 
+@runs("batch")
 class Batch(Setting):
     """The item in row 0 of a batch of B, with the next B-1 items (by id, wrapping round) as companions:
     left-padded, with an attention mask and per-row positions. Built in one batched prefill; read by
@@ -242,6 +365,10 @@ class Batch(Setting):
         super().__init__(engine, budget, eos)
         self.size, self.prefixes = size, prefixes
         self.order = sorted(prefixes)
+
+    @classmethod
+    def for_level(cls, level, job):
+        return cls(job.engine, job.budget, job.eos, level.value, job.prefixes)
 
     def active(self):
         return self.engine.batch_context(self.size)
@@ -280,6 +407,7 @@ class Batch(Setting):
         return decode_greedy(self.engine, None, feed(prefix.tokens[-1]), self.budget, self.eos, feed=feed)
 
 
+@runs("kernels")
 class Kernels(Setting):
     """torch's CPU kernel level is fixed when torch starts (ATEN_CPU_CAPABILITY), so the test level runs in a
     worker process of its own (``run_kernel_worker``): it builds each item's cache and continues both that
@@ -291,6 +419,10 @@ class Kernels(Setting):
         self.level, self.scratch, self.model_record, self.runtime = level, scratch, model_record, runtime
         self.results: dict[str, dict] = {}
         self.worker_fed = 0  # positions the worker fed for the builds and reads consumed so far
+
+    @classmethod
+    def for_level(cls, level, job):
+        return cls(job.engine, job.budget, job.eos, level, job.scratch, job.record["path"], job.runtime)
 
     def fed_positions(self) -> int:
         return self.engine.fed_positions + self.worker_fed
@@ -375,43 +507,8 @@ def run_kernel_worker(folder: str | Path) -> None:
     (folder / "answer.json").write_text(json.dumps(answer))
 
 
-# llama.cpp context settings: the engine's name for each, and the reference's value.
-RECONFIGURED = {
-    "flash_attn": ("flash_attn", lambda runtime: runtime.flash_attn),
-    "ubatch": ("n_ubatch", lambda runtime: 0),  # 0: the whole prefix in one micro-batch
-    "rotation": ("rotation", lambda runtime: True),
-}
-
-
-def level_setting(level: Level, engine: Engine, runtime: Runtime, budget, eos, prefixes, scratch, record) -> Setting:
-    factor = level.factor
-    if factor in RECONFIGURED:
-        key, reference_value = RECONFIGURED[factor]
-        return Reconfigured(engine, budget, eos, key, level.value, reference_value(runtime))
-    if factor == "cache_type":
-        return CacheType(engine, budget, eos, "cache_type", level.value, runtime.precision)
-    if factor == "threads":
-        return Switched(engine, budget, eos, engine.use_threads, level.value, runtime.threads)
-    if factor == "attention":
-        return Switched(engine, budget, eos, engine.use_attention, level.value, runtime.attn_implementation)
-    if factor == "chunk":
-        return Chunk(engine, budget, eos, level.value)
-    if factor == "prefix_reuse":
-        kind = HeldPrefix if engine.keeps_sequences else PrefixReuse
-        return kind(engine, budget, eos, level, scratch, record["fingerprint"], runtime.precision)
-    if factor == "batch":
-        return Batch(engine, budget, eos, level.value, prefixes)
-    if factor == "kernels":
-        return Kernels(engine, budget, eos, level, scratch, record["path"], runtime)
-    raise FactorError(f"factors.{factor}: no setting of this factor runs in one process — see design.factors")
-
-
-def not_applicable(level: Level, engine: Engine) -> str | None:
-    """Why the level cannot run here (recorded on every row of the job), or None."""
-    if level.factor == "attention" and level.name == "flash_attention_2":
-        try:
-            engine.use_attention(level.name)
-        except ModelError as error:
-            return str(error)
-        engine.use_attention(engine.environment.attn_implementation)
-    return None
+def level_setting(level: Level, job: LevelJob) -> Setting:
+    """The setting that runs a factor's test level (``SETTINGS``: each factor's own class)."""
+    if level.factor not in SETTINGS:
+        raise FactorError(f"factors.{level.factor}: no setting of this factor runs in one process — see design.factors")
+    return SETTINGS[level.factor].for_level(level, job)

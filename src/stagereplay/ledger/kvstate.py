@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from dataclasses import dataclass
 
 import numpy as np
 import scipy.linalg
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
+
+from stagereplay.ledger.block_format import BlockFormat, ggml_type
 
 
 @dataclass(frozen=True)
@@ -105,36 +105,6 @@ def to_host(state: KVState) -> KVState:
 # --- a part stored as quantized blocks ------------------------------------------------------------
 
 
-def _ggml_type(cache_type: str) -> GGMLQuantizationType:
-    """The ggml block type of a cache type's name (q8_0 -> Q8_0), as the gguf package knows it."""
-    return GGMLQuantizationType[cache_type.upper()]
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """How one quantized part is stored: its ggml block type and the rotation llama.cpp applied first."""
-
-    cache_type: str  # "q8_0", "q4_0"
-    rotation: int = 0  # 0: none; n: each run of n head values was multiplied by the n-point Hadamard matrix
-
-    @property
-    def name(self) -> str:
-        """The format as the tensor name's suffix in a stored cache: q8_0, q8_0-h64."""
-        return self.cache_type + (f"-h{self.rotation}" if self.rotation else "")
-
-    @classmethod
-    def parse(cls, name: str) -> BlockFormat:
-        match = re.fullmatch(r"(q[0-9]_[0-9])(?:-h([1-9][0-9]*))?", name)
-        if not match or match.group(1).upper() not in GGMLQuantizationType.__members__:
-            raise ValueError(f"unknown cache block format {name!r} — a stored quantized part is q8_0 or q4_0[-hN]")
-        return cls(match.group(1), int(match.group(2) or 0))
-
-    def block_bytes(self, values: int) -> int:
-        """Bytes of ``values`` values in this format."""
-        block, size = GGML_QUANT_SIZES[_ggml_type(self.cache_type)]
-        return values // block * size
-
-
 @functools.cache
 def hadamard(n: int) -> np.ndarray:
     """The orthonormal n-point Walsh-Hadamard matrix in Sylvester's order, as llama.cpp builds it."""
@@ -149,7 +119,7 @@ def _rotate(values: np.ndarray, n: int) -> np.ndarray:
 
 def values_of(raw: torch.Tensor, block_format: BlockFormat) -> torch.Tensor:
     """The float32 values [.., head_dim] of raw blocks [.., blocks x block bytes], un-rotated."""
-    values = gguf_quants.dequantize(raw.contiguous().numpy(), _ggml_type(block_format.cache_type))
+    values = gguf_quants.dequantize(raw.contiguous().numpy(), ggml_type(block_format.cache_type))
     if block_format.rotation:
         values = _rotate(values, block_format.rotation)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
@@ -161,4 +131,4 @@ def blocks_of(values: torch.Tensor, block_format: BlockFormat) -> torch.Tensor:
     array = values.detach().cpu().float().numpy()
     if block_format.rotation:
         array = _rotate(array, block_format.rotation).astype(np.float32)
-    return torch.from_numpy(gguf_quants.quantize(np.ascontiguousarray(array), _ggml_type(block_format.cache_type)))
+    return torch.from_numpy(gguf_quants.quantize(np.ascontiguousarray(array), ggml_type(block_format.cache_type)))

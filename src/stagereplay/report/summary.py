@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
-from stagereplay.design.factors import VERDICTS, cell_label, cells_of, served_cell, verdict
+from stagereplay.design.factors import VERDICTS, cell_label, factor_named, verdict
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS
 from stagereplay.report.stats import (
     mcnemar_exact,
@@ -351,8 +351,9 @@ def e6_level(rows: list[dict]) -> dict:
     if not applicable:
         return figures
     # Every factor has one test-built cell per item: (t, r), or (t, t) alone for a server-only factor.
-    built = [row for row in applicable if row["cell"] == cell_label(cells_of(factor)[0])]
-    served = [row for row in applicable if row["cell"] == cell_label(served_cell(factor))]
+    of = factor_named(factor)
+    built = [row for row in applicable if row["cell"] == cell_label(of.cells[0])]
+    served = [row for row in applicable if row["cell"] == cell_label(of.served_cell)]
     differing_layers = [row["first_differing_layer"] for row in built if row["cache_differs"]]
     verdicts = Counter(item_verdicts(applicable).values())
     n = len(built)

@@ -11,11 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagereplay.design.cache_types import CacheTypeError, CacheTypes, check_cache_precision
+from stagereplay.engines.registry import precision_spec
+from stagereplay.engines.spec import SpecError
 
-# A transformers precision's width: its weights' and its cache's. bf16 is transformers' only; every other
-# precision name is also a llama.cpp cache type, whose cached bytes design.cache_types counts (head_bytes).
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Where the published config.json shapes of known models lie (the embedded default among them).
 MODEL_CONFIGS = Path(__file__).resolve().parents[3] / "data" / "model_configs"
 EMBEDDED_CONFIG = "smollm2-135m-instruct"
@@ -79,32 +77,29 @@ class ModelShapes:
         return self.layers * layer + embeddings + self.hidden
 
 
-def llamacpp_types(precision: str, head_dim: int | None = None) -> CacheTypes:
-    """A llama.cpp precision's K and V cache types, as a PlanError (one line) where the name is none or the
-    head is not whole blocks. A quantized V also needs flash attention: that is the run's check
-    (runtime.flash_attn), not the plan's, which counts bytes either way."""
+def head_bytes(precision: str, part: str, head_dim: int) -> int:
+    """Bytes of one head's K (``part`` "k") or V ("v") at one position, as a cache at ``precision`` holds
+    them (the engine that takes the precision counts them: plain values, or ggml blocks for q8_0 and q4_0)."""
     try:
-        return check_cache_precision(precision, flash_attn=True, head_dim=head_dim)
-    except CacheTypeError as error:
+        return precision_spec(precision).head_bytes(precision, part, head_dim)
+    except SpecError as error:
         raise PlanError(str(error)) from None
 
 
-def head_bytes(precision: str, part: str, head_dim: int) -> int:
-    """Bytes of one head's K (``part`` "k") or V ("v") at one position, as a cache at ``precision`` holds
-    them: bf16 values, or the part's llama.cpp cache type (plain values, or ggml blocks for q8_0 and q4_0)."""
-    if precision == "bf16":
-        return head_dim * BYTES[precision]
-    return llamacpp_types(precision, head_dim).row_bytes(part, head_dim)
-
-
 def weight_bytes(precision: str) -> int:
-    """Bytes per weight of a job at ``precision``. A quantized llama.cpp cache type says nothing of the
-    weights (the GGUF's own, as shipped): they are counted at fp16 width, as under llama.cpp's default
-    fp16 cache, so a cache type changes a job's figure by its caches only."""
-    if precision in BYTES:
-        return BYTES[precision]
-    llamacpp_types(precision)  # refuses a name that is no precision at all
-    return BYTES["fp16"]
+    """Bytes per weight of a job at ``precision`` (a cache type counts the GGUF's weights at fp16 width)."""
+    try:
+        return precision_spec(precision).weight_bytes(precision)
+    except SpecError as error:
+        raise PlanError(str(error)) from None
+
+
+def stored_part(precision: str, part: str, head_dim: int, rotation: bool) -> tuple[str, str, int]:
+    """One layer's K or V as the store holds it (the name's suffix, the dtype, the last dimension)."""
+    try:
+        return precision_spec(precision).stored_part(precision, part, head_dim, rotation)
+    except SpecError as error:
+        raise PlanError(str(error)) from None
 
 
 def random_qwen2_shapes(layers: int, hidden: int, near_ties: bool) -> ModelShapes:

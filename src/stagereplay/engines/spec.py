@@ -1,0 +1,113 @@
+"""What an engine declares before it loads anything: one ``EngineSpec`` per engine, no torch.
+
+The workflow's parse-time checks, the CLI, the plan, E6's factors, provenance and the card ask an
+engine's spec what it takes (precisions, checkpoint sources, runtime switches, factors) and what it
+records (libraries, environment fields); only a model job loads the engine itself (``engine_class``,
+through ``registry``). Adding an engine is one spec module, one engine module and a line in ``registry``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stagereplay.engines.base import Engine
+
+# The fields every engine's environment record fills (engines.base.Environment); an engine adds its own.
+SHARED_ENVIRONMENT = (
+    "device",
+    "device_name",
+    "cpu_capability",
+    "precision",
+    "threads",
+    "engine",
+    "engine_version",
+    "engine_build",
+)
+
+
+class ModelError(RuntimeError):
+    """An engine cannot load or run as asked: one-line message naming the problem and the fix."""
+
+
+class SpecError(ValueError):
+    """One line: a config asks an engine for something it does not take, and the fix."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine, as the rest of stagereplay sees it without loading it."""
+
+    name: str  # a model record's and a checkpoint's ``engine``
+    summary: str  # what it runs, in a few words
+    # precision name -> what it sets: the weight and cache dtype, or the KV-cache type
+    precisions: dict[str, str]
+    precision_pattern: str  # a regular expression of every precision it takes (the workflow's wildcard)
+    precision_kind: str  # "weight dtype" or "KV-cache type": what a precision names here
+    checkpoint_sources: tuple[str, ...]  # the config's checkpoint sources it runs
+    record_kind: str  # what its model record names: "folder" (a safetensors folder) or "gguf"
+    factors: frozenset[str]  # E6 factors it runs
+    libraries: tuple[str, ...]  # distributions whose versions decide what it computes (provenance, audit)
+    # runtime keys that are another engine's, each with the one-line refusal (the config key and the fix)
+    refused_switches: dict[str, str] = field(default_factory=dict)
+    environment_fields: tuple[str, ...] = SHARED_ENVIRONMENT  # what its environment record means
+    engine_class_path: str = ""  # "module:Class", imported only when a job loads the engine
+    # keeps a sequence's first positions for a later request and saves/restores a sequence through its own
+    # files (a server's prefix reuse): E6's restore levels need it
+    keeps_sequences: bool = False
+
+    def takes(self, precision: str) -> bool:
+        return re.fullmatch(self.precision_pattern, precision) is not None
+
+    def check_precision(self, precision: str, flash_attn: bool = False) -> None:
+        """Refuse, in one line (SpecError), a precision this engine does not run with these switches."""
+        if not self.takes(precision):
+            raise SpecError(
+                f"{precision} is not a {self.name} precision — use {self.precision_choices()} ({self.precision_kind})"
+            )
+
+    def precision_choices(self) -> str:
+        return ", ".join(self.precisions)
+
+    def head_bytes(self, precision: str, part: str, head_dim: int) -> int:
+        """Bytes of one head's K (``part`` "k") or V ("v") at one position, as this engine caches them."""
+        raise NotImplementedError
+
+    def weight_bytes(self, precision: str) -> int:
+        """Bytes per weight of a job at ``precision`` (what its memory figure counts)."""
+        raise NotImplementedError
+
+    def stored_part(self, precision: str, part: str, head_dim: int, rotation: bool) -> tuple[str, str, int]:
+        """One layer's K (``part`` "k") or V ("v") as the object store holds it: the tensor name's suffix, the
+        safetensors dtype and the last dimension. ``rotation``: a quantized cache stored rotated."""
+        raise NotImplementedError
+
+    def check_run(self, checkpoint: str, precisions: set[str], runtime: dict, cast_to: str | None) -> None:
+        """Refuse, in one line, a run this engine cannot make: the precisions asked of the checkpoint (E1, E2,
+        E5's cast), the runtime switches, and E5's cross-precision cast ``cast_to`` (None: no cast)."""
+        for precision in sorted(precisions):
+            try:
+                self.check_precision(precision, runtime.get("flash_attn", False))
+            except SpecError as error:
+                raise SpecError(f"checkpoint {checkpoint!r}: {error}") from None
+
+    def check_switches(self, runtime: dict) -> None:
+        """Refuse a runtime switch set that is another engine's."""
+        for key, refusal in self.refused_switches.items():
+            if runtime.get(key):
+                raise SpecError(refusal)
+
+    def check_source(self, checkpoint: str, source: str) -> None:
+        if source not in self.checkpoint_sources:
+            raise SpecError(
+                f"checkpoint {checkpoint!r}: the {self.name} engine runs {self.summary} — use"
+                f" {', '.join(self.checkpoint_sources)} as its source"
+            )
+
+    def engine_class(self) -> type[Engine]:
+        """The engine itself (its module, and torch, are imported now)."""
+        module, _, name = self.engine_class_path.partition(":")
+        return getattr(importlib.import_module(module), name)

@@ -1,0 +1,65 @@
+"""The transformers engine as the rest of stagereplay sees it before loading it (no torch)."""
+
+from __future__ import annotations
+
+from stagereplay.engines.spec import SHARED_ENVIRONMENT, EngineSpec, SpecError
+
+# A precision's width in bytes: the weights' and the cache's.
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+SAFETENSORS_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+# The attention implementations a run may name (runtime.attn_implementation), and those an E6 level may switch to.
+RUN_ATTENTION = ("sdpa", "eager")
+ATTENTION_LEVELS = ("sdpa", "eager", "flash_attention_2")
+
+
+class TransformersSpec(EngineSpec):
+    def check_run(self, checkpoint, precisions, runtime, cast_to):
+        other = sorted(precisions - set(self.precisions))
+        if other:
+            raise SpecError(
+                f"checkpoint {checkpoint!r} runs on transformers: {', '.join(other)} is a llama.cpp cache type — use"
+                f" {', '.join(self.precisions)} for its precisions"
+            )
+
+    def head_bytes(self, precision, part, head_dim):
+        return head_dim * BYTES[precision]
+
+    def weight_bytes(self, precision):
+        return BYTES[precision]
+
+    def stored_part(self, precision, part, head_dim, rotation):
+        return "", SAFETENSORS_DTYPES[precision], head_dim
+
+
+TRANSFORMERS = TransformersSpec(
+    name="transformers",
+    summary="a safetensors folder",
+    precisions={
+        "bf16": "weights and cache in bfloat16",
+        "fp16": "weights and cache in float16",
+        "fp32": "weights and cache in float32",
+    },
+    precision_pattern="bf16|fp16|fp32",
+    precision_kind="weight dtype",
+    checkpoint_sources=("embedded", "folder", "gguf", "random_qwen2"),
+    record_kind="folder",
+    factors=frozenset({"prefix_reuse", "batch", "attention", "threads", "chunk", "kernels"}),
+    libraries=("torch", "transformers"),
+    refused_switches={
+        "flash_attn": "runtime.flash_attn is llama.cpp's flash attention — remove it, or set"
+        " runtime.attn_implementation for a transformers checkpoint",
+    },
+    environment_fields=(
+        *SHARED_ENVIRONMENT,
+        "attn_implementation",
+        "tf32",
+        "bf16_reduced_precision_reduction",
+        "fp16_reduced_precision_reduction",
+        "sdpa_backends",
+        "float32_matmul_precision",
+        "deterministic",
+        "torch_version",
+        "transformers_version",
+    ),
+    engine_class_path="stagereplay.engines.transformers_engine:TransformersEngine",
+)
