@@ -218,7 +218,7 @@ rule audit_ledger:
     shell:
         "stagereplay audit --ledger {params.ledger:q} --checkpoints {params.checkpoints}"
         " --out {output.table:q} --e4 {output.e4:q}"
-        " > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}; tail -n 1 {log:q}"
+        " > {log:q} 2>&1" + ON_FAILURE + "; tail -n 1 {log:q}"
 
 
 rule audit:

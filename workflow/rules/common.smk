@@ -9,14 +9,9 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from stagereplay.engines.cache_types import (
-    LLAMACPP_PRECISION_PATTERN,
-    CacheTypeError,
-    cache_types,
-    check_cache_precision,
-)
+from stagereplay.design import checked_run
 from stagereplay.design.factors import FACTORS as FACTOR_NAMES
-from stagereplay.design.jobs import job_list
+from stagereplay.engines.registry import PRECISION_PATTERN
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.provenance import design_of
 
@@ -61,28 +56,31 @@ if AUDITING:
     _take_recorded_design()
 
 
-def _resolve_config():
-    """The config checked and completed with the schema's defaults, as `stagereplay plan` resolves it."""
+def _checked_run():
+    """The config checked and completed with the schema's defaults, then every parse-time check
+    (stagereplay.design.checked_run, which `stagereplay plan` runs too): a bad config, item file or
+    model fails here, before any job, in one line."""
+    from stagereplay.design.checked_run import RunRefused, check_run
     from stagereplay.design.schema import ConfigError, resolve_config
 
     try:
         resolve_config(config, SCHEMA)
-    except ConfigError as error:
+        return check_run(config, REPO, AUDITING)
+    except (ConfigError, RunRefused) as error:
         raise WorkflowError(str(error)) from None
 
 
-_resolve_config()
+RUN = _checked_run()
 
 # Rules call the CLI as the command `stagereplay`: a shell function running it on the interpreter
 # snakemake runs on, so rules work without an activated venv (and on a cluster node, which parses
 # this file again). It comes after snakemake's own default prefix, bash strict mode.
 shell.prefix(f'set -euo pipefail; stagereplay() {{{{ {shlex.quote(sys.executable)} -m stagereplay "$@"; }}}}; ')
+# Every job's command ends with this: on failure, the CLI's one-line error (the last line of the job's
+# log) is repeated on the console.
+ON_FAILURE = " || {{ tail -n 1 {log:q} >&2; exit 1; }}"
 
-LAYOUT = LedgerLayout(config["ledger_dir"])
-if LAYOUT.root.exists() and not LAYOUT.root.is_dir():
-    raise WorkflowError(
-        f"ledger_dir {LAYOUT.root} is a file, not a directory — point ledger_dir at a directory (new or of an earlier run)"
-    )
+LAYOUT = RUN.layout
 # Under `snakemake audit`, each of the run's rules needs this file, which never exists; each saved file is then
 # an input the audit reads, never a job it may rerun (after a copy that changed file times, a config edited
 # since the run, a changed command). Snakemake refuses such a job before any job starts, naming this file.
@@ -92,7 +90,7 @@ AUDIT_GUARD = (
     else []
 )
 CHECKPOINTS = config["checkpoints"]
-PRIMARY = next(iter(CHECKPOINTS))
+PRIMARY = RUN.primary
 RUNTIME = config["runtime"]
 STAGE = config["stage"]
 MATCHED = config["matched"]
@@ -103,6 +101,10 @@ SWEEP = TRANSPLANT["sweep"]
 BLIND = TRANSPLANT["outcome_blind"]
 BLIND_CHECKPOINT = BLIND["checkpoint"] or PRIMARY
 CROSS = TRANSPLANT["cross_precision"]
+ITEMS_SPEC = config["items"]
+# What the ledger records as the run's design (provenance.json; the audit reruns it).
+DESIGN = design_of(config)
+EMBEDDED_MODEL = config["embedded_model"]
 AUDIT_RUNTIME = {
     **RUNTIME,
     **{key: value for key, value in config["audit"]["runtime"].items() if value is not None},
@@ -112,216 +114,44 @@ AUDIT_RUNTIME = {
 STORE_CACHES = config["store_caches"]
 AUDIT_STORE_CACHES = "all" if config["audit"]["keep_caches"] else "none"
 # Every trajectory and transplant job the config schedules (the projection counts the same list).
-JOBS = job_list(config)
+JOBS = RUN.jobs
 # Checkpoints other than the primary one: only the outcome-blind replication's, with E1 live and prefill (rep0).
 REPLICATIONS = list(JOBS.replications)
 # The checkpoints the run uses (a configured but unused checkpoint is never registered).
 USED_CHECKPOINTS = sorted({PRIMARY} | ({BLIND_CHECKPOINT} if TRANSPLANT["enabled"] else set()))
 # The model records the audit compares (as before: the outcome-blind checkpoint's even without E5).
 AUDITED_CHECKPOINTS = sorted({PRIMARY, BLIND_CHECKPOINT})
+ITEMS = RUN.items
+SHARDS = RUN.shards
+CONSTRUCTIONS = RUN.constructions
+BLIND_IDS = RUN.blind_ids
+# The longest sequence a model job holds: the longest prompt, the stage and the suffix.
+MAX_POSITIONS = RUN.max_positions
+FACTOR_LEVELS = RUN.factor_levels
 
 
 def repo_path(path):
     """Config paths are relative to the repository, not to where snakemake was started."""
-    path = Path(path).expanduser()
-    return str(path if path.is_absolute() else REPO / path)
-
-
-# --- parse-time checks: a bad config or item file fails here, before any job ------------------
-
-
-def parse_time_items():
-    """Item ids are known at parse time (no checkpoints): a bad item file fails here, before any job."""
-    from stagereplay.inputs.items import ItemError, load_items
-
-    spec = config["items"]
-    try:
-        if AUDITING:  # the items the run used: the ledger's own copy (checked against provenance.json)
-            return load_items(LAYOUT.items, "jsonl")
-        return load_items(repo_path(spec["source"]), spec["format"], spec["shuffle_seed"], spec["limit"])
-    except ItemError as error:
-        raise WorkflowError(str(error)) from None
-
-
-ITEMS = parse_time_items()
-SHARDS = [f"{index:03d}" for index in range((len(ITEMS) + config["shard_size"] - 1) // config["shard_size"])]
-
-
-def parse_time_constructions():
-    """Construction names are checked here, so a typo fails before any job."""
-    from stagereplay.design.names import ConstructionError, parse_construction
-
-    names = FIXED["constructions"]
-    try:
-        kinds = [parse_construction(name)[0] for name in names]
-    except ConstructionError as error:
-        raise WorkflowError(f"fixed_prefix.constructions: {error}") from None
-    if "live" in kinds:
-        raise WorkflowError(
-            "fixed_prefix.constructions: live is generated, not rebuilt — list only incremental, prefill or chunked:N"
-        )
-    if "incremental" not in names:
-        raise WorkflowError(
-            "fixed_prefix.constructions must include incremental (every E2 comparison is against it) — add it"
-        )
-    return names
-
-
-CONSTRUCTIONS = parse_time_constructions()
-
-SOURCES = ("embedded", "folder", "gguf", "random_qwen2")
+    return checked_run.repo_path(REPO, path)
 
 
 def checkpoint_source(name):
-    spec = CHECKPOINTS[name]
-    given = [key for key in SOURCES if key in spec]
-    if len(given) != 1:
-        raise WorkflowError(
-            f"checkpoint {name!r} must name exactly one source of {', '.join(SOURCES)} (got {given or 'none'}) — fix checkpoints.{name}"
-        )
-    if "sha256" in spec and given[0] != "gguf":
-        raise WorkflowError(f"checkpoint {name!r}: sha256 applies only to a gguf source — remove it or use gguf:")
-    source = given[0]
-    if source in ("folder", "gguf") and not Path(repo_path(spec[source])).exists():
-        raise WorkflowError(
-            f"checkpoint {name!r}: {source} {repo_path(spec[source])} does not exist — fix checkpoints.{name}.{source}"
-        )
-    if source == "folder" and not Path(repo_path(spec["folder"]), "config.json").is_file():
-        raise WorkflowError(
-            f"checkpoint {name!r}: {repo_path(spec['folder'])} has no config.json — point checkpoints.{name}.folder at a Hugging Face model folder"
-        )
-    return source
+    return checked_run.checkpoint_source(config, REPO, name)
 
 
-for _name in CHECKPOINTS:
-    checkpoint_source(_name)
-
-
-def engine_of(name):
-    engine = CHECKPOINTS[name].get("engine", "transformers")
-    if engine == "llamacpp" and checkpoint_source(name) == "folder":
-        raise WorkflowError(
-            f"checkpoint {name!r}: the llamacpp engine runs a GGUF — use embedded, gguf or random_qwen2 as its source"
-        )
-    return engine
-
-
-def check_precisions():
-    """Every checkpoint's precisions, before any job runs: a transformers checkpoint's are torch dtypes; a
-    llama.cpp checkpoint's are its KV cache types, a quantized V needs flash attention, and a quantized cache
-    is never cast to another precision (E5's cross-precision transplant)."""
-    asked = {PRIMARY: {E1, *FIXED["precisions"], *([CROSS] if CROSS and TRANSPLANT["enabled"] else [])}}
-    asked.setdefault(BLIND_CHECKPOINT, set()).add(E1)
-    for name, precisions in asked.items():
-        if name not in CHECKPOINTS:  # an unknown outcome-blind checkpoint: check_transplant_plan names it
-            continue
-        if engine_of(name) != "llamacpp":
-            other = sorted(precisions - {"bf16", "fp16", "fp32"})
-            if other:
-                raise WorkflowError(
-                    f"checkpoint {name!r} runs on transformers: {', '.join(other)} is a llama.cpp cache type — use bf16, fp16 or fp32 for its precisions"
-                )
-            continue
-        if "bf16" in precisions:
-            raise WorkflowError(
-                f"checkpoint {name!r} runs on llama.cpp, whose precision is the KV cache type: bf16 is not one — use fp16, fp32, q8_0 or q4_0 for its precisions"
-            )
-        for precision in sorted(precisions):
-            try:
-                check_cache_precision(precision, RUNTIME["flash_attn"])
-            except CacheTypeError as error:
-                raise WorkflowError(f"checkpoint {name!r}: {error}") from None
-        if (
-            name == PRIMARY
-            and CROSS
-            and TRANSPLANT["enabled"]
-            and (cache_types(E1).quantized or cache_types(CROSS).quantized)
-        ):
-            raise WorkflowError(
-                f"transplant.cross_precision: a {E1} cache cannot be cast to {CROSS} (a quantized cache holds blocks, not values) — set transplant.cross_precision: null"
-            )
-    if RUNTIME["flash_attn"] and any(engine_of(name) != "llamacpp" for name in asked if name in CHECKPOINTS):
-        raise WorkflowError(
-            "runtime.flash_attn is llama.cpp's flash attention — remove it, or set runtime.attn_implementation for a transformers checkpoint"
-        )
-
-
-check_precisions()
+def engine_name(name):
+    return RUN.spec(name).name
 
 
 def model_folder(name):
-    """What register_model fingerprints: a safetensors folder, or for llama.cpp the GGUF itself."""
-    source = checkpoint_source(name)
-    if engine_of(name) == "llamacpp":
-        if source == "random_qwen2":
-            return LAYOUT.random_gguf(name)
-        return repo_path(CHECKPOINTS[name]["gguf"]) if source == "gguf" else LAYOUT.embedded_gguf
-    if source == "folder":
-        return repo_path(CHECKPOINTS[name]["folder"])
-    if source == "random_qwen2":
-        return LAYOUT.random_model(name)
-    return LAYOUT.converted_model(name)
-
-
-def check_audited_models():
-    """The audit reruns the models the ledger names: a missing one is refused before any job."""
-    for name in AUDITED_CHECKPOINTS:
-        path = Path(model_folder(name))
-        if not path.exists():
-            raise WorkflowError(
-                f"audit: the model of checkpoint {name!r} is missing ({path}) — restore it where the run had it,"
-                " or point the checkpoint at it, and audit again"
-            )
-
-
-if AUDITING:
-    check_audited_models()
-
-
-def outcome_blind_ids():
-    from stagereplay.design.names import outcome_blind_sample
-
-    try:
-        return outcome_blind_sample([item.item_id for item in ITEMS], BLIND["sample"], BLIND["seed"])
-    except ValueError as error:
-        raise WorkflowError(str(error)) from None
-
-
-def check_transplant_plan():
-    """The sweep is checked now when the model is known already (a folder, or converted by an earlier
-    run), so a bad layer choice fails before any job and the existing ledger stays as it was."""
-    from stagereplay.design.names import SweepPlan, TransplantError, check_plan
-
-    if BLIND_CHECKPOINT not in CHECKPOINTS:
-        raise WorkflowError(
-            f"transplant.outcome_blind.checkpoint {BLIND_CHECKPOINT!r} is not in checkpoints — add it there or fix the name"
-        )
-    if CROSS and CROSS == E1:
-        raise WorkflowError(
-            "transplant.cross_precision must differ from matched.precision — use e.g. fp32 with a bf16 E1"
-        )
-    blind_ids = outcome_blind_ids()
-    layers_file = Path(model_folder(PRIMARY), "config.json")
-    if layers_file.is_file():
-        try:
-            check_plan(
-                SweepPlan(
-                    SWEEP["single_layers"], tuple(SWEEP["block_sizes"]), SWEEP["kv_only"], tuple(SWEEP["windows"])
-                ),
-                json.loads(layers_file.read_text()).get("num_hidden_layers", 0),
-            )
-        except TransplantError as error:
-            raise WorkflowError(str(error)) from None
-    return blind_ids
-
-
-BLIND_IDS = check_transplant_plan() if TRANSPLANT["enabled"] else []
+    """What register_model fingerprints: a safetensors folder, or the GGUF an engine runs as shipped."""
+    return RUN.model_folder(name)
 
 
 wildcard_constraints:
     checkpoint="[A-Za-z0-9][A-Za-z0-9._-]*",
-    precision=f"bf16|{LLAMACPP_PRECISION_PATTERN}",
-    prefix_precision=f"bf16|{LLAMACPP_PRECISION_PATTERN}",
+    precision=PRECISION_PATTERN,
+    prefix_precision=PRECISION_PATTERN,
     construction=r"incremental|prefill|chunked-[1-9][0-9]*",
     replica=r"\d+",
     shard=r"\d{3}",
@@ -386,45 +216,6 @@ COMPARE_REBUILDS = STORE_CACHES != "all"
 AUDIT_COMPARE_REBUILDS = AUDIT_STORE_CACHES != "all"
 
 
-def parse_time_prompt_lengths():
-    """Each item's prompt length, estimated from the items' text (the prompt tokens do not exist yet)."""
-    from stagereplay.design.projection import estimate_prompt_tokens
-    from stagereplay.engines.shapes import checkpoint_shapes
-
-    shapes = checkpoint_shapes(CHECKPOINTS[PRIMARY], model_folder(PRIMARY))
-    return estimate_prompt_tokens(ITEMS, shapes is not None and shapes.vocab <= 512)
-
-
-PROMPT_LENGTHS = parse_time_prompt_lengths()
-# The longest sequence a model job holds: the longest prompt, the stage and the suffix.
-MAX_POSITIONS = max(PROMPT_LENGTHS) + STAGE["max_new_tokens"] + STAGE["suffix_tokens"]
-
-
-def parse_time_factor_levels():
-    """E6's levels, checked now (factor, level, engine, batch size against the items, a prefix-cache block
-    against the shortest prompt, the CPU's kernel levels)."""
-    from stagereplay.design.factors import FactorError, check_levels, cpu_flags
-    from stagereplay.design.projection import measured_prompt_tokens
-
-    prompts = measured_prompt_tokens(LAYOUT.prompts(PRIMARY)) or PROMPT_LENGTHS
-    try:
-        return check_levels(
-            config["factors"],
-            engine_of(PRIMARY),
-            len(ITEMS),
-            min(prompts),
-            cpu_flags(),
-            RUNTIME["device"],
-            E1,
-            RUNTIME["flash_attn"],
-        )
-    except FactorError as error:
-        raise WorkflowError(str(error)) from None
-
-
-FACTOR_LEVELS = parse_time_factor_levels()
-
-
 def device_memory_mb(runtime):
     """A model job's expected device memory (engines.shapes.job_memory_bytes: weights at the precision,
     caches, activations), as the resource gpu_mem_mb: the profiles run as many model jobs per GPU as
@@ -471,12 +262,12 @@ def gguf_for(wildcards):
 
 def gguf_sha256(wildcards):
     spec = CHECKPOINTS[wildcards.checkpoint]
-    return spec.get("sha256") or ("" if "gguf" in spec else config["embedded_model"]["sha256"])
+    return spec.get("sha256") or ("" if "gguf" in spec else EMBEDDED_MODEL["sha256"])
 
 
 def registered_folder_input(wildcards):
     folder = model_folder(wildcards.checkpoint)
-    if checkpoint_source(wildcards.checkpoint) == "folder" and engine_of(wildcards.checkpoint) == "transformers":
+    if checkpoint_source(wildcards.checkpoint) == "folder" and RUN.spec(wildcards.checkpoint).record_kind == "folder":
         # A user folder is not ours to track as a directory; its config and weights are.
         return sorted(str(path) for path in Path(folder).glob("*") if path.suffix in (".json", ".safetensors"))
     return folder
@@ -591,6 +382,3 @@ def e4_version(wildcards):
 
     path = Path(LAYOUT.e4)
     return xxhash.xxh3_128(path.read_bytes()).hexdigest() if path.is_file() else "none"
-
-# Every shell command ends with `|| { tail -n 1 LOG >&2; exit 1; }`: the CLI's
-# one-line error (the last line of the job's log) is repeated on the console.

@@ -32,7 +32,7 @@ rule factor:
         "stagereplay factor --model-record {input.model:q} --items {input.item_file:q}"
         " --factor {wildcards.factor} --level {wildcards.level} --reference {input.references:q}"
         " {params.runtime} --store {params.store:q} --source-store {params.source_store:q}"
-        " --out {output:q} 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --out {output:q} 2> {log:q}" + ON_FAILURE
 
 
 rule gather_factors:
@@ -48,5 +48,4 @@ rule gather_factors:
         mem_mb=2000,
         runtime=10,
     shell:
-        "stagereplay gather --table factors --out {output:q} {input:q} > {log:q} 2>&1"
-        " || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        "stagereplay gather --table factors --out {output:q} {input:q} > {log:q} 2>&1" + ON_FAILURE

@@ -39,4 +39,4 @@ rule rebuild:
         "stagereplay rebuild --model-record {input.model:q} --items {input.item_file:q} --source-shard {input.source:q}"
         " --prompts {input.prompts:q} --construction {params.construction} {params.runtime} --store {params.store:q}"
         " --source-store {params.source_store:q} --out {output:q}"
-        " 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " 2> {log:q}" + ON_FAILURE

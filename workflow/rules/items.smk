@@ -7,7 +7,7 @@ localrules:
 
 rule items:
     input:
-        repo_path(config["items"]["source"]),
+        repo_path(ITEMS_SPEC["source"]),
         audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.items,
@@ -18,12 +18,12 @@ rule items:
         mem_mb=500,
         runtime=5,
     params:
-        format=config["items"]["format"],
-        shuffle_seed=config["items"]["shuffle_seed"],
-        limit=f"--limit {config['items']['limit']}" if config["items"]["limit"] else "",
+        format=ITEMS_SPEC["format"],
+        shuffle_seed=ITEMS_SPEC["shuffle_seed"],
+        limit=f"--limit {ITEMS_SPEC['limit']}" if ITEMS_SPEC["limit"] else "",
     shell:
         "stagereplay items --source {input:q} --format {params.format} --shuffle-seed {params.shuffle_seed}"
-        " {params.limit} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " {params.limit} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule prompts:
@@ -54,4 +54,4 @@ rule prompts:
     shell:
         "stagereplay prompts --model-record {input.model:q} --items {input.item_file:q}"
         " --max-new-tokens {params.max_new_tokens} --suffix-tokens {params.suffix_tokens} {params.flags}"
-        " --out {output.prompts:q} --vocab-out {output.vocab:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --out {output.prompts:q} --vocab-out {output.vocab:q} > {log:q} 2>&1" + ON_FAILURE

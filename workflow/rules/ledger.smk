@@ -41,13 +41,13 @@ rule provenance:
         runtime=10,
     params:
         # The resolved design is a parameter: changing any key records the run again (a light job).
-        design=shlex.quote(json.dumps(design_of(config))),  # in order: the first checkpoint is the primary one
+        design=shlex.quote(json.dumps(DESIGN)),  # in order: the first checkpoint is the primary one
         models=lambda wildcards, input: " ".join(
             f"--model {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.models)
         ),
     shell:
         "stagereplay provenance --design {params.design} --items {input.item_file:q} {params.models}"
-        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --out {output:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule store_caches_policy:
@@ -65,8 +65,7 @@ rule store_caches_policy:
     params:
         policy=STORE_CACHES,
     shell:
-        "stagereplay store-caches-policy --policy {params.policy} --out {output:q} > {log:q} 2>&1"
-        " || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        "stagereplay store-caches-policy --policy {params.policy} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 # The store holds what store_caches keeps, after every job that writes or reads caches: a changed
@@ -95,7 +94,7 @@ rule storage:
         rebuild=rebuild_args(LAYOUT, RUNTIME),
     shell:
         "stagereplay apply-storage --ledger {params.ledger:q} --policy {params.policy} {params.rebuild}"
-        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}; tail -n 1 {log:q}"
+        " --out {output:q} > {log:q} 2>&1" + ON_FAILURE + "; tail -n 1 {log:q}"
 
 
 rule gather:
@@ -111,7 +110,7 @@ rule gather:
         mem_mb=2000,
         runtime=10,
     shell:
-        "stagereplay gather --out {output:q} {input:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        "stagereplay gather --out {output:q} {input:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule compare:
@@ -142,7 +141,7 @@ rule compare:
         " --primary {params.primary} --replications {params.replications}"
         " --matched-precision {params.matched_precision} --replicas {params.replicas}"
         " --precisions {params.precisions} --constructions {params.constructions}"
-        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --out {output:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule gather_transplants:
@@ -158,8 +157,7 @@ rule gather_transplants:
         mem_mb=2000,
         runtime=10,
     shell:
-        "stagereplay gather --table transplants --out {output:q} {input:q} > {log:q} 2>&1"
-        " || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        "stagereplay gather --table transplants --out {output:q} {input:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule summary:
@@ -182,4 +180,4 @@ rule summary:
         factors=lambda wildcards, input: f"--factors {input.factors}" if FACTOR_LEVELS else "",
     shell:
         "stagereplay summarize --trajectories {input.trajectories:q} --comparisons {input.comparisons:q}"
-        " {params.transplants} {params.factors} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " {params.transplants} {params.factors} --out {output:q} > {log:q} 2>&1" + ON_FAILURE

@@ -30,4 +30,4 @@ rule live:
     shell:
         "stagereplay live --model-record {input.model:q} --items {input.item_file:q} --prompts {input.prompts:q}"
         " {params.runtime} --max-new-tokens {params.max_new_tokens} {params.marker}"
-        " --store {params.store:q} --out {output:q} 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --store {params.store:q} --out {output:q} 2> {log:q}" + ON_FAILURE

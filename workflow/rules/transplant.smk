@@ -28,7 +28,7 @@ rule select_transplants:
     shell:
         "stagereplay select-transplants --live {input.live:q} --prefill {input.prefill:q} {params.first_k}"
         " --outcome-blind-checkpoint {params.blind_checkpoint} --outcome-blind-ids {params.blind} --seed {params.seed}"
-        " --out {output:q} > {log:q} 2>&1 || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --out {output:q} > {log:q} 2>&1" + ON_FAILURE
 
 
 rule transplant:
@@ -57,4 +57,4 @@ rule transplant:
         "stagereplay transplant --model-record {input.model:q} --items {input.item_file:q}"
         " --selection {wildcards.selection} --selection-file {input.selection:q} {params.pairs} {params.sweep}"
         " {params.runtime} --store {params.store:q} --source-store {params.source_store:q}"
-        " --out {output:q} 2> {log:q} || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+        " --out {output:q} 2> {log:q}" + ON_FAILURE

@@ -6,7 +6,6 @@ A llama.cpp checkpoint is a GGUF run as shipped; its precision is its KV-cache t
 from __future__ import annotations
 
 from stagereplay.engines.cache_types import (
-    CACHE_TYPES,
     LLAMACPP_PRECISION_PATTERN,
     QUANTIZED,
     CacheTypeError,
@@ -29,15 +28,15 @@ class LlamaCppSpec(EngineSpec):
         except CacheTypeError as error:
             raise SpecError(str(error)) from None
 
-    def check_run(self, checkpoint, precisions, runtime, cast_to):
+    def check_run(self, checkpoint, precisions, runtime):
         if "bf16" in precisions:
             raise SpecError(
                 f"checkpoint {checkpoint!r} runs on llama.cpp, whose precision is the KV cache type: bf16 is not one"
-                f" — use {', '.join(CACHE_TYPES)} for its precisions"
+                f" — use {self.precision_choices()} for its precisions"
             )
-        super().check_run(checkpoint, precisions, runtime, cast_to)
+        super().check_run(checkpoint, precisions, runtime)
 
-    def check_cast(self, precision: str, cast_to: str | None) -> None:
+    def check_cast(self, precision, cast_to):
         """E5's cross-precision transplant casts values: a quantized cache holds blocks, so it is refused."""
         if cast_to and (cache_types(precision).quantized or cache_types(cast_to).quantized):
             raise SpecError(
@@ -77,8 +76,7 @@ LLAMACPP = LlamaCppSpec(
         "fp32": "K and V cached as float32",
         "q8_0": "K and V cached as ggml q8_0 blocks",
         "q4_0": "K and V cached as ggml q4_0 blocks",
-        "K-V": "K's type and V's type apart, joined by a dash (q8_0-fp16)",
-    },
+    },  # and K's type and V's type apart, joined by a dash (q8_0-fp16): precision_pattern
     precision_pattern=LLAMACPP_PRECISION_PATTERN,
     precision_kind="KV-cache type",
     checkpoint_sources=("embedded", "gguf", "random_qwen2"),

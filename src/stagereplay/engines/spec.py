@@ -70,7 +70,9 @@ class EngineSpec:
             )
 
     def precision_choices(self) -> str:
-        return ", ".join(self.precisions)
+        """The precisions it takes, as a refusal lists them: "bf16, fp16 or fp32"."""
+        names = list(self.precisions)
+        return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
     def head_bytes(self, precision: str, part: str, head_dim: int) -> int:
         """Bytes of one head's K (``part`` "k") or V ("v") at one position, as this engine caches them."""
@@ -85,14 +87,18 @@ class EngineSpec:
         safetensors dtype and the last dimension. ``rotation``: a quantized cache stored rotated."""
         raise NotImplementedError
 
-    def check_run(self, checkpoint: str, precisions: set[str], runtime: dict, cast_to: str | None) -> None:
-        """Refuse, in one line, a run this engine cannot make: the precisions asked of the checkpoint (E1, E2,
-        E5's cast), the runtime switches, and E5's cross-precision cast ``cast_to`` (None: no cast)."""
+    def check_run(self, checkpoint: str, precisions: set[str], runtime: dict) -> None:
+        """Refuse, in one line, precisions asked of the checkpoint (E1, E2, E5's cast) that this engine does not
+        run with the runtime's switches."""
         for precision in sorted(precisions):
             try:
                 self.check_precision(precision, runtime.get("flash_attn", False))
             except SpecError as error:
                 raise SpecError(f"checkpoint {checkpoint!r}: {error}") from None
+
+    def check_cast(self, precision: str, cast_to: str | None) -> None:
+        """Refuse E5's cross-precision transplant (a ``precision`` cache cast to ``cast_to``) where this engine
+        cannot cast its caches (nothing refused by default: values cast)."""
 
     def check_switches(self, runtime: dict) -> None:
         """Refuse a runtime switch set that is another engine's."""

@@ -13,12 +13,12 @@ ATTENTION_LEVELS = ("sdpa", "eager", "flash_attention_2")
 
 
 class TransformersSpec(EngineSpec):
-    def check_run(self, checkpoint, precisions, runtime, cast_to):
+    def check_run(self, checkpoint, precisions, runtime):
         other = sorted(precisions - set(self.precisions))
         if other:
             raise SpecError(
                 f"checkpoint {checkpoint!r} runs on transformers: {', '.join(other)} is a llama.cpp cache type — use"
-                f" {', '.join(self.precisions)} for its precisions"
+                f" {self.precision_choices()} for its precisions"
             )
 
     def head_bytes(self, precision, part, head_dim):
