@@ -322,7 +322,7 @@ def section_b(ledger: RunLedger) -> None:
     )
 
     # What the overhead is made of, measured now in a fresh interpreter each.
-    probe = "import time; t=time.perf_counter(); import stagereplay.__main__, stagereplay.experiments.shards; print(time.perf_counter()-t)"
+    probe = "import time; t=time.perf_counter(); import stagereplay.cli, stagereplay.experiments.shards; print(time.perf_counter()-t)"
     started = time.perf_counter()
     imports = float(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
     interpreter = time.perf_counter() - started

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from stagereplay.__main__ import build_parser
+from stagereplay.cli import build_parser
 
 SUBCOMMANDS = sorted(build_parser()._subparsers._group_actions[0].choices)
 

@@ -164,7 +164,7 @@ def test_transplant_into_llama_cpp_cache(engine):
 
 
 def test_stale_cache_is_refused(engine):
-    from stagereplay.engines.llamacpp_engine import LlamaCppError
+    from stagereplay.engines.llamacpp_binding import LlamaCppError
 
     first = engine.empty_cache()
     engine.empty_cache()

@@ -102,7 +102,7 @@ def test_rotation_off_stores_the_plain_basis(wide_gguf):
         step = float(without.numeric().keys[0].abs().amax()) / 127
         assert float((with_rotation.numeric().keys[0] - without.numeric().keys[0]).abs().max()) <= 2 * step
         # Unconverted, a rotated cache does not go into a context that does not rotate.
-        from stagereplay.engines.llamacpp_engine import LlamaCppError
+        from stagereplay.engines.llamacpp_binding import LlamaCppError
 
         with pytest.raises(LlamaCppError, match="unconverted"):
             plain.to_cache(with_rotation)
@@ -161,7 +161,7 @@ def test_q8_0_constructions_run_and_the_bridge_is_compared_by_bytes(wide_gguf):
 
 
 def test_quantized_v_without_flash_attention_is_refused_in_one_line(wide_gguf):
-    from stagereplay.engines.llamacpp_engine import LlamaCppError
+    from stagereplay.engines.llamacpp_binding import LlamaCppError
 
     with pytest.raises(LlamaCppError, match=r"q8_0 V cache only with flash attention — set runtime.flash_attn: true"):
         _engine(wide_gguf, "q8_0", flash_attn=False)
@@ -171,7 +171,7 @@ def test_quantized_v_without_flash_attention_is_refused_in_one_line(wide_gguf):
 
 
 def test_state_of_another_type_is_refused(wide_gguf):
-    from stagereplay.engines.llamacpp_engine import LlamaCppError
+    from stagereplay.engines.llamacpp_binding import LlamaCppError
 
     fp16, q8 = _engine(wide_gguf, "fp16", flash_attn=False), _engine(wide_gguf, "q8_0")
     try:
@@ -188,7 +188,7 @@ def test_state_of_another_type_is_refused(wide_gguf):
 
 def test_a_head_of_no_whole_blocks_is_refused(tiny_qwen2_folder, tmp_path):
     """The tiny test model's heads are 16 values: not one 32-value block, so no quantized cache."""
-    from stagereplay.engines.llamacpp_engine import LlamaCppError
+    from stagereplay.engines.llamacpp_binding import LlamaCppError
 
     narrow = write_qwen2_gguf(tiny_qwen2_folder, tmp_path / "narrow.gguf")
     with pytest.raises(LlamaCppError, match="a head of 16 values is not whole 32-value blocks — use fp16 or fp32"):

@@ -91,7 +91,7 @@ def test_control_characters_are_shown_not_obeyed():
 
 # Runs one CLI command in this interpreter, then reports which engine modules the command imported.
 LOADED_ENGINES = (
-    "import json, sys; from stagereplay.__main__ import main; code = main(sys.argv[1:]);"
+    "import json, sys; from stagereplay.cli import main; code = main(sys.argv[1:]);"
     " engines = sorted(m for m in sys.modules if m in ('transformers', 'llama_cpp')"
     " or m.startswith('stagereplay.engines.') and m != 'stagereplay.engines.base');"
     " print(json.dumps({'code': code, 'engines': engines}), file=sys.stderr)"

@@ -15,7 +15,8 @@ positions for a later request (``truncate``) or saves and restores it through ll
 The cache is read and written only through the sequence state
 (``llama_state_seq_get_data`` / ``set_data``), parsed by ``llamacpp_state``.
 The engine implements ``base.Engine``, so constructions, decoding, fingerprints and
-transplants run the same code on either engine.
+transplants run the same code on either engine. The binding, its errors and its log are
+``llamacpp_binding``'s; the GGUF's tokenizer is ``llamacpp_tokenizer``'s.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import functools
 import os
 import re
 from dataclasses import dataclass
@@ -39,6 +39,14 @@ from stagereplay.engines.cache_types import (
     check_cache_precision,
     rotation_size,
 )
+from stagereplay.engines.llamacpp_binding import (
+    PINNED_VERSION,
+    LlamaCppError,
+    binding,
+    build_info,
+    captured_log,
+    last_error,
+)
 from stagereplay.engines.llamacpp_state import (
     CACHE_TYPE_IDS,
     FORMAT,
@@ -48,64 +56,13 @@ from stagereplay.engines.llamacpp_state import (
     part_format,
     write_seq_state,
 )
+from stagereplay.engines.llamacpp_tokenizer import LlamaCppTokenizer
 from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of
 
-PINNED_VERSION = "0.3.36"
 # Architectures whose every layer is full attention over every position, with one-position cells:
 # the sequence state then holds exactly the boundary cache the parser reads.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SEQ = 0
-
-
-class LlamaCppError(RuntimeError):
-    """One-line message naming the problem and the fix."""
-
-
-@functools.cache
-def binding():
-    """The binding, imported once, its version checked and its log sent nowhere (it would drown job logs)."""
-    try:
-        import llama_cpp
-    except ImportError as error:
-        raise LlamaCppError(
-            f"llama_cpp is not importable ({error}) — install the llama.cpp engine: pip install -e .[llamacpp] (envs/llamacpp.txt)"
-        ) from None
-    if llama_cpp.__version__ != PINNED_VERSION:
-        raise LlamaCppError(
-            f"llama-cpp-python {llama_cpp.__version__} is installed, stagereplay is pinned to {PINNED_VERSION} (its state format is parsed) — pip install llama-cpp-python=={PINNED_VERSION}"
-        )
-    llama_cpp.llama_log_set(_SILENT, None)
-    llama_cpp.llama_backend_init()
-    return llama_cpp
-
-
-# llama.cpp's log is dropped, except while a context is made: what it says then (whether it rotates the
-# cache) is read from it.
-_CAPTURED: list[str] | None = None
-
-
-def _silent(level, text, user_data) -> None:
-    if _CAPTURED is not None and text:
-        _CAPTURED.append(text.decode("utf-8", errors="replace"))
-
-
-_SILENT = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_silent)
-
-
-@contextlib.contextmanager
-def _captured_log():
-    global _CAPTURED
-    _CAPTURED = lines = []
-    try:
-        yield lines
-    finally:
-        _CAPTURED = None
-
-
-def build_info() -> str:
-    """The binding's version and the CPU features its build enables: what llama.cpp's kernels depend on."""
-    llama_cpp = binding()
-    return llama_cpp.llama_print_system_info().decode().strip()
 
 
 @dataclass(frozen=True)
@@ -138,75 +95,6 @@ class LlamaCppCache:
         self.engine = engine
         self.generation = generation
         self.positions = 0
-
-
-class LlamaCppTokenizer:
-    """llama.cpp's own tokenizer behind the calls the shared code makes on a transformers tokenizer."""
-
-    def __init__(self, engine: LlamaCppEngine):
-        self.engine = engine
-        self.eos_token_id = engine.llama_cpp.llama_vocab_eos(engine.vocab)
-        template = engine.llama_cpp.llama_model_chat_template(engine.model, None)
-        self.chat_template = template.decode() if template else None
-
-    def __len__(self) -> int:
-        return self.engine.n_vocab
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        llama_cpp = self.engine.llama_cpp
-        raw = text.encode("utf-8")
-        capacity = len(raw) + 16
-        buffer = (llama_cpp.llama_token * capacity)()
-        # Special tokens written in the text are parsed as such, as llama.cpp's server does for a templated prompt.
-        count = llama_cpp.llama_tokenize(self.engine.vocab, raw, len(raw), buffer, capacity, add_special_tokens, True)
-        if count < 0:
-            raise LlamaCppError(f"llama.cpp could not tokenize {len(raw)} bytes (needs {-count} tokens)")
-        return list(buffer[:count])
-
-    def decode(self, tokens, skip_special_tokens: bool = False) -> str:
-        llama_cpp = self.engine.llama_cpp
-        tokens = list(tokens)
-        array = (llama_cpp.llama_token * max(len(tokens), 1))(*tokens)
-        capacity = 64 + 64 * len(tokens)
-        buffer = ctypes.create_string_buffer(capacity)
-        count = llama_cpp.llama_detokenize(
-            self.engine.vocab, array, len(tokens), buffer, capacity, skip_special_tokens, not skip_special_tokens
-        )
-        if count < 0:
-            raise LlamaCppError(f"llama.cpp could not detokenize {len(tokens)} tokens")
-        return buffer.raw[:count].decode("utf-8", errors="replace")
-
-    def convert_ids_to_tokens(self, token: int) -> str:
-        """The vocabulary's own spelling of one token (the per-item view shows it for a partial byte sequence)."""
-        return self.engine.llama_cpp.llama_vocab_get_text(self.engine.vocab, token).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = True):
-        """The GGUF's chat template as llama.cpp applies it (``llama_chat_apply_template``), then tokenized."""
-        llama_cpp = self.engine.llama_cpp
-        if not self.chat_template:
-            raise LlamaCppError("the GGUF has no chat template — set use_chat_template: false in the config")
-        chat = (llama_cpp.llama_chat_message * len(messages))(
-            *[llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in messages]
-        )
-        template = self.chat_template.encode()
-        size = 256 + 2 * sum(len(m["content"].encode()) for m in messages)
-        for _ in range(2):
-            buffer = ctypes.create_string_buffer(size)
-            needed = llama_cpp.llama_chat_apply_template(
-                template, chat, len(messages), add_generation_prompt, buffer, size
-            )
-            if needed < 0:
-                raise LlamaCppError(
-                    "llama.cpp does not recognise the GGUF's chat template — set use_chat_template: false in the config"
-                )
-            if needed <= size:
-                text = buffer.raw[:needed].decode("utf-8")
-                return self.encode(text, add_special_tokens=True) if tokenize else text
-            size = needed
-        raise LlamaCppError("llama.cpp's chat template kept growing its output")
-
-    def __call__(self, text: str) -> dict:
-        return {"input_ids": self.encode(text, add_special_tokens=True)}
 
 
 class LlamaCppEngine(Engine):
@@ -264,7 +152,7 @@ class LlamaCppEngine(Engine):
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         # llama.cpp's own end of generation: every token its vocabulary marks as one.
         self.eog_ids = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t))
-        self.tokenizer = LlamaCppTokenizer(self)
+        self.tokenizer = LlamaCppTokenizer(self.model)
         self.environment: Environment | None = None  # set by load_llamacpp, which knows the runtime
         self.generation = 0
         self.context = None
@@ -298,7 +186,7 @@ class LlamaCppEngine(Engine):
         if not settings.rotation:
             os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
         try:
-            with _captured_log() as log:
+            with captured_log() as log:
                 context = llama_cpp.llama_init_from_model(self.model, params)
         finally:
             os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
@@ -306,7 +194,7 @@ class LlamaCppEngine(Engine):
                 os.environ["LLAMA_ATTN_ROT_DISABLE"] = previous
         if not context:
             raise LlamaCppError(
-                f"llama.cpp could not create a context ({settings.describe()}) for {self.gguf_path}: {_last_error(log)}"
+                f"llama.cpp could not create a context ({settings.describe()}) for {self.gguf_path}: {last_error(log)}"
             )
         self.close_context()
         self.context = context
@@ -581,11 +469,6 @@ class LlamaCppBatch:
 
     def __init__(self, engine: LlamaCppEngine, generation: int, positions: list[int]):
         self.engine, self.generation, self.positions = engine, generation, positions
-
-
-def _last_error(log: list[str]) -> str:
-    errors = [line.strip() for line in log if "error" in line.lower() or "requires" in line.lower()]
-    return errors[-1] if errors else "no reason logged"
 
 
 def _rotation(log: list[str], types, geometry: Geometry) -> tuple[int, int]:

@@ -9,14 +9,10 @@ prompts job asks ``checkpoint_tokenizer`` for the tokenizer alone.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from stagereplay.engines.llamacpp_spec import LLAMACPP
 from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
 from stagereplay.engines.transformers_spec import TRANSFORMERS
-
-if TYPE_CHECKING:
-    from stagereplay.engines.base import Engine, Runtime
 
 SPECS: dict[str, EngineSpec] = {spec.name: spec for spec in (TRANSFORMERS, LLAMACPP)}
 DEFAULT_ENGINE = TRANSFORMERS.name
@@ -60,12 +56,13 @@ def precision_spec(precision: str) -> EngineSpec:
     raise refusal or SpecError(f"precision {precision!r} is taken by no engine")
 
 
-def engine_class(record: dict) -> type[Engine]:
+def engine_class(record: dict) -> type:
     """The engine that runs the record's checkpoint (its module is imported only when asked for)."""
     return spec_of(record).engine_class()
 
 
-def load_checkpoint(record: dict, runtime: Runtime) -> Engine:
+def load_checkpoint(record: dict, runtime):
+    """The record's checkpoint loaded at ``runtime`` (an ``engines.base.Engine``)."""
     return engine_class(record).load(record, runtime)
 
 

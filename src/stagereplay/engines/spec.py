@@ -11,10 +11,6 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from stagereplay.engines.base import Engine
 
 # The fields every engine's environment record fills (engines.base.Environment); an engine adds its own.
 SHARED_ENVIRONMENT = (
@@ -113,7 +109,7 @@ class EngineSpec:
                 f" {', '.join(self.checkpoint_sources)} as its source"
             )
 
-    def engine_class(self) -> type[Engine]:
-        """The engine itself (its module, and torch, are imported now)."""
+    def engine_class(self) -> type:
+        """The engine itself, an ``engines.base.Engine`` (its module, and torch, are imported now)."""
         module, _, name = self.engine_class_path.partition(":")
         return getattr(importlib.import_module(module), name)

@@ -312,3 +312,12 @@ def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
 def concat_tables(paths: list[str | Path], schema: pa.Schema) -> pa.Table:
     tables = [read_table(path, schema) for path in paths]
     return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def checkpoint_order(comparisons: pa.Table) -> list[str]:
+    """The checkpoints of a comparisons table: the primary one (the one E3 ran on) first, then the others by name."""
+    rows = comparisons.select(["checkpoint", "experiment", "relation"]).to_pylist()
+    primary = sorted(
+        {row["checkpoint"] for row in rows if row["experiment"] == "E3" and row["relation"] == "construction"}
+    )
+    return primary + sorted({row["checkpoint"] for row in rows} - set(primary))

@@ -277,9 +277,9 @@ def ledger_item(root: str | Path, item_id: str) -> list[ItemRecord]:
         TRAJECTORY_SCHEMA,
         TRANSPLANT_SCHEMA,
         LedgerError,
+        checkpoint_order,
         read_table,
     )
-    from stagereplay.report.summary import checkpoint_order
 
     ledger = LedgerLayout(root)
     if not Path(ledger.table("comparisons")).is_file():

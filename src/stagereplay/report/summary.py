@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
 from stagereplay.design.factors import VERDICTS, cell_label, factor_named, verdict
-from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS
+from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
 from stagereplay.report.stats import (
     mcnemar_exact,
     paired_difference_ci,
@@ -44,13 +44,6 @@ def proportion(count: int, n: int) -> dict:
 
 def _rows(comparisons: pa.Table, experiment: str, relation: str = "construction") -> list[dict]:
     return [row for row in comparisons.to_pylist() if row["experiment"] == experiment and row["relation"] == relation]
-
-
-def checkpoint_order(comparisons: pa.Table) -> list[str]:
-    """The primary checkpoint (the one E3 ran on) first, then the others by name."""
-    names = {row["checkpoint"] for row in comparisons.select(["checkpoint"]).to_pylist()}
-    primary = sorted({row["checkpoint"] for row in _rows(comparisons, "E3")})
-    return primary + sorted(names - set(primary))
 
 
 def per_checkpoint(comparisons: pa.Table, experiment: str, figures) -> dict:

@@ -1,0 +1,228 @@
+"""A run planned before it runs, and a finished ledger read: verified, audited (E4), its card, one item."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from stagereplay.cli.options import add_model_records
+
+
+def cmd_plan(args) -> None:
+    from stagereplay.design.projection import project_config, render
+    from stagereplay.design.schema import load_config
+
+    config = load_config(args.configfile, {"ledger_dir": args.ledger_dir} if args.ledger_dir else None)
+    projection, shapes, model = project_config(config, args.model_config)
+    print(render(projection, model, shapes))
+
+
+def add_plan_command(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="project the bytes of the ledger and the audit at each store_caches policy, before the run"
+    )
+    p.add_argument("--configfile", required=True, help="the run's config, e.g. config/paper.yaml")
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="the model's config.json (or its folder, or a name under data/model_configs);"
+        " not needed for the embedded or random checkpoints or a folder checkpoint",
+    )
+    p.add_argument(
+        "--ledger-dir", default=None, help="read measured prompt lengths from this ledger (default: the config's)"
+    )
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_verify(args) -> int:
+    from stagereplay.audit.verify import verify_ledger
+
+    report = verify_ledger(args.ledger_dir, documents=not args.audit_inputs)
+    if args.inputs or args.config:
+        from stagereplay.audit.provenance_check import given_inputs
+
+        lines, faults = given_inputs(Path(args.ledger_dir), args.inputs, args.config)
+        report.faults += faults
+        for line in lines:
+            print(line)
+    for fault in report.faults:
+        print(f"stagereplay: fault: {fault}", file=sys.stderr)
+    print(report.summary_line(), file=sys.stderr if report.faults else sys.stdout)
+    if report.faults:
+        return 1
+    if args.out:
+        from stagereplay.atomic import atomic_write_text
+
+        atomic_write_text(args.out, report.summary_line() + "\n")
+    return 0
+
+
+def add_verify_command(sub) -> None:
+    p = sub.add_parser(
+        "verify", help="check a saved ledger without a model: objects, tables, rows, counts (exit 1 on a fault)"
+    )
+    p.add_argument("ledger_dir", help="the ledger_dir of a run, e.g. ledger")
+    p.add_argument("--out", default=None, help="write the verdict here when the ledger is sound")
+    p.add_argument(
+        "--audit-inputs",
+        action="store_true",
+        help="check only what the audit reads: not summary.json, the results card or the audit table,"
+        " which the workflow rewrites after the audit's check",
+    )
+    p.add_argument("--inputs", default=None, metavar="ITEMS", help="also say whether this item file is the run's")
+    p.add_argument("--config", default=None, metavar="CFG", help="also say whether this config is the run's design")
+    p.set_defaults(func=cmd_verify)
+
+
+def cmd_show(args) -> None:
+    from stagereplay.report.factor_view import ledger_factor_text
+    from stagereplay.report.item_view import ledger_item, show_text
+
+    texts = [show_text(record) for record in ledger_item(args.ledger, args.item_id)]
+    factors = ledger_factor_text(args.ledger, args.item_id)
+    print("\n\n".join(texts + ([factors] if factors else [])))
+
+
+def add_show_command(sub) -> None:
+    p = sub.add_parser(
+        "show",
+        help="one item of a finished ledger: both suffixes with the first divergence marked, margins, labels, transplants",
+    )
+    p.add_argument("ledger", help="the ledger_dir of a finished run")
+    p.add_argument("item_id", help='an item id (the "id" of a line of LEDGER/items.jsonl)')
+    p.set_defaults(func=cmd_show)
+
+
+def cmd_audit(args) -> None:
+    from stagereplay.audit.rerun import (
+        audit_ledger,
+        audit_rows,
+        audit_runtime,
+        e4_document,
+        e4_figures,
+        ledger_table_digests,
+        verdict,
+        write_e4,
+    )
+    from stagereplay.ledger.layout import LedgerLayout
+    from stagereplay.ledger.tables import AUDIT_SCHEMA, read_table, write_table
+
+    rows = audit_rows(audit_ledger(args.ledger, args.checkpoints))
+    audited = LedgerLayout(args.ledger).audit.table("trajectories")
+    runtime = audit_runtime(read_table(audited).to_pylist()) if Path(audited).is_file() else None
+    figures = e4_figures(rows, runtime)
+    write_table(rows, AUDIT_SCHEMA, args.out)
+    # e4.json last: it is computed from the audit table (verify recomputes it from there).
+    write_e4(e4_document(figures, ledger_table_digests(args.ledger)), args.e4)
+    print(verdict(figures))
+
+
+def add_audit_command(sub) -> None:
+    p = sub.add_parser("audit", help="E4: compare the saved ledger with its recomputation in the audit tree")
+    p.add_argument("--ledger", required=True, help="the saved ledger directory")
+    p.add_argument("--checkpoints", nargs="+", required=True, help="the checkpoints the run used (their model records)")
+    p.add_argument("--out", required=True, help="audit table to write (Parquet)")
+    p.add_argument("--e4", required=True, help="E4 figures to write (JSON, beside the audit table: audit/e4.json)")
+    p.set_defaults(func=cmd_audit)
+
+
+def _current_e4(path: str | None, tables: dict) -> dict | None:
+    """The E4 figures of e4.json when it was audited against these very tables; None otherwise (the card
+    then says "not run", as it did before any audit): a changed ledger is not described by an older audit."""
+    from stagereplay.audit.rerun import e4_describes, e4_figures_of, saved_table_digests
+
+    if not path or not Path(path).is_file():
+        return None
+    document = json.loads(Path(path).read_bytes())
+    if not e4_describes(document, saved_table_digests(tables)):
+        print(f"{path} describes an older ledger: E4 is shown as not run until the next audit", file=sys.stderr)
+        return None
+    return e4_figures_of(document)
+
+
+def cmd_report(args) -> None:
+    from stagereplay.inputs.checkpoints import read_model_record
+    from stagereplay.ledger.tables import (
+        COMPARISON_SCHEMA,
+        FACTOR_SCHEMA,
+        TRAJECTORY_SCHEMA,
+        TRANSPLANT_SCHEMA,
+        LedgerError,
+        read_table,
+    )
+    from stagereplay.report.card import write_results_card
+    from stagereplay.report.factor_view import factor_item_rows
+    from stagereplay.report.item_view import item_records, read_vocabularies
+    from stagereplay.report.plots import PLOT_FILES, write_plots
+    from stagereplay.report.provenance import provenance
+
+    summary_path = Path(args.summary)
+    if not summary_path.is_file():
+        raise LedgerError(f"{summary_path} not found — run snakemake (rule summary) first")
+    summary_bytes = summary_path.read_bytes()
+    summary = json.loads(summary_bytes)
+    comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
+    trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
+    transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
+    factors = read_table(args.factors, FACTOR_SCHEMA) if args.factors else None
+    records = {name: read_model_record(path) for name, path in args.model}
+    saved = {"trajectories": trajectories, "comparisons": comparisons, "transplants": transplants, "factors": factors}
+    e4 = _current_e4(args.e4, saved)
+    # The card draws E4 from the "E4" entry of the figures it is given; summary.json itself never holds it.
+    shown = summary if e4 is None else {**summary, "E4": e4}
+    # The plots first: the HTML card carries them inline.
+    plots = dict(zip(PLOT_FILES, write_plots(summary, comparisons, trajectories, transplants, args.plots_dir)))
+    vocabularies = read_vocabularies(dict(args.vocab))
+    items = item_records(summary["checkpoints"], args.items, trajectories, comparisons, transplants, vocabularies)
+    factor_items = factor_item_rows(factors, trajectories, vocabularies) if factors is not None else None
+    write_results_card(
+        shown,
+        provenance(summary, args.item_source, args.items, records),
+        args.card,
+        args.card_html,
+        summary_bytes=summary_bytes,
+        plots=plots,
+        items=items,
+        factor_items=factor_items,
+    )
+
+
+def add_report_command(sub) -> None:
+    p = sub.add_parser("report", help="write the results card (results.md) and the findings plots from the ledger")
+    p.add_argument("--summary", required=True, help="summary.json")
+    p.add_argument("--trajectories", required=True)
+    p.add_argument("--comparisons", required=True)
+    p.add_argument("--transplants", default=None, help="transplants table (absent when E5 is not run)")
+    p.add_argument("--factors", default=None, help="factors table (absent when E6 is not run)")
+    add_model_records(
+        p, "a checkpoint's name and its model.json (repeat for every checkpoint the run used)", required=True
+    )
+    p.add_argument(
+        "--vocab",
+        nargs=2,
+        action="append",
+        required=True,
+        metavar=("NAME", "TABLE"),
+        help="a checkpoint's name and its vocabulary table, written by the prompts job (repeat per checkpoint)",
+    )
+    p.add_argument(
+        "--e4",
+        default=None,
+        help="audit/e4.json, when the audit has run: shown on the card if it describes these tables",
+    )
+    p.add_argument("--items", required=True, help="normalised items.jsonl of the run")
+    p.add_argument("--item-source", required=True, help="where the items came from, as configured (recorded)")
+    p.add_argument("--card", required=True, help="results card to write (Markdown)")
+    p.add_argument("--card-html", default=None, help="the same card as HTML (for the Snakemake report)")
+    p.add_argument("--plots-dir", required=True, help="folder for the PNG plots (fixed names)")
+    p.set_defaults(func=cmd_report)
+
+
+COMMANDS = {
+    "plan": add_plan_command,
+    "verify": add_verify_command,
+    "show": add_show_command,
+    "audit": add_audit_command,
+    "report": add_report_command,
+}
