@@ -4,7 +4,8 @@
 audit runs instead: the ledger's recorded design, with only what is the audit's own to choose taken
 from the given config (where the ledger lies, the ``audit`` block, and a job's memory and time
 limits). It refuses, in one line naming what differs, a ledger it cannot rerun: one not finished,
-one with no provenance record, or one computed with other engine versions than this environment has.
+one with no provenance record (or one of format 1, naming its migration), or one computed with
+other engine versions than this environment has.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import copy
 
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.provenance import (
+    OldFileDigests,
     ProvenanceError,
     at,
     design_of,
@@ -63,6 +65,8 @@ def audit_config(config: dict) -> tuple[dict, str | None]:
         )
     try:
         record = read_provenance(ledger.provenance)
+    except OldFileDigests as error:
+        raise AuditRefused(f"audit: {error}") from None
     except ProvenanceError as error:
         raise AuditRefused(
             f"audit: {str(error).partition(' — ')[0]}, so the design to rerun is unknown"

@@ -11,15 +11,22 @@ another directory or machine verifies and audits the same. No torch here.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
 import xxhash
 
 from stagereplay.atomic import atomic_write_text
+from stagereplay.ledger.fingerprint import file_digest
 
-FORMAT = 1
+# 2: a tokenizer file is hashed with xxh3-128 (fingerprint.file_digest). 1 hashed it with xxh3-64;
+# such a record is rewritten by MIGRATE (stagereplay.audit.migrate), which checks the old digests first.
+FORMAT = 2
+OLD_FILE_DIGESTS = 1
+MIGRATE = "python -m stagereplay.audit.migrate"
 ITEM_FIELDS = ("question", "choices", "answer")
 # Outside the design: where the ledger lies, and what the audit itself may set (it is the audit's choice).
 NOT_DESIGN = ("ledger_dir", "audit")
@@ -37,6 +44,10 @@ TOKENIZER_FILES = (
 
 class ProvenanceError(ValueError):
     """One-line message naming the problem and the fix."""
+
+
+class OldFileDigests(ProvenanceError):
+    """A record of format 1: its tokenizer fingerprints are over 64-bit file digests; the fix is MIGRATE."""
 
 
 def value_digest(value) -> str:
@@ -61,17 +72,10 @@ def item_fingerprints(items_path: str | Path) -> dict[str, dict[str, str]]:
     return {row["id"]: item_fingerprint(row["question"], row["choices"], row["answer"]) for row in rows}
 
 
-def _file_digest(path: Path) -> str:
-    hasher = xxhash.xxh3_64()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            hasher.update(block)
-    return hasher.hexdigest()
-
-
-def _folder_tokenizer(folder: Path) -> tuple[str, str | None]:
-    """(digest of the tokenizer files, digest of the chat template or None) of a Hugging Face folder."""
-    files = {name: _file_digest(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()}
+def folder_tokenizer(folder: Path, digest: Callable[[Path], str] = file_digest) -> tuple[str, str | None]:
+    """(digest of the tokenizer files, digest of the chat template or None) of a Hugging Face folder.
+    ``digest`` hashes one file (the migration passes format 1's xxh3-64 to check an old record)."""
+    files = {name: digest(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()}
     template = None
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
@@ -102,7 +106,7 @@ def checkpoint_fingerprints(record: dict) -> dict:
     if "gguf" in record:
         tokenizer, template = _gguf_tokenizer(Path(record["gguf"]))
     else:
-        tokenizer, template = _folder_tokenizer(Path(record["folder"]))
+        tokenizer, template = folder_tokenizer(Path(record["folder"]))
     return {
         "engine": record.get("engine", "transformers"),
         "source": record["source"],
@@ -178,6 +182,11 @@ def read_provenance(path: str | Path) -> dict:
         raise ProvenanceError(f"{path} is missing — {REWRITE}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ProvenanceError(f"{path} is not valid JSON ({error}) — {REWRITE}") from None
+    if isinstance(document, dict) and document.get("format") == OLD_FILE_DIGESTS:
+        raise OldFileDigests(
+            f"{path}: the ledger's provenance uses the old 64-bit file digests (format {OLD_FILE_DIGESTS}, before"
+            f" xxh3-128) — migrate it: {MIGRATE} {shlex.quote(str(path.parent))}"
+        )
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ProvenanceError(f"{path} is not a provenance record of format {FORMAT} — {REWRITE}")
     body = {key: value for key, value in document.items() if key != "digest"}
