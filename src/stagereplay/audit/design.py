@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import copy
 
+from stagereplay.ledger.jsondiff import value_at
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.provenance import (
     OldFileDigests,
     ProvenanceError,
-    at,
     design_of,
     environment,
     first_config_difference,
@@ -87,6 +87,6 @@ def audit_config(config: dict) -> tuple[dict, str | None]:
             key = ".".join(map(str, difference))
             note = (
                 f"audit: the design comes from {ledger.provenance}; the config given differs"
-                f" at {key} ({at(given, difference)} here, {at(record['config'], difference)} in the ledger)"
+                f" at {key} ({value_at(given, difference)} here, {value_at(record['config'], difference)} in the ledger)"
             )
     return audited, note

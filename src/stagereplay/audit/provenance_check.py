@@ -20,11 +20,11 @@ import pyarrow as pa
 from stagereplay.audit.faults import RERUN, Fault
 from stagereplay.inputs.checkpoints import read_model_record, record_fingerprint
 from stagereplay.inputs.scoring import extract_answer
+from stagereplay.ledger.jsondiff import value_at
 from stagereplay.ledger.layout import RELATIVE
 from stagereplay.ledger.provenance import (
     ITEM_FIELDS,
     ProvenanceError,
-    at,
     checkpoint_fingerprints,
     design_of,
     first_config_difference,
@@ -209,8 +209,8 @@ def given_inputs(root: Path, items_path: str | None, config_path: str | None) ->
             faults.append(
                 Fault(
                     config_path,
-                    f"{key} is {json.dumps(at(given, difference))}, the ledger was made with"
-                    f" {json.dumps(at(design, difference))}",
+                    f"{key} is {json.dumps(value_at(given, difference))}, the ledger was made with"
+                    f" {json.dumps(value_at(design, difference))}",
                     "pass the config of the run, or rerun snakemake with this one to update the ledger",
                 )
             )

@@ -21,6 +21,7 @@ import xxhash
 
 from stagereplay.atomic import atomic_write_text
 from stagereplay.ledger.fingerprint import file_digest
+from stagereplay.ledger.jsondiff import first_difference
 
 # 2: a tokenizer file is hashed with xxh3-128 (fingerprint.file_digest). 1 hashed it with xxh3-64;
 # such a record is rewritten by MIGRATE (stagereplay.audit.migrate), which checks the old digests first.
@@ -195,22 +196,6 @@ def read_provenance(path: str | Path) -> dict:
     return document
 
 
-def first_config_difference(recorded: dict, given: dict, path: tuple = ()) -> tuple | None:
-    """The first key path at which two designs differ, or None."""
-    if isinstance(recorded, dict) and isinstance(given, dict):
-        for key in sorted({*recorded, *given}):
-            if key not in recorded or key not in given:
-                return (*path, key)
-            found = first_config_difference(recorded[key], given[key], (*path, key))
-            if found is not None:
-                return found
-        return None
-    return None if recorded == given else path
-
-
-def at(config: dict, path: tuple):
-    for key in path:
-        if not isinstance(config, dict) or key not in config:
-            return "absent"
-        config = config[key]
-    return config
+def first_config_difference(recorded: dict, given: dict) -> tuple | None:
+    """The first key path at which two designs differ (keys in sorted order, a list compared whole), or None."""
+    return first_difference(recorded, given, sort_keys=True, into_lists=False, strict=False)
