@@ -598,18 +598,9 @@ def section_g(counts: list[int], root: Path, cores: int) -> None:
 
 
 def machine() -> str:
-    model = (
-        next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            platform.processor(),
-        )
-        if Path("/proc/cpuinfo").exists()
-        else platform.processor()
-    )
+    from stagereplay.cpuinfo import cpu_model
+
+    model = cpu_model()
     import torch
     import transformers
 
