@@ -172,9 +172,6 @@ def _positions(prompt: int, design: Design) -> int:
     return prompt + design.max_new_tokens - 1
 
 
-PARTS = ("caches", "tokens", "tables", "documents", "model")
-
-
 @dataclass
 class Projection:
     """Bytes by part and policy, with the shapes and counts they came from."""
