@@ -1,5 +1,5 @@
 """Check a saved ledger without a model: objects, tables, rows, counts, what it was computed from
-(provenance.json and the labels: stagereplay.audit.inputs) and what was computed from them.
+(provenance.json and the labels: stagereplay.audit.provenance_check) and what was computed from them.
 
 Every object must hash to its own name, every table must be readable, have its
 schema and carry the digest of its rows, and every row must agree with the
