@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 from stagereplay.design.cache_types import CacheTypeError, CacheTypes, check_cache_precision
@@ -16,8 +17,8 @@ from stagereplay.design.cache_types import CacheTypeError, CacheTypes, check_cac
 # A transformers precision's width: its weights' and its cache's. bf16 is transformers' only; every other
 # precision name is also a llama.cpp cache type, whose cached bytes design.cache_types counts (head_bytes).
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# Where the published config.json shapes of known models lie (the embedded default among them).
-MODEL_CONFIGS = Path(__file__).resolve().parents[3] / "data" / "model_configs"
+# Where the published config.json shapes of known models lie (the embedded default among them): package data.
+MODEL_CONFIGS = Path(str(files("stagereplay.resources") / "model_configs"))
 EMBEDDED_CONFIG = "smollm2-135m-instruct"
 
 
@@ -126,7 +127,7 @@ def random_qwen2_shapes(layers: int, hidden: int, near_ties: bool) -> ModelShape
 
 
 def read_model_config(path_or_name: str | Path) -> tuple[ModelShapes, str]:
-    """A config.json path, a model folder, or the name of a file under data/model_configs."""
+    """A config.json path, a model folder, or the name of a file under MODEL_CONFIGS (stagereplay/resources/model_configs)."""
     path = Path(path_or_name)
     if path.is_dir():
         path = path / "config.json"
