@@ -208,7 +208,7 @@ def section_a(ledger: RunLedger) -> None:
         scratch = Path(scratch)
         # A hard-linked copy of the store: the re-executed shards read the saved prefixes and
         # caches from it and write their objects there, never into the ledger.
-        store = scratch / "objects"
+        store = Path(LedgerLayout(scratch).objects)
         shutil.copytree(ledger.layout.objects, store, copy_function=os.link)
         jobs = {
             "live": lambda: run_live_shard(
@@ -292,7 +292,7 @@ def section_b(ledger: RunLedger) -> None:
     jobs = []
     for tsv in ledger.layout.job_benchmarks():
         table = Path(ledger.layout.benchmarked_table(tsv))
-        kind = table.relative_to(ledger.root).parts[1]  # live, rebuild or transplant
+        kind = ledger.layout.job_kind(table)
         if not table.exists() or kind == "transplant":
             continue  # transplant rows carry no model_seconds
         wall = float(tsv.read_text().splitlines()[1].split("\t")[0])
@@ -598,18 +598,9 @@ def section_g(counts: list[int], root: Path, cores: int) -> None:
 
 
 def machine() -> str:
-    model = (
-        next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            platform.processor(),
-        )
-        if Path("/proc/cpuinfo").exists()
-        else platform.processor()
-    )
+    from stagereplay.cpuinfo import cpu_model
+
+    model = cpu_model()
     import torch
     import transformers
 

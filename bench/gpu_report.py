@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from stagereplay.ledger.layout import LedgerLayout
+
 
 def fraction(entry: dict, key: str) -> str:
     return f"{entry[key]}/{entry['n']}"
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ledger", type=Path, help="ledger_dir of a finished run (holds summary.json)")
     args = parser.parse_args(argv)
-    path = args.ledger / "summary.json"
+    path = Path(LedgerLayout(args.ledger).summary)
     if not path.is_file():
         print(f"gpu_report: {path} not found — run the workflow to the end first", file=sys.stderr)
         return 1

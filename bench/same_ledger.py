@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from stagereplay.ledger.jsondiff import differences as json_differences
+from stagereplay.ledger.jsondiff import path_text, value_at
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import SCHEMAS
@@ -32,20 +34,6 @@ def table_rows(layout: LedgerLayout, name: str) -> list[dict] | None:
     rows = pq.read_table(path).to_pylist()
     rows = [{key: value for key, value in row.items() if key not in WALL_TIME_COLUMNS} for row in rows]
     return sorted(rows, key=lambda row: json.dumps(row, sort_keys=True, default=str))
-
-
-def flatten(value, prefix: str = "") -> dict[str, object]:
-    if isinstance(value, dict):
-        flat: dict[str, object] = {}
-        for key, item in value.items():
-            flat |= flatten(item, f"{prefix}.{key}" if prefix else str(key))
-        return flat
-    if isinstance(value, list):
-        flat = {}
-        for index, item in enumerate(value):
-            flat |= flatten(item, f"{prefix}[{index}]")
-        return flat
-    return {prefix: value}
 
 
 def differences(a: Path, b: Path, ignored_summary_keys: list[str]) -> list[str]:
@@ -65,16 +53,19 @@ def differences(a: Path, b: Path, ignored_summary_keys: list[str]) -> list[str]:
         if rows_a != rows_b:
             count = lambda rows: "absent" if rows is None else f"{len(rows)} rows"  # noqa: E731
             found.append(f"table {name}: rows differ ({count(rows_a)} in A, {count(rows_b)} in B)")
-    summary_a = flatten(json.loads(Path(layout_a.summary).read_text()))
-    summary_b = flatten(json.loads(Path(layout_b.summary).read_text()))
+    summary_a = json.loads(Path(layout_a.summary).read_text())
+    summary_b = json.loads(Path(layout_b.summary).read_text())
 
     def kept(key: str) -> bool:
         return not any(key == prefix or key.startswith(prefix + ".") for prefix in ignored_summary_keys)
 
-    for key in sorted(set(summary_a) | set(summary_b)):
-        if kept(key) and summary_a.get(key, "<absent>") != summary_b.get(key, "<absent>"):
+    # Every key path where the summaries differ (NaN equals NaN; 1 and 1.0 are the same figure).
+    paths = {path_text(path): path for path in json_differences(summary_a, summary_b, strict=False)}
+    for key in sorted(paths):
+        if kept(key):
             found.append(
-                f"summary {key}: {summary_a.get(key, '<absent>')!r} in A, {summary_b.get(key, '<absent>')!r} in B"
+                f"summary {key}: {value_at(summary_a, paths[key], '<absent>')!r} in A,"
+                f" {value_at(summary_b, paths[key], '<absent>')!r} in B"
             )
     return found
 

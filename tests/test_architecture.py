@@ -6,7 +6,6 @@ those inside functions too."""
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"

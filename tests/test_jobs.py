@@ -12,7 +12,7 @@ from workflow_helpers import REPO, snakemake, write_config
 
 from stagereplay.design.jobs import job_list, live, rebuilt
 from stagereplay.design.schema import load_config, resolve_config
-from stagereplay.ledger.layout import LedgerLayout
+from stagereplay.ledger.layout import LedgerLayout, construction_of_token, construction_token
 
 
 def test_the_test_design_has_the_trajectories_the_paper_describes():
@@ -78,3 +78,14 @@ def test_the_workflow_schedules_exactly_the_job_list(tmp_path):
     scheduled = {path for path in scheduled_outputs(tmp_path, config) if "/runs/" in path}
     assert jobs.replications == ("z-second",)  # write_config sorts the checkpoints: the primary stays first
     assert scheduled == expected
+
+
+def test_a_construction_and_its_path_component_map_both_ways_and_a_shard_table_names_its_job():
+    for construction in ("live", "prefill", "incremental", "chunked:16"):
+        assert construction_of_token(construction_token(construction)) == construction
+    assert construction_token("chunked:16") == "chunked-16"
+    layout = LedgerLayout("ledger")
+    assert layout.job_kind(layout.live_table("m", "bf16", 0, "000")) == "live"
+    assert layout.job_kind(layout.rebuilt_table("m", "bf16", "fp32", "chunked:4", 1, "002")) == "rebuild"
+    assert layout.job_kind(layout.transplant_table("selected", "m", "bf16", "000")) == "transplant"
+    assert layout.job_kind(layout.factor_table("m", "bf16", "threads", "t2", "000")) == "factor"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pyarrow as pa
 import pytest
@@ -177,6 +179,34 @@ def test_a_changed_model_file_in_the_ledger_is_named(ledger_copy):
     faults = fault_lines(stagereplay("verify", ledger_copy))
     assert any("the tokenizer of checkpoint tiny-qwen2 differs from the one the run used" in line for line in faults)
     assert any("the model of checkpoint tiny-qwen2 differs" in line for line in faults)
+
+
+def test_a_record_with_64_bit_file_digests_is_one_line_naming_its_migration(ledger_copy):
+    from stagereplay.audit.migrate import old_file_digest
+    from stagereplay.ledger.provenance import folder_tokenizer
+
+    current = json.loads((ledger_copy / "provenance.json").read_text())
+    folder = ledger_copy / "models" / "tiny-qwen2" / "random"
+
+    def as_format_1(document):
+        document["format"] = 1
+        document["checkpoints"]["tiny-qwen2"]["tokenizer_fingerprint"] = folder_tokenizer(folder, old_file_digest)[0]
+
+    rewrite_provenance(ledger_copy, as_format_1)
+    result = stagereplay("verify", ledger_copy)
+    assert result.returncode == 1
+    assert fault_lines(result) == [
+        "stagereplay: fault: provenance.json: the ledger's provenance uses the old 64-bit file digests (format 1,"
+        f" before xxh3-128) — migrate it: python -m stagereplay.audit.migrate {ledger_copy}"
+    ]
+    migrated = subprocess.run(
+        [sys.executable, "-m", "stagereplay.audit.migrate", str(ledger_copy)], capture_output=True, text=True
+    )
+    assert migrated.returncode == 0, migrated.stderr
+    assert json.loads((ledger_copy / "provenance.json").read_text()) == current
+    result = stagereplay("verify", ledger_copy)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("verify: ledger OK")
 
 
 def test_a_ledger_without_provenance_is_a_fault_naming_the_fix(ledger_copy):

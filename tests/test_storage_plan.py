@@ -172,7 +172,9 @@ def test_a_gguf_checkpoint_not_yet_converted_needs_the_model_config(tmp_path):
 
 def test_the_plan_command_prints_every_policy_for_a_model_config_file(tmp_path):
     model_config = tmp_path / "config.json"
-    model_config.write_text(json.dumps(json.loads((REPO / "data/model_configs/qwen2.5-14b-instruct.json").read_text())))
+    model_config.write_text(
+        json.dumps(json.loads((REPO / "src/stagereplay/resources/model_configs/qwen2.5-14b-instruct.json").read_text()))
+    )
     result = stagereplay("plan", "--configfile", REPO / "config/paper.yaml", "--model-config", model_config)
     assert result.returncode == 0, result.stderr
     rows = [

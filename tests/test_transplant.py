@@ -8,7 +8,6 @@ from stagereplay.experiments.constructions import StageBoundary, build_live
 from stagereplay.experiments.decode import continue_from
 from stagereplay.experiments.transplants import (
     TransplantSpec,
-    cast_state,
     left_both,
     outcome,
     select_divergent,
@@ -63,9 +62,15 @@ def test_partial_transplants_replace_exactly_the_chosen_part(divergent_pair):
     assert fingerprint_cache(recipient) == recipient_before  # the recipient itself is untouched
 
 
+def as_bf16(state: KVState) -> KVState:
+    return KVState(
+        tuple(key.to(torch.bfloat16) for key in state.keys), tuple(v.to(torch.bfloat16) for v in state.values)
+    )
+
+
 def test_cross_precision_transplant_casts_to_the_recipient_dtype(divergent_pair):
     donor, recipient, *_ = divergent_pair
-    bf16_donor = cast_state(donor, torch.bfloat16)
+    bf16_donor = as_bf16(donor)
     result = transplant(bf16_donor, recipient, TransplantSpec((0,)))
     assert all(t.dtype == torch.float32 for t in result.keys + result.values)
     # The donor's bf16 rounding is carried into the fp32 state: equal to the rounded values, not the originals.
@@ -73,7 +78,7 @@ def test_cross_precision_transplant_casts_to_the_recipient_dtype(divergent_pair)
     assert torch.equal(result.keys[0], rounded) and not torch.equal(result.keys[0], donor.keys[0])
     assert torch.equal(result.keys[1], recipient.keys[1])  # layer 1 stays the recipient's
     # The other way, an fp32 donor is rounded into a bf16 recipient.
-    back = transplant(donor, cast_state(recipient, torch.bfloat16), TransplantSpec((0, 1)))
+    back = transplant(donor, as_bf16(recipient), TransplantSpec((0, 1)))
     assert all(t.dtype == torch.bfloat16 for t in back.keys + back.values)
     assert torch.equal(back.values[1].float(), donor.values[1].to(torch.bfloat16).float())
     assert not torch.equal(back.values[1].float(), donor.values[1])

@@ -378,7 +378,7 @@ def e4_option(wildcards):
 
 def e4_version(wildcards):
     """A rerun trigger: after `snakemake audit` writes (or rewrites) e4.json, a plain run redraws the card."""
-    import xxhash
+    from stagereplay.ledger.fingerprint import file_digest
 
     path = Path(LAYOUT.e4)
-    return xxhash.xxh3_128(path.read_bytes()).hexdigest() if path.is_file() else "none"
+    return file_digest(path) if path.is_file() else "none"

@@ -3,6 +3,8 @@
 # (the fp32 arm upcasts the same checkpoint) and continues. The same job makes E1's
 # prefill side and E3's incremental side. Construction and precision are path components.
 
+from stagereplay.ledger.layout import construction_of_token
+
 
 rule rebuild:
     input:
@@ -32,7 +34,7 @@ rule rebuild:
         **MODEL_RESOURCES,
     params:
         runtime=runtime_args,
-        construction=lambda wildcards: wildcards.construction.replace("-", ":"),
+        construction=lambda wildcards: construction_of_token(wildcards.construction),
         store=LAYOUT.objects,
         source_store=LAYOUT.objects,
     shell:

@@ -4,25 +4,26 @@
 audit runs instead: the ledger's recorded design, with only what is the audit's own to choose taken
 from the given config (where the ledger lies, the ``audit`` block, and a job's memory and time
 limits). It refuses, in one line naming what differs, a ledger it cannot rerun: one not finished,
-one with no provenance record, or one computed with other engine versions than this environment has.
+one with no provenance record (or one of format 1, naming its migration), or one computed with
+other engine versions than this environment has.
 """
 
 from __future__ import annotations
 
 import copy
 
+from stagereplay.engines.registry import ENGINE_LIBRARIES, SPECS
+from stagereplay.ledger.jsondiff import value_at
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.provenance import (
+    OldFileDigests,
     ProvenanceError,
-    at,
     design_of,
-    environment,
     first_config_difference,
+    library_versions,
     read_provenance,
 )
 
-# The libraries whose version decides what an engine computes.
-ENGINE_LIBRARIES = {"transformers": ("torch", "transformers"), "llamacpp": ("llama_cpp_python",)}
 # A model job's limits on a cluster: the audit's machine may need others than the run's.
 RESOURCE_KEYS = ("mem_mb", "runtime_minutes", "device_memory_gb")
 
@@ -44,7 +45,7 @@ def _given_design(config: dict) -> dict | None:
 def check_versions(record: dict, current: dict) -> None:
     engines = sorted({checkpoint["engine"] for checkpoint in record["checkpoints"].values()})
     for engine in engines:
-        for library in ENGINE_LIBRARIES.get(engine, ()):
+        for library in SPECS[engine].libraries if engine in SPECS else ():
             recorded, here = record["environment"].get(library), current.get(library)
             if recorded != here:
                 raise AuditRefused(
@@ -63,12 +64,14 @@ def audit_config(config: dict) -> tuple[dict, str | None]:
         )
     try:
         record = read_provenance(ledger.provenance)
+    except OldFileDigests as error:
+        raise AuditRefused(f"audit: {error}") from None
     except ProvenanceError as error:
         raise AuditRefused(
             f"audit: {str(error).partition(' — ')[0]}, so the design to rerun is unknown"
             " — run snakemake once with the ledger's config (it records it), then audit"
         ) from None
-    check_versions(record, environment())
+    check_versions(record, library_versions(ENGINE_LIBRARIES))
     design = copy.deepcopy(record["config"])
     given_runtime = config.get("runtime", {})
     design["runtime"].update({key: given_runtime[key] for key in RESOURCE_KEYS if key in given_runtime})
@@ -83,6 +86,6 @@ def audit_config(config: dict) -> tuple[dict, str | None]:
             key = ".".join(map(str, difference))
             note = (
                 f"audit: the design comes from {ledger.provenance}; the config given differs"
-                f" at {key} ({at(given, difference)} here, {at(record['config'], difference)} in the ledger)"
+                f" at {key} ({value_at(given, difference)} here, {value_at(record['config'], difference)} in the ledger)"
             )
     return audited, note

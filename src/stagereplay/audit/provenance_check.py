@@ -18,13 +18,14 @@ from pathlib import Path
 import pyarrow as pa
 
 from stagereplay.audit.faults import RERUN, Fault
+from stagereplay.engines.registry import with_engine
 from stagereplay.inputs.checkpoints import read_model_record, record_fingerprint
 from stagereplay.inputs.scoring import extract_answer
+from stagereplay.ledger.jsondiff import value_at
 from stagereplay.ledger.layout import RELATIVE
 from stagereplay.ledger.provenance import (
     ITEM_FIELDS,
     ProvenanceError,
-    at,
     checkpoint_fingerprints,
     design_of,
     first_config_difference,
@@ -112,7 +113,7 @@ def _verify_checkpoint(root: Path, name: str, recorded: dict, faults: list[Fault
     if not files.exists():
         faults.append(Fault(where, f"names {files.relative_to(root.resolve())}, which is missing", RERUN))
         return
-    found = {**checkpoint_fingerprints(record), "model_fingerprint": record_fingerprint(record)}
+    found = {**checkpoint_fingerprints(with_engine(record)), "model_fingerprint": record_fingerprint(record)}
     for key in ("model_fingerprint", "tokenizer_fingerprint", "chat_template_fingerprint"):
         if found[key] != recorded[key]:
             what = key.removesuffix("_fingerprint").replace("_", " ")
@@ -209,8 +210,8 @@ def given_inputs(root: Path, items_path: str | None, config_path: str | None) ->
             faults.append(
                 Fault(
                     config_path,
-                    f"{key} is {json.dumps(at(given, difference))}, the ledger was made with"
-                    f" {json.dumps(at(design, difference))}",
+                    f"{key} is {json.dumps(value_at(given, difference))}, the ledger was made with"
+                    f" {json.dumps(value_at(design, difference))}",
                     "pass the config of the run, or rerun snakemake with this one to update the ledger",
                 )
             )

@@ -1,5 +1,5 @@
 """Check a saved ledger without a model: objects, tables, rows, counts, what it was computed from
-(provenance.json and the labels: stagereplay.audit.inputs) and what was computed from them.
+(provenance.json and the labels: stagereplay.audit.provenance_check) and what was computed from them.
 
 Every object must hash to its own name, every table must be readable, have its
 schema and carry the digest of its rows, and every row must agree with the
@@ -43,6 +43,7 @@ from stagereplay.audit.faults import RERUN, Fault
 from stagereplay.audit.provenance_check import answer_key, verify_labels, verify_provenance
 from stagereplay.design.storage import StorageError, caches_may_be_absent, read_policy
 from stagereplay.ledger.fingerprint import fingerprint_tensor, fingerprint_tensors
+from stagereplay.ledger.jsondiff import first_difference, path_text, value_at
 from stagereplay.ledger.layout import RELATIVE, LedgerLayout
 from stagereplay.ledger.store import OBJECT_SUFFIX, ObjectStore
 from stagereplay.ledger.tables import (
@@ -425,41 +426,15 @@ def verify_produced(root: Path, summary: dict | None, documents: bool, report: R
             report.faults.append(Fault(relative, f"missing, though {found[0]} was computed from it", fix))
 
 
-def first_difference(saved, recomputed, path: tuple = ()) -> tuple | None:
-    """The key path (keys and list indices) of the first place two JSON values differ, or None."""
-    if isinstance(saved, dict) and isinstance(recomputed, dict):
-        for key in [*saved, *(key for key in recomputed if key not in saved)]:
-            if key not in saved or key not in recomputed:
-                return (*path, key)
-            found = first_difference(saved[key], recomputed[key], (*path, key))
-            if found is not None:
-                return found
-        return None
-    if isinstance(saved, list) and isinstance(recomputed, list):
-        for index, (a, b) in enumerate(zip(saved, recomputed)):
-            found = first_difference(a, b, (*path, index))
-            if found is not None:
-                return found
-        return None if len(saved) == len(recomputed) else (*path, min(len(saved), len(recomputed)))
-    # NaN is a value the same computation gives twice.
-    both_nan = (
-        isinstance(saved, float) and isinstance(recomputed, float) and saved != saved and recomputed != recomputed
-    )
-    return None if (saved == recomputed and type(saved) is type(recomputed)) or both_nan else path
-
-
 def _path_text(path: tuple) -> str:
-    return (
-        "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".") or "(the whole file)"
-    )
+    return path_text(path) or "(the whole file)"
 
 
 def _value_text(data, path: tuple) -> str:
-    for part in path:
-        try:
-            data = data[part]
-        except (KeyError, IndexError, TypeError):
-            return "absent"
+    missing = object()
+    data = value_at(data, path, missing)
+    if data is missing:
+        return "absent"
     text = json.dumps(data)
     return text if len(text) <= 60 else text[:57] + "..."
 

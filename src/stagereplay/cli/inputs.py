@@ -95,19 +95,23 @@ def add_random_qwen2_command(sub) -> None:
 
 
 def cmd_register_model(args) -> None:
+    from stagereplay.engines.registry import spec_named
     from stagereplay.inputs.checkpoints import write_gguf_record, write_model_record
 
-    if args.engine == "llamacpp":
-        write_gguf_record(args.out, args.folder, args.source)
+    spec = spec_named(args.engine)
+    if spec.record_kind == "gguf":
+        write_gguf_record(args.out, args.folder, args.source, spec.name)
     else:
         write_model_record(args.out, args.folder, args.source)
 
 
 def add_register_model_command(sub) -> None:
     p = sub.add_parser("register-model", help="fingerprint a model folder and write its model.json record")
-    p.add_argument("folder", help="the model folder, or the GGUF file for --engine llamacpp")
+    from stagereplay.engines.registry import DEFAULT_ENGINE, ENGINES
+
+    p.add_argument("folder", help="the model folder, or the GGUF file for an engine that runs one as shipped")
     p.add_argument("--source", required=True, help="where the folder came from (recorded)")
-    p.add_argument("--engine", choices=["transformers", "llamacpp"], default="transformers")
+    p.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_register_model)
 

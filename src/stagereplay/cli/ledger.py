@@ -28,11 +28,12 @@ def add_store_caches_policy_command(sub) -> None:
 
 
 def cmd_provenance(args) -> None:
+    from stagereplay.engines.registry import ENGINE_LIBRARIES, with_engine
     from stagereplay.inputs.checkpoints import read_model_record
     from stagereplay.ledger.provenance import build_provenance, write_provenance
 
-    records = {name: read_model_record(path) for name, path in args.model}
-    write_provenance(args.out, build_provenance(json.loads(args.design), args.items, records))
+    records = {name: with_engine(read_model_record(path)) for name, path in args.model}
+    write_provenance(args.out, build_provenance(json.loads(args.design), args.items, records, ENGINE_LIBRARIES))
 
 
 def add_provenance_command(sub) -> None:

@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stagereplay.design.factors import FactorError, Level, check_levels, cpu_flags
+from stagereplay.cpuinfo import cpu_flags
+from stagereplay.design.factors import FactorError, Level, check_levels
 from stagereplay.design.jobs import JobList, job_list
 from stagereplay.engines.registry import spec_of
 from stagereplay.engines.spec import EngineSpec, SpecError

@@ -402,18 +402,6 @@ def check_levels(
     return levels
 
 
-def cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo (None where there is none: not Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        return None
-    return frozenset()
-
-
 def verdict(reference: list[int], write: list[int] | None, read: list[int] | None, server: list[int] | None) -> str:
     """Where the divergence of one item enters, from the suffixes of its cells (token lists).
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass
 
-SELECTIONS = ("selected", "outcome_blind", "cross_precision")
-
 
 @dataclass(frozen=True, order=True)
 class Trajectory:

@@ -157,9 +157,6 @@ def _positions(prompt: int, design: Design) -> int:
     return prompt + design.max_new_tokens - 1
 
 
-PARTS = ("caches", "tokens", "tables", "documents", "model")
-
-
 @dataclass
 class Projection:
     """Bytes by part and policy, with the shapes and counts they came from."""
@@ -424,13 +421,17 @@ def project_config(config: dict, model_config: str | Path | None = None) -> tupl
     return projection, shapes, name if model_config is not None else f"{name} ({described})"
 
 
-REPO = Path(__file__).resolve().parents[3]
+# The checkout this code runs from, when it does (an installed copy has none).
+SOURCE_TREE = Path(__file__).resolve().parents[3]
 
 
 def _repo_path(path: str | Path) -> str:
-    """Config paths are relative to the repository (as the workflow reads them)."""
+    """Config paths are relative to the repository (as the workflow reads them); for an installed
+    package, which has no repository, to the working directory."""
     path = Path(path).expanduser()
-    return str(path if path.is_absolute() else REPO / path)
+    if path.is_absolute():
+        return str(path)
+    return str((SOURCE_TREE if (SOURCE_TREE / "Snakefile").is_file() else Path.cwd()) / path)
 
 
 # --- text -------------------------------------------------------------------------------------------

@@ -1,18 +1,22 @@
 """A workflow config checked against its JSON schema and completed with the schema's defaults.
 
-The defaults live in one place, ``workflow/schemas/config.schema.yaml``, and one function fills
+The defaults live in one place, ``workflow/schemas/config.schema.yaml`` (shipped in the package as
+``stagereplay/resources/config.schema.yaml``), and one function fills
 them in: ``resolve_config``, which the workflow (common.smk) and ``stagereplay plan`` both call,
 so a key's default can never differ between what runs and what is projected.
 """
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
 import jsonschema
 import yaml
 
-SCHEMA = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
+# Package data (stagereplay/resources), so an installed copy finds it too; in a checkout it is a link to
+# the workflow's file, resolved here so that a message names that one file.
+SCHEMA = Path(str(files("stagereplay.resources") / "config.schema.yaml")).resolve()
 # The Snakefile's own configfile, which snakemake reads relative to its working directory (where it
 # runs, or --directory) and merges a --configfile over, key by key; where it is absent, it is skipped.
 WORKFLOW_CONFIG = Path("config") / "config.yaml"

@@ -10,8 +10,6 @@ from a model record. Nothing outside this package asks which engine it holds.
 
 from __future__ import annotations
 
-import platform
-import subprocess
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -151,31 +149,3 @@ class Engine(ABC):
     def batch_row(self, batch: object, row: int) -> KVState:
         """One row of a batch as its own cache, less the padding."""
         raise ModelError(f"the {self.environment.engine} engine cannot run a batch of sequences")
-
-
-def cpu_model() -> str:
-    """The CPU's model, not just its architecture: two x86_64 machines can run different kernels."""
-    if platform.system() == "Darwin":
-        try:
-            brand = subprocess.run(
-                ["sysctl", "-n", "machdep.cpu.brand_string"], check=False, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            brand = ""
-        if brand:
-            return brand
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                if not line.strip() and fields:
-                    break  # the first processor describes them all
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass  # not Linux
-    if fields.get("model name"):
-        return fields["model name"]
-    if fields.get("CPU implementer") and fields.get("CPU part"):  # Arm Linux names no model, only these ids
-        return f"{platform.machine()} (implementer {fields['CPU implementer']}, part {fields['CPU part']})"
-    return platform.processor() or platform.machine()

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
+from stagereplay.cpuinfo import cpu_model
+from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
 from stagereplay.engines.cache_types import (
     CacheTypeError,
     cache_types,

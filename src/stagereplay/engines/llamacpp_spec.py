@@ -86,4 +86,6 @@ LLAMACPP = LlamaCppSpec(
     environment_fields=(*SHARED_ENVIRONMENT, "attn_implementation"),
     engine_class_path="stagereplay.engines.llamacpp_engine:LlamaCppEngine",
     keeps_sequences=True,
+    precision_note="its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped (not"
+    " converted), so its fp16/fp32 rows are not a transformers fp16/fp32 run",
 )

@@ -21,6 +21,15 @@ ENGINES = tuple(SPECS)
 PRECISION_PATTERN = "|".join(f"(?:{spec.precision_pattern})" for spec in SPECS.values())
 
 
+# The libraries whose versions decide what some engine computes, in the registry's order (provenance).
+ENGINE_LIBRARIES = tuple(dict.fromkeys(library for spec in SPECS.values() for library in spec.libraries))
+
+
+def with_engine(record: dict) -> dict:
+    """A model record with its engine named (a record without one is the default engine's)."""
+    return {**record, "engine": engine_name(record)}
+
+
 def spec_named(name: str) -> EngineSpec:
     if name not in SPECS:
         raise ModelError(f"model record names engine {name!r} — use one of {', '.join(SPECS)}")

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 from stagereplay.engines.registry import precision_spec
 from stagereplay.engines.spec import SpecError
 
-# Where the published config.json shapes of known models lie (the embedded default among them).
-MODEL_CONFIGS = Path(__file__).resolve().parents[3] / "data" / "model_configs"
+# Where the published config.json shapes of known models lie (the embedded default among them): package data.
+MODEL_CONFIGS = Path(str(files("stagereplay.resources") / "model_configs"))
 EMBEDDED_CONFIG = "smollm2-135m-instruct"
 
 
@@ -121,7 +122,7 @@ def random_qwen2_shapes(layers: int, hidden: int, near_ties: bool) -> ModelShape
 
 
 def read_model_config(path_or_name: str | Path) -> tuple[ModelShapes, str]:
-    """A config.json path, a model folder, or the name of a file under data/model_configs."""
+    """A config.json path, a model folder, or the name of a file under MODEL_CONFIGS (stagereplay/resources/model_configs)."""
     path = Path(path_or_name)
     if path.is_dir():
         path = path / "config.json"

@@ -54,6 +54,8 @@ class EngineSpec:
     # keeps a sequence's first positions for a later request and saves/restores a sequence through its own
     # files (a server's prefix reuse): E6's restore levels need it
     keeps_sequences: bool = False
+    # What a reader of the card must know of this engine's precisions (empty: nothing beyond their names).
+    precision_note: str = ""
 
     def takes(self, precision: str) -> bool:
         return re.fullmatch(self.precision_pattern, precision) is not None

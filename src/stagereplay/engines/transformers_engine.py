@@ -26,7 +26,8 @@ import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from stagereplay.engines.base import Engine, Environment, ModelError, Runtime, cpu_model
+from stagereplay.cpuinfo import cpu_model
+from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
 from stagereplay.engines.transformers_spec import ATTENTION_LEVELS, RUN_ATTENTION
 from stagereplay.ledger.kvstate import KVState
 

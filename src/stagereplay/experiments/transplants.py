@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from stagereplay.design.names import SweepPlan, TransplantError
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.ledger.kvstate import KVState
@@ -74,14 +72,6 @@ def transplant(donor: KVState, recipient: KVState, spec: TransplantSpec) -> KVSt
         if "v" in spec.kv:
             values[layer][..., start:, :] = donor.values[layer][..., start:, :].to(values[layer].dtype)
     return recipient.replace(keys, values)
-
-
-def cast_state(state: KVState, dtype: torch.dtype) -> KVState:
-    if any(state.formats):
-        raise TransplantError(
-            "a quantized llama.cpp cache cannot be cast to another precision — set transplant.cross_precision: null"
-        )
-    return KVState(tuple(key.to(dtype) for key in state.keys), tuple(value.to(dtype) for value in state.values))
 
 
 def sweep_specs(num_layers: int, plan: SweepPlan) -> list[TransplantSpec]:

@@ -19,10 +19,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import xxhash
-
 from stagereplay.atomic import atomic_write, atomic_write_text
-from stagereplay.ledger.fingerprint import combine
+from stagereplay.ledger.fingerprint import combine, file_digest
 
 # Files that define a model's behaviour: weights, architecture, tokenizer, chat template.
 FINGERPRINTED_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt", ".model")
@@ -41,14 +39,6 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _xxh3_file(path: Path) -> str:
-    hasher = xxhash.xxh3_128()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            hasher.update(block)
-    return hasher.hexdigest()
-
-
 def model_fingerprint(folder: str | Path) -> str:
     """xxh3-128 over weights, config and tokenizer files, by relative name."""
     folder = Path(folder)
@@ -61,7 +51,7 @@ def model_fingerprint(folder: str | Path) -> str:
         raise CheckpointError(
             f"model folder {folder} holds no .safetensors weights — convert the checkpoint to safetensors (pickle weights are never loaded)"
         )
-    return combine((str(path.relative_to(folder)), _xxh3_file(path)) for path in files)
+    return combine((str(path.relative_to(folder)), file_digest(path)) for path in files)
 
 
 def check_sha256(path: str | Path, expected: str) -> None:
@@ -220,7 +210,7 @@ def write_model_record(record_path: str | Path, folder: str | Path, source: str)
 
 
 def gguf_fingerprint(gguf_path: Path) -> str:
-    return combine([(gguf_path.name, _xxh3_file(gguf_path))])
+    return combine([(gguf_path.name, file_digest(gguf_path))])
 
 
 def record_fingerprint(record: dict) -> str:
@@ -228,8 +218,8 @@ def record_fingerprint(record: dict) -> str:
     return gguf_fingerprint(Path(record["gguf"])) if "gguf" in record else model_fingerprint(record["folder"])
 
 
-def write_gguf_record(record_path: str | Path, gguf_path: str | Path, source: str) -> dict:
-    """The registration record of a GGUF run as shipped by the llama.cpp engine (never converted)."""
+def write_gguf_record(record_path: str | Path, gguf_path: str | Path, source: str, engine: str) -> dict:
+    """The registration record of a GGUF that ``engine`` runs as shipped (never converted)."""
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise CheckpointError(f"GGUF file {gguf_path} not found — fix the checkpoint's gguf path")
@@ -237,7 +227,7 @@ def write_gguf_record(record_path: str | Path, gguf_path: str | Path, source: st
         "gguf": _portable(gguf_path, record_path),
         "fingerprint": gguf_fingerprint(gguf_path),
         "source": source,
-        "engine": "llamacpp",
+        "engine": engine,
     }
     atomic_write_text(record_path, json.dumps(record, indent=2) + "\n")
     return record

@@ -52,10 +52,6 @@ class Item:
         if self.answer not in LETTERS:
             raise ItemError(f"item {self.item_id!r}: answer must be one of A-D, got {self.answer!r}")
 
-    @property
-    def correct_choice(self) -> str:
-        return self.choices[LETTERS.index(self.answer)]
-
 
 def _item_to_json(item: Item) -> dict:
     return {

@@ -1,9 +1,14 @@
-"""xxh3-128 fingerprints of tensors, hashed from their buffers without copies.
+"""xxh3-128 fingerprints of tensors, hashed from their buffers without copies, and of files and bytes.
 
 A fingerprint folds dtype and shape into the hash, so two tensors with the same
 bytes but a different layout never collide. Bytes are little-endian (the
 native order of every platform torch ships for); the buffer is hashed through a
 memoryview of a uint8 view of the tensor, never through a ``tobytes()`` copy.
+
+``bytes_digest`` and ``file_digest`` are the one digest of raw bytes (a file's is
+streamed, never read whole): model files, tokenizer files, item files, the card's
+stamp and table rows are all hashed through them. torch is imported only by the
+tensor functions, so the file and bytes digests need no torch.
 """
 
 from __future__ import annotations
@@ -11,20 +16,41 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 if TYPE_CHECKING:
+    import torch
+
     from stagereplay.ledger.kvstate import KVState
 
 if sys.byteorder != "little":  # pragma: no cover - no such torch platform today
     raise RuntimeError("stagereplay fingerprints assume a little-endian host")
 
 
+FILE_BLOCK = 1 << 24  # bytes read at a time: the digest is the same for any block size
+
+
+def bytes_digest(data: bytes | memoryview) -> str:
+    """Hex xxh3-128 of raw bytes."""
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+def file_digest(path: str | Path) -> str:
+    """Hex xxh3-128 of a file's bytes, read in blocks: ``bytes_digest`` of its content."""
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(FILE_BLOCK), b""):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
 def tensor_buffer(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a CPU tensor (a device tensor is copied to host once)."""
+    import torch
+
     flat = tensor.detach()
     if flat.device.type != "cpu":
         flat = flat.cpu()
@@ -42,6 +68,8 @@ def fingerprint_tensor(tensor: torch.Tensor) -> str:
 
 def fingerprint_tokens(tokens: Iterable[int]) -> str:
     """Fingerprint of a token sequence, as the int64 tensor it is stored as."""
+    import torch
+
     return fingerprint_tensor(torch.tensor(list(tokens), dtype=torch.int64))
 
 

@@ -23,6 +23,11 @@ def construction_token(construction: str) -> str:
     return construction.replace(":", "-")
 
 
+def construction_of_token(token: str) -> str:
+    """'chunked-16' -> 'chunked:16': the construction a path component names (construction_token undone)."""
+    return token.replace("-", ":")
+
+
 @dataclass(frozen=True)
 class LedgerLayout:
     root: Path
@@ -212,6 +217,10 @@ class LedgerLayout:
         """The benchmark files of the saved ledger's model jobs (not the audit's)."""
         folder = Path(self._path("benchmarks"))
         return [path for path in sorted(folder.rglob("*.tsv")) if path.relative_to(folder).parts[0] != "audit"]
+
+    def job_kind(self, table: str | Path) -> str:
+        """The kind of model job a shard table under runs/ comes from: live, rebuild, transplant or factor."""
+        return Path(table).relative_to(self._path("runs")).parts[0]
 
     def shard_tables(self) -> list[Path]:
         """Every model job's shard table (runs/)."""

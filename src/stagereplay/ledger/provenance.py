@@ -11,19 +11,28 @@ another directory or machine verifies and audits the same. No torch here.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
 import xxhash
 
 from stagereplay.atomic import atomic_write_text
+from stagereplay.ledger.fingerprint import file_digest
+from stagereplay.ledger.jsondiff import first_difference
 
-FORMAT = 1
+# 2: a tokenizer file is hashed with xxh3-128 (fingerprint.file_digest). 1 hashed it with xxh3-64;
+# such a record is rewritten by MIGRATE (stagereplay.audit.migrate), which checks the old digests first.
+FORMAT = 2
+OLD_FILE_DIGESTS = 1
+MIGRATE = "python -m stagereplay.audit.migrate"
 ITEM_FIELDS = ("question", "choices", "answer")
 # Outside the design: where the ledger lies, and what the audit itself may set (it is the audit's choice).
 NOT_DESIGN = ("ledger_dir", "audit")
-LIBRARIES = ("torch", "transformers", "llama_cpp_python", "gguf", "safetensors", "snakemake", "stagereplay")
+# Libraries whose versions every record keeps besides the engines' own (engines.registry.ENGINE_LIBRARIES).
+LEDGER_LIBRARIES = ("gguf", "safetensors", "snakemake")
 # The files of a Hugging Face folder that make its tokenizer (the chat template is recorded on its own).
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -37,6 +46,10 @@ TOKENIZER_FILES = (
 
 class ProvenanceError(ValueError):
     """One-line message naming the problem and the fix."""
+
+
+class OldFileDigests(ProvenanceError):
+    """A record of format 1: its tokenizer fingerprints are over 64-bit file digests; the fix is MIGRATE."""
 
 
 def value_digest(value) -> str:
@@ -61,17 +74,10 @@ def item_fingerprints(items_path: str | Path) -> dict[str, dict[str, str]]:
     return {row["id"]: item_fingerprint(row["question"], row["choices"], row["answer"]) for row in rows}
 
 
-def _file_digest(path: Path) -> str:
-    hasher = xxhash.xxh3_64()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            hasher.update(block)
-    return hasher.hexdigest()
-
-
-def _folder_tokenizer(folder: Path) -> tuple[str, str | None]:
-    """(digest of the tokenizer files, digest of the chat template or None) of a Hugging Face folder."""
-    files = {name: _file_digest(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()}
+def folder_tokenizer(folder: Path, digest: Callable[[Path], str] = file_digest) -> tuple[str, str | None]:
+    """(digest of the tokenizer files, digest of the chat template or None) of a Hugging Face folder.
+    ``digest`` hashes one file (the migration passes format 1's xxh3-64 to check an old record)."""
+    files = {name: digest(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()}
     template = None
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
@@ -98,13 +104,14 @@ def _gguf_tokenizer(path: Path) -> tuple[str, str | None]:
 
 
 def checkpoint_fingerprints(record: dict) -> dict:
-    """What one checkpoint contributes: engine, source, the model fingerprint, tokenizer and template."""
+    """What one checkpoint contributes: engine, source, the model fingerprint, tokenizer and template. The
+    record names its engine (``engines.registry.with_engine`` fills in the default)."""
     if "gguf" in record:
         tokenizer, template = _gguf_tokenizer(Path(record["gguf"]))
     else:
-        tokenizer, template = _folder_tokenizer(Path(record["folder"]))
+        tokenizer, template = folder_tokenizer(Path(record["folder"]))
     return {
-        "engine": record.get("engine", "transformers"),
+        "engine": record["engine"],
         "source": record["source"],
         "model_fingerprint": record["fingerprint"],
         "tokenizer_fingerprint": tokenizer,
@@ -137,27 +144,31 @@ def git_commit() -> str | None:
     return f"{commit}+dirty" if dirty else commit
 
 
-def environment() -> dict:
+def library_versions(engine_libraries: tuple[str, ...]) -> dict:
+    """Python's, the engines' libraries', the ledger's libraries' and stagereplay's versions, and the commit."""
     import platform
 
     from stagereplay import __version__
 
     return {
         "python": platform.python_version(),
-        **{name: _version(name.replace("_", "-")) for name in LIBRARIES if name != "stagereplay"},
+        **{name: _version(name.replace("_", "-")) for name in (*engine_libraries, *LEDGER_LIBRARIES)},
         "stagereplay": __version__,
         "git_commit": git_commit(),
     }
 
 
-def build_provenance(config: dict, items_path: str | Path, records: dict[str, dict]) -> dict:
-    """The record of a run: ``config`` resolved, the ledger's item file, each used checkpoint's model record."""
+def build_provenance(
+    config: dict, items_path: str | Path, records: dict[str, dict], engine_libraries: tuple[str, ...]
+) -> dict:
+    """The record of a run: ``config`` resolved, the ledger's item file, each used checkpoint's model record
+    (its engine named) and the versions of the engines' libraries."""
     document = {
         "format": FORMAT,
         "config": design_of(config),
         "items": item_fingerprints(items_path),
         "checkpoints": {name: checkpoint_fingerprints(record) for name, record in sorted(records.items())},
-        "environment": environment(),
+        "environment": library_versions(engine_libraries),
     }
     return {**document, "digest": value_digest(document)}
 
@@ -178,6 +189,11 @@ def read_provenance(path: str | Path) -> dict:
         raise ProvenanceError(f"{path} is missing — {REWRITE}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ProvenanceError(f"{path} is not valid JSON ({error}) — {REWRITE}") from None
+    if isinstance(document, dict) and document.get("format") == OLD_FILE_DIGESTS:
+        raise OldFileDigests(
+            f"{path}: the ledger's provenance uses the old 64-bit file digests (format {OLD_FILE_DIGESTS}, before"
+            f" xxh3-128) — migrate it: {MIGRATE} {shlex.quote(str(path.parent))}"
+        )
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ProvenanceError(f"{path} is not a provenance record of format {FORMAT} — {REWRITE}")
     body = {key: value for key, value in document.items() if key != "digest"}
@@ -186,22 +202,6 @@ def read_provenance(path: str | Path) -> dict:
     return document
 
 
-def first_config_difference(recorded: dict, given: dict, path: tuple = ()) -> tuple | None:
-    """The first key path at which two designs differ, or None."""
-    if isinstance(recorded, dict) and isinstance(given, dict):
-        for key in sorted({*recorded, *given}):
-            if key not in recorded or key not in given:
-                return (*path, key)
-            found = first_config_difference(recorded[key], given[key], (*path, key))
-            if found is not None:
-                return found
-        return None
-    return None if recorded == given else path
-
-
-def at(config: dict, path: tuple):
-    for key in path:
-        if not isinstance(config, dict) or key not in config:
-            return "absent"
-        config = config[key]
-    return config
+def first_config_difference(recorded: dict, given: dict) -> tuple | None:
+    """The first key path at which two designs differ (keys in sorted order, a list compared whole), or None."""
+    return first_difference(recorded, given, sort_keys=True, into_lists=False, strict=False)

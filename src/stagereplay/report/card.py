@@ -14,6 +14,7 @@ from pathlib import Path
 
 from stagereplay.atomic import atomic_write_text
 from stagereplay.design.factors import VERDICTS
+from stagereplay.engines.registry import SPECS
 from stagereplay.report.factor_view import factor_item_blocks
 from stagereplay.report.item_view import ItemRecord
 from stagereplay.report.provenance import Provenance
@@ -306,13 +307,31 @@ ENVIRONMENT_COLUMNS = [
     ("sdpa_backends", "SDPA backends"),
     ("float32_matmul_precision", "fp32 matmul precision"),
     ("deterministic", "deterministic"),
-    ("torch_version", "torch"),
-    ("transformers_version", "transformers"),
+    ("torch_version", "torch version"),
+    ("transformers_version", "transformers version"),
     ("engine", "engine"),
     ("engine_version", "engine version"),
     ("engine_build", "engine build"),
     ("model_fingerprint", "model fingerprint"),
 ]
+# The columns every row has, whatever its engine; the others are each engine's own (EngineSpec.environment_fields).
+ROW_COLUMNS = ("checkpoint", "model_fingerprint")
+
+
+def environment_table(entries: list[dict]) -> tuple:
+    """The environment of every (checkpoint, precision) as a table: the fields the engines that ran declare, a
+    field another engine's row does not have shown as a dash."""
+
+    def fields_of(entry: dict) -> set[str]:
+        spec = SPECS.get(entry.get("engine"))
+        return set(spec.environment_fields if spec else (key for key, _ in ENVIRONMENT_COLUMNS)) | set(ROW_COLUMNS)
+
+    shown = set().union(*(fields_of(entry) for entry in entries)) if entries else set(ROW_COLUMNS)
+    columns = [(key, title) for key, title in ENVIRONMENT_COLUMNS if key in shown]
+    rows = [[entry[key] if key in fields_of(entry) else "—" for key, _ in columns] for entry in entries]
+    return ("table", [title for _, title in columns], rows)
+
+
 FIGURE_COLUMNS = ["Experiment", "Figure", "Count / N", "Estimate", "95% interval", "Method"]
 
 
@@ -452,22 +471,18 @@ def document(
                 ],
                 f"precisions: {', '.join(sorted({entry['precision'] for entry in prov.environment}))}",
                 *[
-                    f"`{checkpoint}` ran on {version}: its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped (not converted), so its fp16/fp32 rows are not a transformers fp16/fp32 run"
-                    for checkpoint, version in sorted(
+                    f"`{checkpoint}` ran on {version}: {SPECS[engine].precision_note}"
+                    for checkpoint, version, engine in sorted(
                         {
-                            (entry["checkpoint"], entry["engine_version"])
+                            (entry["checkpoint"], entry["engine_version"], entry["engine"])
                             for entry in prov.environment
-                            if entry.get("engine") == "llamacpp"
+                            if entry.get("engine") in SPECS and SPECS[entry["engine"]].precision_note
                         }
                     )
                 ],
             ],
         ),
-        (
-            "table",
-            [title for _, title in ENVIRONMENT_COLUMNS],
-            [[entry[key] for key, _ in ENVIRONMENT_COLUMNS] for entry in prov.environment],
-        ),
+        environment_table(prov.environment),
     ]
 
 

@@ -22,9 +22,6 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 from stagereplay.experiments.compare import Side
 from stagereplay.inputs import items as items_mod
 
-# The labelings in summary.json's order and names (E1 `labelings`).
-LABELINGS = ("parsed", "readout")
-SIDES = ("live", "prefill")
 OUTCOMES = ("follows_donor", "follows_recipient", "neither")
 
 

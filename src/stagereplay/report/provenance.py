@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
+from stagereplay.ledger.fingerprint import bytes_digest
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ def provenance(summary: dict, item_source: str, items_path: str | Path, model_re
         version=summary["stagereplay_version"],
         item_source=item_source,
         item_count=sum(1 for line in items.splitlines() if line.strip()),
-        item_digest=xxhash.xxh3_128(items).hexdigest(),
+        item_digest=bytes_digest(items),
         models=[{"checkpoint": name, **record} for name, record in model_records.items()],
         environment=summary["environment"],
     )

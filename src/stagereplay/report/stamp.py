@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-import xxhash
+from stagereplay.ledger.fingerprint import bytes_digest
 
 _STAMP = re.compile(
     r"(?s)(?P<body>.*\n)?<!-- stagereplay stamp: source xxh3-128 (?P<source>[0-9a-f]{32}); "
@@ -22,16 +22,10 @@ _STAMP = re.compile(
 REDRAW = "rerun snakemake --forcerun report to redraw it"
 
 
-def _digest(data: bytes) -> str:
-    return xxhash.xxh3_128(data).hexdigest()
-
-
 def stamp(text: str, source: bytes) -> str:
     """``text`` with the stamp appended as its final line (a newline first, if the text lacks one)."""
     body = text if text.endswith("\n") or not text else text + "\n"
-    return (
-        f"{body}<!-- stagereplay stamp: source xxh3-128 {_digest(source)}; body xxh3-128 {_digest(body.encode())} -->\n"
-    )
+    return f"{body}<!-- stagereplay stamp: source xxh3-128 {bytes_digest(source)}; body xxh3-128 {bytes_digest(body.encode())} -->\n"
 
 
 def stamp_problem(text: str, source: bytes) -> str | None:
@@ -39,8 +33,8 @@ def stamp_problem(text: str, source: bytes) -> str | None:
     match = _STAMP.fullmatch(text)
     if match is None:
         return f"carries no stamp (not written by stagereplay report, or edited at its end) — {REDRAW}"
-    if _digest((match["body"] or "").encode()) != match["digest"]:
+    if bytes_digest((match["body"] or "").encode()) != match["digest"]:
         return f"edited after it was written — {REDRAW}"
-    if _digest(source) != match["source"]:
+    if bytes_digest(source) != match["source"]:
         return "rendered from another summary.json — rerun snakemake to redraw it"
     return None
