@@ -216,9 +216,12 @@ rule audit_ledger:
         ledger=lambda wildcards: LAYOUT.directory,  # the saved ledger and its audit tree, read as a whole
         checkpoints=" ".join(AUDITED_CHECKPOINTS),
     shell:
-        "stagereplay audit --ledger {params.ledger:q} --checkpoints {params.checkpoints}"
-        " --out {output.table:q} --e4 {output.e4:q}"
-        " > {log:q} 2>&1" + ON_FAILURE + "; tail -n 1 {log:q}"
+        tail_log_on_failure(
+            "stagereplay audit --ledger {params.ledger:q} --checkpoints {params.checkpoints}"
+            " --out {output.table:q} --e4 {output.e4:q}"
+            " > {log:q} 2>&1",
+            show_last_line=True,
+        )
 
 
 rule audit:

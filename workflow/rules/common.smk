@@ -12,6 +12,7 @@ from snakemake.exceptions import WorkflowError
 from stagereplay.design import checked_run
 from stagereplay.design.factors import FACTORS as FACTOR_NAMES
 from stagereplay.engines.registry import PRECISION_PATTERN
+from stagereplay.engines.runtime import runtime_options
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.provenance import design_of
 
@@ -76,9 +77,16 @@ RUN = _checked_run()
 # snakemake runs on, so rules work without an activated venv (and on a cluster node, which parses
 # this file again). It comes after snakemake's own default prefix, bash strict mode.
 shell.prefix(f'set -euo pipefail; stagereplay() {{{{ {shlex.quote(sys.executable)} -m stagereplay "$@"; }}}}; ')
-# Every job's command ends with this: on failure, the CLI's one-line error (the last line of the job's
-# log) is repeated on the console.
-ON_FAILURE = " || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+
+
+def tail_log_on_failure(command, show_last_line=False):
+    """Every job's shell command: on failure, the CLI's one-line error (the last line of the job's log) is
+    repeated on the console; with ``show_last_line``, a job's one-line result is shown on success too.
+    (A function, not a suffix string: `snakemake --lint` takes a string concatenated after a path-like
+    string anywhere in a rule file for path composition.)"""
+    tail = " || {{ tail -n 1 {log:q} >&2; exit 1; }}"
+    return f"{command}{tail}; tail -n 1 {{log:q}}" if show_last_line else f"{command}{tail}"
+
 
 LAYOUT = RUN.layout
 # Under `snakemake audit`, each of the run's rules needs this file, which never exists; each saved file is then
@@ -164,16 +172,14 @@ wildcard_constraints:
 
 
 def runtime_args(wildcards, replica=None, runtime=RUNTIME, store_caches=None):
-    """A model job's command-line runtime. The run's jobs are not told the store_caches policy (a job reads
-    it from the ledger's storage.json when it stores), so a new policy reruns no job: the storage rule
-    applies it (ledger.smk). The audit names its own (audit.keep_caches)."""
+    """A model job's command-line runtime (stagereplay.engines.runtime.runtime_options) and shard. The run's
+    jobs are not told the store_caches policy (a job reads it from the ledger's storage.json when it stores),
+    so a new policy reruns no job: the storage rule applies it (ledger.smk). The audit names its own
+    (audit.keep_caches)."""
     args = [
         f"--checkpoint {wildcards.checkpoint}",
         f"--precision {wildcards.precision}",
-        f"--device {runtime['device']}",
-        f"--threads {runtime['threads']}",
-        f"--attn-implementation {runtime['attn_implementation']}",
-        *(["--flash-attn"] if runtime["flash_attn"] else []),
+        *runtime_options(runtime),
         f"--shard {int(wildcards.shard)}",
         f"--shard-size {config['shard_size']}",
         f"--replica {int(wildcards.replica) if replica is None else replica}",
@@ -182,8 +188,6 @@ def runtime_args(wildcards, replica=None, runtime=RUNTIME, store_caches=None):
     ]
     if runtime["device_memory_gb"]:
         args.append(f"--device-memory-gb {runtime['device_memory_gb']}")
-    if runtime["trust_remote_code"]:
-        args.append("--trust-remote-code")
     if store_caches is not None:
         args.append(f"--store-caches {store_caches}")
     return " ".join(args)
@@ -197,15 +201,7 @@ def rebuild_args(ledger, runtime):
     """What compare needs to rebuild a cache that is not stored: every checkpoint's model record in ``ledger``
     (the saved one, or the audit tree's) and the runtime the rows were computed with."""
     args = [f"--model {name} {shlex.quote(ledger.model_record(name))}" for name in COMPARED_CHECKPOINTS]
-    args += [
-        f"--device {runtime['device']}",
-        f"--threads {runtime['threads']}",
-        f"--attn-implementation {runtime['attn_implementation']}",
-        *(["--flash-attn"] if runtime["flash_attn"] else []),
-    ]
-    if runtime["trust_remote_code"]:
-        args.append("--trust-remote-code")
-    return " ".join(args)
+    return " ".join(args + runtime_options(runtime))
 
 
 # The checkpoints whose trajectories are compared.

@@ -29,10 +29,12 @@ rule factor:
         store=LAYOUT.objects,
         source_store=LAYOUT.objects,
     shell:
-        "stagereplay factor --model-record {input.model:q} --items {input.item_file:q}"
-        " --factor {wildcards.factor} --level {wildcards.level} --reference {input.references:q}"
-        " {params.runtime} --store {params.store:q} --source-store {params.source_store:q}"
-        " --out {output:q} 2> {log:q}" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay factor --model-record {input.model:q} --items {input.item_file:q}"
+            " --factor {wildcards.factor} --level {wildcards.level} --reference {input.references:q}"
+            " {params.runtime} --store {params.store:q} --source-store {params.source_store:q}"
+            " --out {output:q} 2> {log:q}"
+        )
 
 
 rule gather_factors:
@@ -48,4 +50,4 @@ rule gather_factors:
         mem_mb=2000,
         runtime=10,
     shell:
-        "stagereplay gather --table factors --out {output:q} {input:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure("stagereplay gather --table factors --out {output:q} {input:q} > {log:q} 2>&1")

@@ -38,7 +38,9 @@ rule rebuild:
         store=LAYOUT.objects,
         source_store=LAYOUT.objects,
     shell:
-        "stagereplay rebuild --model-record {input.model:q} --items {input.item_file:q} --source-shard {input.source:q}"
-        " --prompts {input.prompts:q} --construction {params.construction} {params.runtime} --store {params.store:q}"
-        " --source-store {params.source_store:q} --out {output:q}"
-        " 2> {log:q}" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay rebuild --model-record {input.model:q} --items {input.item_file:q} --source-shard {input.source:q}"
+            " --prompts {input.prompts:q} --construction {params.construction} {params.runtime} --store {params.store:q}"
+            " --source-store {params.source_store:q} --out {output:q}"
+            " 2> {log:q}"
+        )

@@ -22,8 +22,10 @@ rule items:
         shuffle_seed=ITEMS_SPEC["shuffle_seed"],
         limit=f"--limit {ITEMS_SPEC['limit']}" if ITEMS_SPEC["limit"] else "",
     shell:
-        "stagereplay items --source {input:q} --format {params.format} --shuffle-seed {params.shuffle_seed}"
-        " {params.limit} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay items --source {input:q} --format {params.format} --shuffle-seed {params.shuffle_seed}"
+            " {params.limit} --out {output:q} > {log:q} 2>&1"
+        )
 
 
 rule prompts:
@@ -52,6 +54,8 @@ rule prompts:
             if wanted
         ),
     shell:
-        "stagereplay prompts --model-record {input.model:q} --items {input.item_file:q}"
-        " --max-new-tokens {params.max_new_tokens} --suffix-tokens {params.suffix_tokens} {params.flags}"
-        " --out {output.prompts:q} --vocab-out {output.vocab:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay prompts --model-record {input.model:q} --items {input.item_file:q}"
+            " --max-new-tokens {params.max_new_tokens} --suffix-tokens {params.suffix_tokens} {params.flags}"
+            " --out {output.prompts:q} --vocab-out {output.vocab:q} > {log:q} 2>&1"
+        )

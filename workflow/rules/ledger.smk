@@ -46,8 +46,10 @@ rule provenance:
             f"--model {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.models)
         ),
     shell:
-        "stagereplay provenance --design {params.design} --items {input.item_file:q} {params.models}"
-        " --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay provenance --design {params.design} --items {input.item_file:q} {params.models}"
+            " --out {output:q} > {log:q} 2>&1"
+        )
 
 
 rule store_caches_policy:
@@ -65,7 +67,7 @@ rule store_caches_policy:
     params:
         policy=STORE_CACHES,
     shell:
-        "stagereplay store-caches-policy --policy {params.policy} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure("stagereplay store-caches-policy --policy {params.policy} --out {output:q} > {log:q} 2>&1")
 
 
 # The store holds what store_caches keeps, after every job that writes or reads caches: a changed
@@ -93,8 +95,11 @@ rule storage:
         ledger=lambda wildcards: LAYOUT.directory,
         rebuild=rebuild_args(LAYOUT, RUNTIME),
     shell:
-        "stagereplay apply-storage --ledger {params.ledger:q} --policy {params.policy} {params.rebuild}"
-        " --out {output:q} > {log:q} 2>&1" + ON_FAILURE + "; tail -n 1 {log:q}"
+        tail_log_on_failure(
+            "stagereplay apply-storage --ledger {params.ledger:q} --policy {params.policy} {params.rebuild}"
+            " --out {output:q} > {log:q} 2>&1",
+            show_last_line=True,
+        )
 
 
 rule gather:
@@ -110,7 +115,7 @@ rule gather:
         mem_mb=2000,
         runtime=10,
     shell:
-        "stagereplay gather --out {output:q} {input:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure("stagereplay gather --out {output:q} {input:q} > {log:q} 2>&1")
 
 
 rule compare:
@@ -136,12 +141,14 @@ rule compare:
         precisions=" ".join(FIXED["precisions"]),
         constructions=" ".join(shlex.quote(name) for name in CONSTRUCTIONS),
     shell:
-        "stagereplay compare --trajectories {input.trajectories:q} --store {params.store:q} {params.source_stores}"
-        " {params.rebuild}"
-        " --primary {params.primary} --replications {params.replications}"
-        " --matched-precision {params.matched_precision} --replicas {params.replicas}"
-        " --precisions {params.precisions} --constructions {params.constructions}"
-        " --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay compare --trajectories {input.trajectories:q} --store {params.store:q} {params.source_stores}"
+            " {params.rebuild}"
+            " --primary {params.primary} --replications {params.replications}"
+            " --matched-precision {params.matched_precision} --replicas {params.replicas}"
+            " --precisions {params.precisions} --constructions {params.constructions}"
+            " --out {output:q} > {log:q} 2>&1"
+        )
 
 
 rule gather_transplants:
@@ -157,7 +164,7 @@ rule gather_transplants:
         mem_mb=2000,
         runtime=10,
     shell:
-        "stagereplay gather --table transplants --out {output:q} {input:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure("stagereplay gather --table transplants --out {output:q} {input:q} > {log:q} 2>&1")
 
 
 rule summary:
@@ -179,5 +186,7 @@ rule summary:
         transplants=lambda wildcards, input: f"--transplants {input.transplants}" if TRANSPLANT["enabled"] else "",
         factors=lambda wildcards, input: f"--factors {input.factors}" if FACTOR_LEVELS else "",
     shell:
-        "stagereplay summarize --trajectories {input.trajectories:q} --comparisons {input.comparisons:q}"
-        " {params.transplants} {params.factors} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay summarize --trajectories {input.trajectories:q} --comparisons {input.comparisons:q}"
+            " {params.transplants} {params.factors} --out {output:q} > {log:q} 2>&1"
+        )

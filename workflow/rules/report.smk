@@ -50,7 +50,9 @@ rule report:
         item_source=ITEMS_SPEC["source"],
         plots_dir=lambda wildcards, output: str(Path(output.card_html).parent),
     shell:
-        "stagereplay report --summary {input.summary:q} --trajectories {input.trajectories:q}"
-        " --comparisons {input.comparisons:q} {params.transplants} {params.factors} {params.models} {params.vocab} {params.e4} --items {input.item_file:q}"
-        " --item-source {params.item_source:q} --card {output.card:q} --card-html {output.card_html:q}"
-        " --plots-dir {params.plots_dir:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay report --summary {input.summary:q} --trajectories {input.trajectories:q}"
+            " --comparisons {input.comparisons:q} {params.transplants} {params.factors} {params.models} {params.vocab} {params.e4} --items {input.item_file:q}"
+            " --item-source {params.item_source:q} --card {output.card:q} --card-html {output.card_html:q}"
+            " --plots-dir {params.plots_dir:q} > {log:q} 2>&1"
+        )

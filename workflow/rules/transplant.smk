@@ -26,9 +26,11 @@ rule select_transplants:
         blind_checkpoint=BLIND_CHECKPOINT,
         seed=BLIND["seed"],
     shell:
-        "stagereplay select-transplants --live {input.live:q} --prefill {input.prefill:q} {params.first_k}"
-        " --outcome-blind-checkpoint {params.blind_checkpoint} --outcome-blind-ids {params.blind} --seed {params.seed}"
-        " --out {output:q} > {log:q} 2>&1" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay select-transplants --live {input.live:q} --prefill {input.prefill:q} {params.first_k}"
+            " --outcome-blind-checkpoint {params.blind_checkpoint} --outcome-blind-ids {params.blind} --seed {params.seed}"
+            " --out {output:q} > {log:q} 2>&1"
+        )
 
 
 rule transplant:
@@ -54,7 +56,9 @@ rule transplant:
         store=LAYOUT.objects,
         source_store=LAYOUT.objects,
     shell:
-        "stagereplay transplant --model-record {input.model:q} --items {input.item_file:q}"
-        " --selection {wildcards.selection} --selection-file {input.selection:q} {params.pairs} {params.sweep}"
-        " {params.runtime} --store {params.store:q} --source-store {params.source_store:q}"
-        " --out {output:q} 2> {log:q}" + ON_FAILURE
+        tail_log_on_failure(
+            "stagereplay transplant --model-record {input.model:q} --items {input.item_file:q}"
+            " --selection {wildcards.selection} --selection-file {input.selection:q} {params.pairs} {params.sweep}"
+            " {params.runtime} --store {params.store:q} --source-store {params.source_store:q}"
+            " --out {output:q} 2> {log:q}"
+        )

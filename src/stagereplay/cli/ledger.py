@@ -48,7 +48,7 @@ def add_provenance_command(sub) -> None:
 def cmd_apply_storage(args) -> None:
     from stagereplay.atomic import atomic_write_text
     from stagereplay.audit.verify import verify_ledger
-    from stagereplay.engines.base import Runtime
+    from stagereplay.engines.runtime import runtime_from_args
     from stagereplay.experiments.recompute import ModelPool
     from stagereplay.experiments.storage_operation import apply_policy
     from stagereplay.ledger.layout import LedgerLayout
@@ -59,10 +59,7 @@ def cmd_apply_storage(args) -> None:
     trajectories = read_table(ledger.table("trajectories"), TRAJECTORY_SCHEMA).to_pylist()
     transplants_path = Path(ledger.table("transplants"))
     transplants = read_table(transplants_path, TRANSPLANT_SCHEMA).to_pylist() if transplants_path.is_file() else []
-    runtime = Runtime(
-        "fp32", args.device, args.threads, args.attn_implementation, args.trust_remote_code, flash_attn=args.flash_attn
-    )
-    models = ModelPool(dict(args.model), runtime) if args.model else None
+    models = ModelPool(dict(args.model), runtime_from_args(args)) if args.model else None
     change = apply_policy(args.policy, ObjectStore(ledger.objects), trajectories, transplants, models)
     print(change.line())
     report = verify_ledger(args.ledger, documents=False)
@@ -107,7 +104,7 @@ def add_gather_command(sub) -> None:
 
 def cmd_compare(args) -> None:
     from stagereplay.design.names import parse_construction
-    from stagereplay.engines.base import Runtime
+    from stagereplay.engines.runtime import runtime_from_args
     from stagereplay.experiments.compare import comparison_table, pair_specs, replication_specs
     from stagereplay.experiments.recompute import CacheSource, ModelPool
     from stagereplay.ledger.store import ObjectStore
@@ -120,10 +117,7 @@ def cmd_compare(args) -> None:
         {name: replication_specs(args.matched_precision) for name in args.replications if name != args.primary}
     )
     # With the model records given, a cache that is not stored (store_caches selected or none) is rebuilt.
-    runtime = Runtime(
-        "fp32", args.device, args.threads, args.attn_implementation, args.trust_remote_code, flash_attn=args.flash_attn
-    )
-    models = ModelPool(dict(args.model), runtime) if args.model else None
+    models = ModelPool(dict(args.model), runtime_from_args(args)) if args.model else None
     stores = [ObjectStore(root) for root in [args.store, *args.source_store]]
     table = comparison_table(read_table(args.trajectories, TRAJECTORY_SCHEMA), CacheSource(stores, models), specs)
     write_table(table.to_pylist(), COMPARISON_SCHEMA, args.out)

@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import argparse
 
+from stagereplay.engines.runtime import add_runtime_options
+
 
 def runtime(args):
-    from stagereplay.engines.base import Runtime
+    """The runtime a job's options give (engines.runtime: the one translation back)."""
+    from stagereplay.engines.runtime import runtime_from_args
 
-    return Runtime(
-        precision=args.precision,
-        device=args.device,
-        threads=args.threads,
-        attn_implementation=args.attn_implementation,
-        trust_remote_code=args.trust_remote_code,
-        flash_attn=args.flash_attn,
-        max_positions=args.max_positions,
-        device_memory_gb=args.device_memory_gb,
-    )
+    return runtime_from_args(args)
 
 
 def spec(args):
@@ -34,14 +28,14 @@ def spec(args):
 
 
 def _precision(text: str) -> str:
-    """bf16, or a precision llama.cpp runs (fp16, fp32, or a cache type such as q8_0 or q8_0-fp16)."""
-    from stagereplay.engines.cache_types import CacheTypeError, cache_types
+    """A precision some engine takes (bf16, fp16, fp32, or a llama.cpp cache type such as q8_0 or q8_0-fp16)."""
+    from stagereplay.engines.registry import precision_spec
+    from stagereplay.engines.spec import SpecError
 
-    if text != "bf16":
-        try:
-            cache_types(text)
-        except CacheTypeError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
+    try:
+        precision_spec(text)
+    except SpecError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
 
@@ -49,22 +43,7 @@ def add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-record", required=True, help="model.json written by register-model")
     parser.add_argument("--items", required=True, help="normalised items.jsonl")
     parser.add_argument("--checkpoint", required=True, help="checkpoint name (recorded in every row)")
-    parser.add_argument(
-        "--precision", required=True, type=_precision, help="bf16, fp16, fp32 or a llama.cpp cache type"
-    )
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    parser.add_argument("--threads", type=int, required=True, help="intra-op threads (fixed: replicas depend on it)")
-    parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
-    parser.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention")
-    parser.add_argument(
-        "--trust-remote-code", action="store_true", help="run code shipped with the model (off by default)"
-    )
-    parser.add_argument(
-        "--max-positions", type=int, default=0, help="longest sequence a job holds (the fit check's caches)"
-    )
-    parser.add_argument(
-        "--device-memory-gb", type=float, default=None, help="device memory the job may use (default: what is free)"
-    )
+    add_runtime_options(parser, model_job=True, precision=_precision)
     parser.add_argument("--replica", type=int, default=0)
     parser.add_argument("--shard", type=int, required=True)
     parser.add_argument("--shard-size", type=int, required=True)
@@ -109,8 +88,4 @@ def add_model_records(parser: argparse.ArgumentParser, help_text: str, required:
 def add_rebuild_runtime(parser: argparse.ArgumentParser) -> None:
     """What a light job needs to rebuild a cache that is not stored: the models and how to run them."""
     add_model_records(parser, "a checkpoint's name and model.json (repeat); without one, every cache must be stored")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads, as the model jobs ran")
-    parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
-    parser.add_argument("--flash-attn", action="store_true", help="llama.cpp's flash attention, as the jobs ran")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    add_runtime_options(parser, model_job=False)

@@ -16,24 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from stagereplay.engines.runtime import Runtime
 from stagereplay.engines.spec import ModelError
 from stagereplay.ledger.kvstate import KVState
 
-__all__ = ["ModelError"]  # defined with the specs (no torch), raised by every engine
-
-
-@dataclass(frozen=True)
-class Runtime:
-    precision: str
-    device: str  # "cpu", "cuda" or "auto"
-    threads: int
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
-    flash_attn: bool = False  # llama.cpp's flash attention (its quantized V caches need it)
-    # What the fit check at load time needs: the longest sequence a job holds (prompt, stage and
-    # suffix; 0: weights only) and the device memory it may use (None: the device's free memory).
-    max_positions: int = 0
-    device_memory_gb: float | None = None
+__all__ = ["ModelError", "Runtime"]  # defined with the specs (no torch), raised by every engine
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ differing layer, instead of computing figures from a state the ledger never held
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -105,7 +104,7 @@ class ModelPool:
         if key not in self.loaded:
             for other in [other for other in self.loaded if other not in self.pinned]:
                 del self.loaded[other]
-            self.loaded[key] = load_checkpoint(record, dataclasses.replace(self.runtime, precision=precision))
+            self.loaded[key] = load_checkpoint(record, self.runtime.at(precision))
         return self.loaded[key]
 
 
