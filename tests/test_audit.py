@@ -20,15 +20,14 @@ from workflow_helpers import (
     write_config,
 )
 
+from stagereplay.audit.e4 import e4_line, e4_summary
 from stagereplay.audit.rerun import (
     audit_comparisons,
     audit_rows,
     audit_trajectories,
     audit_transplants,
-    e4_figures,
-    verdict,
 )
-from stagereplay.experiments.compare import Side
+from stagereplay.design.jobs import trajectory_label
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import AUDIT_SCHEMA, COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
 from stagereplay.report.reading import e4_reading
@@ -64,7 +63,7 @@ def audited(test_run, tmp_path_factory):
 
 
 def reproduced_of(entry: dict) -> tuple:
-    """The x/N of an E4 entry (which also carries the rate and Wilson interval of summary.proportion)."""
+    """The x/N of an E4 entry (which also carries the rate and Wilson interval of stats.share)."""
     return entry["reproduced"], entry["n"]
 
 
@@ -123,7 +122,7 @@ def test_the_recomputed_readout_catches_a_saved_readout_changed_in_its_last_bit(
     other = next(letter for letter in "ABCD" if letter != rows[5]["readout_answer"])
     rows[5]["readout_answer"] = other
     tampered = pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA)
-    side = lambda row: Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()  # noqa: E731
+    side = trajectory_label
     assert failed(tampered) == [
         (rows[3]["item_id"], side(rows[3]), "readout"),
         (rows[5]["item_id"], side(rows[5]), "readout"),
@@ -222,11 +221,11 @@ def test_a_mismatch_names_item_artifact_and_first_layer_or_position(test_run, tm
     )
     environment = {row["environment"] for row in checks if row["environment_differs"]}
     assert environment == {f"threads {rows[2]['threads'] - 1} -> {rows[2]['threads']}"}
-    figures = e4_figures(checks)
+    figures = e4_summary(checks)
     assert figures["status"] == "differences found"
     assert reproduced_of(figures["artifacts"]["layer_v"]) == (len(rows) - 1, len(rows))
     # Every check of that one trajectory, and no other, carries the environment difference.
-    side = Side(rows[2]["construction"], rows[2]["precision"], rows[2]["prefix_precision"], rows[2]["replica"]).label()
+    side = trajectory_label(rows[2])
     of_that_row = [row for row in checks if (row["item_id"], row["side"]) == (rows[2]["item_id"], side)]
     assert len(of_that_row) >= 8
     assert figures["environment_differences"] == [{"difference": environment.pop(), "rows": len(of_that_row)}]
@@ -257,7 +256,7 @@ def test_a_recomputed_difference_that_verify_cannot_see_is_found_by_the_audit(te
     result = snakemake(tmp_path / "copy", config, "audit")
     assert result.returncode == 0, result.stderr[-3000:]
     e4 = json.loads((ledger / "audit" / "e4.json").read_text())
-    side = Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
+    side = trajectory_label(row)
     assert e4["status"] == "differences found"
     assert [(m["kind"], m["artifact"], m["item_id"], m["side"]) for m in e4["mismatches"]] == [
         ("trajectory", "suffix", row["item_id"], side),
@@ -298,11 +297,9 @@ def test_a_rebuilt_prefix_is_copied_so_it_is_not_counted_as_reproduced(test_run)
     store = ObjectStore(ledger / "objects")
     checks = audit_rows(audit_trajectories(saved, pa.Table.from_pylist(rows, schema=TRAJECTORY_SCHEMA), store, store))
     prefixes = [check for check in checks if check["artifact"] == "prefix"]
-    assert sorted(check["side"] for check in prefixes) == sorted(
-        Side(r["construction"], r["precision"], r["prefix_precision"], r["replica"]).label() for r in live
-    )
+    assert sorted(check["side"] for check in prefixes) == sorted(trajectory_label(r) for r in live)
     assert all(check["reproduced"] for check in checks)
-    figures = e4_figures(checks)
+    figures = e4_summary(checks)
     assert reproduced_of(figures["artifacts"]["prefix"]) == (len(live), len(live))
     assert reproduced_of(figures["artifacts"]["suffix"]) == (len(rows), len(rows))
 
@@ -333,7 +330,7 @@ def test_a_duplicate_key_fails_its_trajectory(where, test_run):
             f"2 rows share the key {key} in {place} — rebuild that table (rerun snakemake)",
         )
     ]
-    figures = e4_figures(checks)
+    figures = e4_summary(checks)
     assert figures["status"] == "differences found"
     assert reproduced_of(figures["trajectories"]) == (saved.num_rows - 1, saved.num_rows)
 
@@ -359,11 +356,11 @@ def test_a_construction_pair_over_different_prefixes_is_not_reproduced(test_run)
 
 
 def test_an_audit_of_nothing_is_not_measured():
-    figures = e4_figures([])
+    figures = e4_summary([])
     assert figures["status"] == "not measured"
     for entry in (figures["trajectories"], figures["items"]):
         assert reproduced_of(entry) == (None, 0) and entry["status"] == "not measured" and not entry["measured"]
-    assert verdict(figures) == "E4 audit: not measured (no saved row was audited)"
+    assert e4_line(figures) == "E4 audit: not measured (no saved row was audited)"
     assert e4_reading(figures) == [
         "E4 audit: not measured: the audit recomputed no trajectory, so nothing is shown to reproduce."
     ]

@@ -128,6 +128,10 @@ CATALOGUE = {
         "exactly one source", {"checkpoints": {"mine": {"folder": "/tmp", "embedded": True}}}
     ),
     "model folder without config.json": BadInput("has no config.json", prepare=folder_without_config),
+    "an engine the registry does not have": BadInput(
+        "checkpoints.tiny.engine: unknown engine 'vllm' — use one of transformers, llamacpp",
+        {"checkpoints": {"tiny": {"engine": "vllm", "random_qwen2": {"seed": 0}}}},
+    ),
     "bf16 on a llama.cpp checkpoint": BadInput(
         "whose precision is the KV cache type: bf16 is not one",
         {"checkpoints": {"tiny": {"engine": "llamacpp", "random_qwen2": {"seed": 0}}}},

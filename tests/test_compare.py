@@ -1,14 +1,11 @@
 import pyarrow as pa
 import pytest
 import torch
+from conftest import REPO
 
-from stagereplay.experiments.compare import (
-    compare_pair,
-    comparison_table,
-    first_divergence,
-    pair_specs,
-    replication_specs,
-)
+from stagereplay.design.jobs import comparisons, job_list, replication_comparisons
+from stagereplay.design.schema import load_config
+from stagereplay.experiments.compare import compare_pair, comparison_table, first_divergence
 from stagereplay.experiments.difference import cache_difference, tensor_difference
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
@@ -53,8 +50,9 @@ def test_first_divergence():
     assert first_divergence([1, 2], [1, 2, 3]) == 2
 
 
-def test_pair_specs_follow_the_design():
-    specs = pair_specs("bf16", 2, ["bf16", "fp32"], ["incremental", "prefill", "chunked:8"])
+def test_comparisons_follow_the_design():
+    specs = comparisons("m", "bf16", 2, ["bf16", "fp32"], ["incremental", "prefill", "chunked:8"])
+    assert {s.a.checkpoint for s in specs} == {s.b.checkpoint for s in specs} == {"m"}
     labels = {(s.experiment, s.relation, s.a.label(), s.b.label()) for s in specs}
     assert ("E1", "construction", "live/bf16/rep0", "prefill/bf16/rep0<-bf16") in labels
     assert ("E1", "replica", "live/bf16/rep0", "live/bf16/rep1") in labels
@@ -65,6 +63,20 @@ def test_pair_specs_follow_the_design():
     # E3 compares each precision's own live run with incremental over that run's prefix.
     assert ("E3", "construction", "live/fp32/rep0", "incremental/fp32/rep0<-fp32") in labels
     assert len(specs) == 1 + 2 + 4 + 2
+
+
+def test_the_job_list_compares_only_trajectories_it_schedules():
+    """The comparisons are planned with the trajectories (one job list): every side of every pair is a
+    trajectory the workflow runs, and every scheduled trajectory is compared (the outcome-blind
+    replication on another checkpoint too)."""
+    config = load_config(REPO / "config" / "test.yaml", workdir=REPO)
+    config["transplant"]["outcome_blind"]["checkpoint"] = "other"
+    config["checkpoints"]["other"] = {"embedded": True}
+    jobs = job_list(config)
+    sides = {side for pair in jobs.comparisons for side in (pair.a, pair.b)}
+    assert sides <= set(jobs.trajectories)
+    assert {t.checkpoint for t in jobs.trajectories} - {t.checkpoint for t in sides} == set()
+    assert [pair.a.checkpoint for pair in jobs.comparisons][-1] == "other"
 
 
 def _trajectory(checkpoint: str, construction: str, prefix_object: str, item_id: str = "q1") -> dict:
@@ -92,7 +104,7 @@ def _trajectory(checkpoint: str, construction: str, prefix_object: str, item_id:
 
 def test_unequal_prefixes_are_recorded_not_diffed(tmp_path):
     """The audit's live side may regenerate another prefix: the row says so instead of diffing two states."""
-    spec = replication_specs("bf16")[0]
+    spec = replication_comparisons("m", "bf16")[0]
     row = compare_pair(
         ObjectStore(tmp_path), spec, _trajectory("m", "live", "a" * 32), _trajectory("m", "prefill", "b" * 32)
     )
@@ -105,9 +117,9 @@ def test_pairs_are_taken_per_checkpoint_and_must_all_exist(tmp_path):
     table = pa.Table.from_pylist(
         [{name: row.get(name) for name in TRAJECTORY_SCHEMA.names} for row in rows], schema=TRAJECTORY_SCHEMA
     )
-    specs = {"primary": replication_specs("bf16"), "other": replication_specs("bf16")}
+    specs = replication_comparisons("primary", "bf16") + replication_comparisons("other", "bf16")
     # No prefill side exists: the first checkpoint's is named, not skipped.
     with pytest.raises(LedgerError, match="prefill/bf16/rep0<-bf16 of checkpoint primary is missing"):
         comparison_table(table, ObjectStore(tmp_path), specs)
     with pytest.raises(LedgerError, match="checkpoint other are not part of this run's design"):
-        comparison_table(table, ObjectStore(tmp_path), {"primary": []})
+        comparison_table(table, ObjectStore(tmp_path), replication_comparisons("primary", "bf16"))

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from workflow_helpers import copy_run, job_counts, snakemake, stagereplay
 
 from stagereplay.audit.rerun import audit_factors
-from stagereplay.design.factors import FactorError, check_levels, verdict
+from stagereplay.design.factors import FactorError, check_levels, item_verdict
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState
@@ -247,7 +247,7 @@ def test_the_audit_names_a_cell_that_does_not_reproduce(factor_run):
     ],
 )
 def test_verdicts(reference, write, read, server, expected):
-    assert verdict(reference, write, read, server) == expected
+    assert item_verdict(reference, write, read, server) == expected
 
 
 @pytest.mark.parametrize(

@@ -23,15 +23,15 @@ from workflow_helpers import REPO, snakemake
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.tables import COMPARISON_SCHEMA, ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, read_table
 from stagereplay.report.card import write_results_card
+from stagereplay.report.card_provenance import provenance
 from stagereplay.report.plots import PLOT_FILES, plot_transplant_follow_donor
-from stagereplay.report.provenance import provenance
 from stagereplay.report.stats import (
     mcnemar_exact,
     paired_difference_ci,
     paired_difference_newcombe,
     paired_difference_wald,
+    share,
 )
-from stagereplay.report.summary import proportion as summary_proportion
 from stagereplay.report.summary import summary as summarize
 
 pytestmark = pytest.mark.slow
@@ -364,8 +364,8 @@ def test_plots_and_card_degrade_when_an_experiment_is_missing(completed, tmp_pat
     del summary["E5"]
     summary["E4"] = {
         "name": "audit",
-        "trajectories": {"reproduced": 35, **summary_proportion(35, 36)},
-        "artifacts": {"kv_cache": {"reproduced": 20, **summary_proportion(20, 20)}},
+        "trajectories": {"reproduced": 35, **share(35, 36)},
+        "artifacts": {"kv_cache": {"reproduced": 20, **share(20, 20)}},
         "mismatches": [{"item_id": "arith-000", "artifact": "suffix", "detail": "differs"}],
         "environment_differences": [],
     }

@@ -11,12 +11,13 @@ import yaml
 from transformers import AutoTokenizer
 from workflow_helpers import copy_run, fingerprints, snakemake, stagereplay, write_config
 
+from stagereplay.design.jobs import trajectory_label
 from stagereplay.design.storage import StorageError, read_policy
 from stagereplay.engines.transformers_engine import Runtime
 from stagereplay.experiments.constructions import StageBoundary
 from stagereplay.experiments.job import ShardSpec
 from stagereplay.experiments.prompts import readout_tokens
-from stagereplay.experiments.recompute import CacheMismatch, CacheSource, ModelPool, side_label
+from stagereplay.experiments.recompute import CacheMismatch, CacheSource, ModelPool
 from stagereplay.experiments.shards import Budgets, run_construction_shard, run_live_shard
 from stagereplay.inputs.checkpoints import write_model_record
 from stagereplay.ledger.store import ObjectStore
@@ -181,7 +182,7 @@ def _cache_objects(store: ObjectStore) -> set[str]:
 def _transplanted_caches(ledger) -> set[str]:
     """The caches of every trajectory a transplant used as donor or recipient."""
     trajectories = {
-        (row["checkpoint"], row["item_id"], side_label(row)): row["cache_object"]
+        (row["checkpoint"], row["item_id"], trajectory_label(row)): row["cache_object"]
         for row in pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
     }
     return {
@@ -232,7 +233,7 @@ def test_a_rebuilt_cache_unlike_the_ledger_stops_compare_with_one_line(run_none,
     result = snakemake(tmp_path / "run", config, "--forcerun", "compare")
     assert result.returncode != 0
     line = (
-        f"stagereplay: error: item {row['item_id']} {side_label(row)} (checkpoint {row['checkpoint']}): the cache"
+        f"stagereplay: error: item {row['item_id']} {trajectory_label(row)} (checkpoint {row['checkpoint']}): the cache"
         " rebuilt from the saved tokens differs from the ledger's fingerprints at layer 0 K"
     )
     assert line in result.stderr, result.stderr[-3000:]

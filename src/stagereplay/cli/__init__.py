@@ -53,12 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from stagereplay.design.checked_run import RunRefused
     from stagereplay.design.factors import FactorError
     from stagereplay.design.names import ConstructionError, TransplantError
     from stagereplay.design.schema import ConfigError
     from stagereplay.design.storage import StorageError
-    from stagereplay.engines.base import ModelError
     from stagereplay.engines.shapes import PlanError
+    from stagereplay.engines.spec import ModelError
     from stagereplay.inputs.checkpoints import CheckpointError
     from stagereplay.inputs.items import ItemError
     from stagereplay.ledger.tables import LedgerError
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         LedgerError,
         ModelError,
         PlanError,
+        RunRefused,
         StorageError,
         TransplantError,
     ) as error:

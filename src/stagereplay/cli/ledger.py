@@ -103,19 +103,20 @@ def add_gather_command(sub) -> None:
 
 
 def cmd_compare(args) -> None:
+    from stagereplay.design.jobs import comparisons, replication_comparisons
     from stagereplay.design.names import parse_construction
     from stagereplay.engines.runtime import runtime_from_args
-    from stagereplay.experiments.compare import comparison_table, pair_specs, replication_specs
+    from stagereplay.experiments.compare import comparison_table
     from stagereplay.experiments.recompute import CacheSource, ModelPool
     from stagereplay.ledger.store import ObjectStore
     from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, read_table, write_table
 
     for construction in args.constructions:
         parse_construction(construction)
-    specs = {args.primary: pair_specs(args.matched_precision, args.replicas, args.precisions, args.constructions)}
-    specs.update(
-        {name: replication_specs(args.matched_precision) for name in args.replications if name != args.primary}
-    )
+    specs = comparisons(args.primary, args.matched_precision, args.replicas, args.precisions, args.constructions)
+    for name in dict.fromkeys(args.replications):
+        if name != args.primary:
+            specs += replication_comparisons(name, args.matched_precision)
     # With the model records given, a cache that is not stored (store_caches selected or none) is rebuilt.
     models = ModelPool(dict(args.model), runtime_from_args(args)) if args.model else None
     stores = [ObjectStore(root) for root in [args.store, *args.source_store]]

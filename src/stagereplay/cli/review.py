@@ -10,11 +10,13 @@ from stagereplay.cli.options import add_model_records
 
 
 def cmd_plan(args) -> None:
-    from stagereplay.design.projection import project_config, render
+    """The run's parse-time checks (those snakemake runs, design.checked_run), then its projection."""
+    from stagereplay.design.checked_run import check_run, default_repo
+    from stagereplay.design.projection import project_run, render
     from stagereplay.design.schema import load_config
 
     config = load_config(args.configfile, {"ledger_dir": args.ledger_dir} if args.ledger_dir else None)
-    projection, shapes, model = project_config(config, args.model_config)
+    projection, shapes, model = project_run(check_run(config, default_repo()), args.model_config)
     print(render(projection, model, shapes))
 
 
@@ -95,27 +97,19 @@ def add_show_command(sub) -> None:
 
 
 def cmd_audit(args) -> None:
-    from stagereplay.audit.rerun import (
-        audit_ledger,
-        audit_rows,
-        audit_runtime,
-        e4_document,
-        e4_figures,
-        ledger_table_digests,
-        verdict,
-        write_e4,
-    )
+    from stagereplay.audit.e4 import audit_runtime, e4_document, e4_line, e4_summary, ledger_table_digests, write_e4
+    from stagereplay.audit.rerun import audit_ledger, audit_rows
     from stagereplay.ledger.layout import LedgerLayout
     from stagereplay.ledger.tables import AUDIT_SCHEMA, read_table, write_table
 
     rows = audit_rows(audit_ledger(args.ledger, args.checkpoints))
     audited = LedgerLayout(args.ledger).audit.table("trajectories")
     runtime = audit_runtime(read_table(audited).to_pylist()) if Path(audited).is_file() else None
-    figures = e4_figures(rows, runtime)
+    figures = e4_summary(rows, runtime)
     write_table(rows, AUDIT_SCHEMA, args.out)
     # e4.json last: it is computed from the audit table (verify recomputes it from there).
     write_e4(e4_document(figures, ledger_table_digests(args.ledger)), args.e4)
-    print(verdict(figures))
+    print(e4_line(figures))
 
 
 def add_audit_command(sub) -> None:
@@ -130,7 +124,7 @@ def add_audit_command(sub) -> None:
 def _current_e4(path: str | None, tables: dict) -> dict | None:
     """The E4 figures of e4.json when it was audited against these very tables; None otherwise (the card
     then says "not run", as it did before any audit): a changed ledger is not described by an older audit."""
-    from stagereplay.audit.rerun import e4_describes, e4_figures_of, saved_table_digests
+    from stagereplay.audit.e4 import e4_describes, e4_summary_of, saved_table_digests
 
     if not path or not Path(path).is_file():
         return None
@@ -138,7 +132,7 @@ def _current_e4(path: str | None, tables: dict) -> dict | None:
     if not e4_describes(document, saved_table_digests(tables)):
         print(f"{path} describes an older ledger: E4 is shown as not run until the next audit", file=sys.stderr)
         return None
-    return e4_figures_of(document)
+    return e4_summary_of(document)
 
 
 def cmd_report(args) -> None:
@@ -152,10 +146,10 @@ def cmd_report(args) -> None:
         read_table,
     )
     from stagereplay.report.card import write_results_card
+    from stagereplay.report.card_provenance import provenance
     from stagereplay.report.factor_view import factor_item_rows
     from stagereplay.report.item_view import item_records, read_vocabularies
     from stagereplay.report.plots import PLOT_FILES, write_plots
-    from stagereplay.report.provenance import provenance
 
     summary_path = Path(args.summary)
     if not summary_path.is_file():

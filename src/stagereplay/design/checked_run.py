@@ -17,7 +17,7 @@ from stagereplay.cpuinfo import cpu_flags
 from stagereplay.design.factors import FactorError, Level, check_levels
 from stagereplay.design.jobs import JobList, job_list
 from stagereplay.engines.registry import spec_of
-from stagereplay.engines.spec import EngineSpec, SpecError
+from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
 from stagereplay.ledger.layout import LedgerLayout
 
 # Where a checkpoint comes from: exactly one of these keys in its config entry.
@@ -56,6 +56,16 @@ class CheckedRun:
         return model_folder(self.config, self.repo, self.layout, checkpoint)
 
 
+# The checkout this code runs from, when it does (an installed copy has none).
+SOURCE_TREE = Path(__file__).resolve().parents[3]
+
+
+def default_repo() -> Path:
+    """What config paths are relative to outside snakemake (``stagereplay plan``): the checkout this code runs
+    from, or, for an installed package, which has none, the working directory."""
+    return SOURCE_TREE if (SOURCE_TREE / "Snakefile").is_file() else Path.cwd()
+
+
 def repo_path(repo: Path, path: str | Path) -> str:
     """Config paths are relative to the repository, not to where snakemake was started."""
     path = Path(path).expanduser()
@@ -85,7 +95,10 @@ def checkpoint_source(config: dict, repo: Path, name: str) -> str:
 
 def engine_spec(config: dict, repo: Path, name: str) -> EngineSpec:
     """The spec of the engine that runs a checkpoint, its source checked against it."""
-    spec = spec_of(config["checkpoints"][name])
+    try:
+        spec = spec_of(config["checkpoints"][name])
+    except ModelError as error:
+        raise RunRefused(f"checkpoints.{name}.engine: {error}") from None
     try:
         spec.check_source(name, checkpoint_source(config, repo, name))
     except SpecError as error:
@@ -211,7 +224,7 @@ def check_transplant_plan(config: dict, repo: Path, layout: LedgerLayout, items:
 
 def prompt_lengths(config: dict, repo: Path, layout: LedgerLayout, items: list) -> list[int]:
     """Each item's prompt length, estimated from the items' text (the prompt tokens do not exist yet)."""
-    from stagereplay.design.projection import estimate_prompt_tokens
+    from stagereplay.design.prompt_lengths import estimate_prompt_tokens
     from stagereplay.engines.shapes import checkpoint_shapes
 
     primary = next(iter(config["checkpoints"]))
@@ -222,7 +235,7 @@ def prompt_lengths(config: dict, repo: Path, layout: LedgerLayout, items: list) 
 def check_factor_levels(config: dict, repo: Path, layout: LedgerLayout, items: list, estimated: list[int]) -> list:
     """E6's levels (factor, level, engine, batch size against the items, a prefix-cache block against the
     shortest prompt, the CPU's kernel levels)."""
-    from stagereplay.design.projection import measured_prompt_tokens
+    from stagereplay.design.prompt_lengths import measured_prompt_tokens
 
     primary = next(iter(config["checkpoints"]))
     runtime = config["runtime"]

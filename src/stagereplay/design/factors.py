@@ -402,7 +402,9 @@ def check_levels(
     return levels
 
 
-def verdict(reference: list[int], write: list[int] | None, read: list[int] | None, server: list[int] | None) -> str:
+def item_verdict(
+    reference: list[int], write: list[int] | None, read: list[int] | None, server: list[int] | None
+) -> str:
     """Where the divergence of one item enters, from the suffixes of its cells (token lists).
 
     - ``none``: every cell continues like the reference;

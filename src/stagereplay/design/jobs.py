@@ -12,11 +12,14 @@ Per checkpoint and item, the primary checkpoint records
   (at the E1 precision both exist already, as E1 live and E2 incremental);
 and the outcome-blind checkpoint, when it is another one, E1 live and prefill (replica 0).
 E5 adds one transplant job per selection, checkpoint and precision (shards of items each).
+The comparisons (E1, E2, E3) pair these trajectories, always within one checkpoint (``comparisons``).
 """
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import asdict, astuple, dataclass
+
+from stagereplay.ledger.tables import TRAJECTORY_KEY, row_key
 
 
 @dataclass(frozen=True, order=True)
@@ -32,6 +35,35 @@ class Trajectory:
     def fields(self) -> tuple:
         """(checkpoint, construction, precision, prefix_precision, replica), as the layout takes them."""
         return astuple(self)
+
+    @classmethod
+    def of_row(cls, row: dict) -> Trajectory:
+        """The trajectory a ledger row (trajectories, transplants) belongs to."""
+        return cls(row["checkpoint"], row["construction"], row["precision"], row["prefix_precision"], row["replica"])
+
+    def label(self) -> str:
+        """How the comparison table and the card name it within its checkpoint: live/bf16/rep0, prefill/fp32/rep0<-bf16."""
+        source = "" if self.construction == "live" else f"<-{self.prefix_precision}"
+        return f"{self.construction}/{self.precision}/rep{self.replica}{source}"
+
+    def key(self, item_id: str) -> tuple:
+        """The TRAJECTORY_KEY of this trajectory's row for one item."""
+        return row_key({**asdict(self), "item_id": item_id}, TRAJECTORY_KEY)
+
+
+def trajectory_label(row: dict) -> str:
+    """The label of the trajectory a ledger row belongs to (Trajectory.label)."""
+    return Trajectory.of_row(row).label()
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two trajectories of one checkpoint compared item by item (experiments.compare): an experiment's pair."""
+
+    experiment: str  # E1, E2 or E3
+    relation: str  # construction (two ways to one boundary) or replica (the same way, in another process)
+    a: Trajectory
+    b: Trajectory
 
 
 @dataclass(frozen=True)
@@ -52,6 +84,7 @@ class JobList:
     replications: tuple[str, ...]  # checkpoints besides the primary one (the outcome-blind one's)
     trajectories: tuple[Trajectory, ...]  # sorted, each once
     transplants: tuple[TransplantJob, ...]
+    comparisons: tuple[Comparison, ...]  # in the comparison table's order
 
     def of(self, checkpoint: str) -> list[Trajectory]:
         return [trajectory for trajectory in self.trajectories if trajectory.checkpoint == checkpoint]
@@ -73,6 +106,42 @@ def live(checkpoint: str, precision: str, replica: int = 0) -> Trajectory:
 
 def rebuilt(checkpoint: str, prefix_precision: str, precision: str, construction: str, replica: int = 0) -> Trajectory:
     return Trajectory(checkpoint, construction, precision, prefix_precision, replica)
+
+
+def comparisons(
+    checkpoint: str, e1: str, replicas: int, precisions: list[str], constructions: list[str]
+) -> list[Comparison]:
+    """The pairs of one checkpoint, in the comparison table's order: E1 (live against prefill at the E1
+    precision, each side against its replicas), E2 (at each precision, incremental against every other
+    construction over the E1 live prefix), E3 (at each precision, its live cache against incremental over
+    its own prefix)."""
+    pairs = [Comparison("E1", "construction", live(checkpoint, e1), rebuilt(checkpoint, e1, e1, "prefill"))]
+    for replica in range(1, replicas):
+        pairs.append(Comparison("E1", "replica", live(checkpoint, e1), live(checkpoint, e1, replica)))
+        pairs.append(
+            Comparison(
+                "E1",
+                "replica",
+                rebuilt(checkpoint, e1, e1, "prefill"),
+                rebuilt(checkpoint, e1, e1, "prefill", replica),
+            )
+        )
+    for precision in precisions:
+        for construction in constructions:
+            if construction != "incremental":
+                incremental = rebuilt(checkpoint, e1, precision, "incremental")
+                pairs.append(
+                    Comparison("E2", "construction", incremental, rebuilt(checkpoint, e1, precision, construction))
+                )
+    for precision in precisions:
+        own = rebuilt(checkpoint, precision, precision, "incremental")
+        pairs.append(Comparison("E3", "construction", live(checkpoint, precision), own))
+    return pairs
+
+
+def replication_comparisons(checkpoint: str, e1: str) -> list[Comparison]:
+    """The pairs of another checkpoint: only E1 live against prefill, the sides its replication runs."""
+    return comparisons(checkpoint, e1, 1, [], [])
 
 
 def job_list(config: dict) -> JobList:
@@ -110,7 +179,10 @@ def job_list(config: dict) -> JobList:
             down = tuple((recipient, donor) for donor, recipient in up)
             transplants.append(TransplantJob("cross_precision", primary, cross, up, sweep=False))
             transplants.append(TransplantJob("cross_precision", primary, e1, down, sweep=False))
-    return JobList(primary, e1, replications, tuple(sorted(trajectories)), tuple(transplants))
+    pairs = comparisons(primary, e1, replicas, fixed["precisions"], fixed["constructions"])
+    for checkpoint in replications:
+        pairs += replication_comparisons(checkpoint, e1)
+    return JobList(primary, e1, replications, tuple(sorted(trajectories)), tuple(transplants), tuple(pairs))
 
 
 def sweep_subsets(sweep: dict, layers: int) -> int:

@@ -19,7 +19,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stagereplay.design.checked_run import CheckedRun, checkpoint_source, repo_path
 from stagereplay.design.jobs import JobList, job_list, sweep_subsets
+from stagereplay.design.prompt_lengths import estimate_prompt_tokens, measured_prompt_tokens
 from stagereplay.design.storage import DEFAULT, POLICIES, check_policy
 from stagereplay.engines.shapes import (
     MODEL_CONFIGS,
@@ -126,6 +128,10 @@ class Design:
         return sorted(
             (t.construction, t.precision, t.prefix_precision, t.replica) for t in self.jobs.of(self.jobs.primary)
         )
+
+    def replication_trajectories(self) -> list:
+        """The trajectories of the checkpoints besides the primary one (the outcome-blind replication's)."""
+        return [t for checkpoint in self.jobs.replications for t in self.jobs.of(checkpoint)]
 
     def cache_objects(self, shared_prefix: bool = False) -> list[tuple[str, str, str]]:
         """(construction, precision, prefix precision) of each distinct boundary cache of one item:
@@ -241,10 +247,11 @@ def project(
         )
         for index, p in enumerate(prompt_tokens)
     ]
-    # The outcome-blind replication on another checkpoint: E1 live and prefill (replica 0) there.
-    other = None if design.blind_on_primary or not design.transplant else (replication_shapes or shapes)
+    # The outcome-blind replication on another checkpoint: its trajectories in the job list (E1 live and prefill).
+    replicated = design.replication_trajectories()
+    other = (replication_shapes or shapes) if replicated else None
     other_per_item = [
-        2 * cache_object_bytes(other, design.e1, _positions(p, design)) if other else 0 for p in prompt_tokens
+        sum(cache_object_bytes(other, t.precision, _positions(p, design)) for t in replicated) for p in prompt_tokens
     ]
     all_bytes = sum(per_item) + sum(other_per_item)
     # `selected`: only the caches the transplant jobs read (the job list's transplant pairs, design.jobs): E1 live and
@@ -281,18 +288,20 @@ def project(
         for p, count in zip(prompt_tokens, own_prefixes)
     )
     result.tokens_bytes += transplant_rows * suffix_object
-    if other:
-        result.tokens_bytes += sum(token_object_bytes(p + stage) + 2 * suffix_object for p in prompt_tokens)
+    if replicated:  # its live prefix, and a suffix per trajectory
+        result.tokens_bytes += sum(
+            token_object_bytes(p + stage) + len(replicated) * suffix_object for p in prompt_tokens
+        )
 
     # Tables: every trajectory and transplant row twice (its shard table and the gathered table),
     # one comparison row per compared pair, the prompt tokens.
-    jobs = len(design.trajectories()) + (2 if other else 0)
+    jobs = len(design.jobs.trajectories)
     rows = items * jobs
     fingerprints = 2 * shapes.layers * _FINGERPRINT_BYTES
     trajectory_row = _ROW_BYTES + fingerprints + _TOKEN_BYTES * design.suffix_tokens
     transplant_row = _ROW_BYTES + fingerprints // 4 + _TOKEN_BYTES * design.suffix_tokens // 2
     comparison_row = _ROW_BYTES + 2 * shapes.layers
-    files = shards * (jobs + len(transplants) + (1 if transplants.get("cross_precision") else 0)) + 4
+    files = shards * (jobs + len(design.jobs.transplants)) + 4
     result.tables_bytes = (
         files * _PARQUET_FILE_BYTES
         + 2 * rows * trajectory_row
@@ -349,52 +358,21 @@ def project(
     return result
 
 
-# --- prompt lengths ---------------------------------------------------------------------------------
-
-# Tokens of the instruction, option labels and chat template (with a default system prompt) around
-# an item's own text (prompts.prompt_text), and characters of item text per token: fitted to the
-# measured prompts of the byte-level random Qwen2 and of SmolLM2-135M-Instruct on data/items.jsonl.
-_PROMPT_OVERHEAD_TOKENS = {"byte": 198, "subword": 100}
-_CHARS_PER_TOKEN = {"byte": 1.0, "subword": 4.0}
-
-
-def estimate_prompt_tokens(items, byte_level: bool) -> list[int]:
-    """Prompt lengths from the items' text, for a byte-level or a subword vocabulary."""
-    kind = "byte" if byte_level else "subword"
-    return [
-        _PROMPT_OVERHEAD_TOKENS[kind]
-        + math.ceil((len(item.question) + sum(len(choice) for choice in item.choices)) / _CHARS_PER_TOKEN[kind])
-        for item in items
-    ]
-
-
-def measured_prompt_tokens(prompts_table: str | Path) -> list[int] | None:
-    """The run's own prompt lengths, when its prompt tokens table exists."""
-    if not Path(prompts_table).is_file():
-        return None
-    import pyarrow.parquet as pq
-
-    return [len(tokens) for tokens in pq.read_table(prompts_table, columns=["prompt_tokens"]).column(0).to_pylist()]
-
-
 # --- a config file's projection --------------------------------------------------------------------
 
 
-def project_config(config: dict, model_config: str | Path | None = None) -> tuple[Projection, ModelShapes, str]:
-    """The projection of a loaded config: the primary checkpoint's shapes (``model_config`` or, for
-    the embedded and random checkpoints and any folder, from the config itself), its items and, when
-    the ledger holds them already, the run's measured prompt lengths."""
-    from stagereplay.inputs.items import ItemError, load_items
-    from stagereplay.ledger.layout import LedgerLayout
-
-    name, spec = next(iter(config["checkpoints"].items()))
-    ledger = LedgerLayout(config["ledger_dir"])
-    source = next(key for key in ("embedded", "folder", "gguf", "random_qwen2") if key in spec)
+def project_run(run: CheckedRun, model_config: str | Path | None = None) -> tuple[Projection, ModelShapes, str]:
+    """The projection of a checked run (design.checked_run.check_run): the primary checkpoint's shapes
+    (``model_config`` or, for the embedded and random checkpoints and any folder, from the config itself),
+    its items and, when the ledger holds them already, the run's measured prompt lengths."""
+    config, name = run.config, run.jobs.primary
+    spec = config["checkpoints"][name]
+    source = checkpoint_source(config, run.repo, name)
     if model_config is not None:
         shapes, described = read_model_config(model_config)
         name = Path(described).stem if Path(described).parent == MODEL_CONFIGS else described
     else:
-        folder = _repo_path(spec["folder"]) if "folder" in spec else ledger.converted_model(name)
+        folder = repo_path(run.repo, spec["folder"]) if source == "folder" else run.layout.converted_model(name)
         shapes = checkpoint_shapes(spec, folder)
         if shapes is None:
             raise PlanError(
@@ -403,35 +381,15 @@ def project_config(config: dict, model_config: str | Path | None = None) -> tupl
         described = {"embedded": "the embedded SmolLM2-135M-Instruct", "random_qwen2": "a random Qwen2"}.get(
             source, f"{source} {spec.get(source)}"
         )
-    items_spec = config["items"]
-    try:
-        items = load_items(
-            _repo_path(items_spec["source"]), items_spec["format"], items_spec["shuffle_seed"], items_spec["limit"]
-        )
-    except ItemError as error:
-        raise PlanError(str(error)) from None
-    measured = measured_prompt_tokens(ledger.prompts(name))
-    if measured is not None and len(measured) != len(items):
+    measured = measured_prompt_tokens(run.layout.prompts(run.jobs.primary))
+    if measured is not None and len(measured) != len(run.items):
         measured = None  # a ledger of another item set
-    prompts = measured if measured is not None else estimate_prompt_tokens(items, byte_level=shapes.vocab <= 512)
+    prompts = measured if measured is not None else estimate_prompt_tokens(run.items, byte_level=shapes.vocab <= 512)
     # Given a model config, the model is the user's own folder (as config/paper.yaml says to set it),
     # outside the ledger, unless the checkpoint is a GGUF, which is converted into the ledger.
     in_ledger = source == "gguf" or (source != "folder" and model_config is None)
     projection = project(config, shapes, prompts, measured is not None, model_in_ledger=in_ledger)
     return projection, shapes, name if model_config is not None else f"{name} ({described})"
-
-
-# The checkout this code runs from, when it does (an installed copy has none).
-SOURCE_TREE = Path(__file__).resolve().parents[3]
-
-
-def _repo_path(path: str | Path) -> str:
-    """Config paths are relative to the repository (as the workflow reads them); for an installed
-    package, which has no repository, to the working directory."""
-    path = Path(path).expanduser()
-    if path.is_absolute():
-        return str(path)
-    return str((SOURCE_TREE if (SOURCE_TREE / "Snakefile").is_file() else Path.cwd()) / path)
 
 
 # --- text -------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def with_engine(record: dict) -> dict:
 
 def spec_named(name: str) -> EngineSpec:
     if name not in SPECS:
-        raise ModelError(f"model record names engine {name!r} — use one of {', '.join(SPECS)}")
+        raise ModelError(f"unknown engine {name!r} — use one of {', '.join(SPECS)}")
     return SPECS[name]
 
 

@@ -1,80 +1,18 @@
 """Which trajectories are compared, and how: caches layer by layer, suffixes token by token.
 
-Pairs are fixed by the experiment design, never by the data, and always within
-one checkpoint (two models' rows are never paired):
-- E1: live vs prefill at the matched precision, and each side against its replicas;
-- E2: at each precision, incremental vs every other construction, all rebuilt
-  from the E1 live prefix (the token states are held fixed);
-- E3: at each precision, the retained live cache vs incremental over its own prefix.
-The primary checkpoint runs all three; any other checkpoint (the outcome-blind
-replication's) has only the E1 live and prefill sides of replica 0, so only that pair.
+Pairs are fixed by the experiment design, never by the data, and always within one checkpoint:
+the job list plans them with the trajectories they pair (``design.jobs.comparisons``). The
+primary checkpoint runs E1, E2 and E3; any other checkpoint (the outcome-blind replication's)
+has only the E1 live and prefill sides of replica 0, so only that pair.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import pyarrow as pa
 
+from stagereplay.design.jobs import Comparison
 from stagereplay.experiments.difference import cache_difference
 from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_KEY, LedgerError, row_key
-
-
-@dataclass(frozen=True)
-class Side:
-    construction: str
-    precision: str
-    prefix_precision: str
-    replica: int = 0
-
-    def label(self) -> str:
-        source = "" if self.construction == "live" else f"<-{self.prefix_precision}"
-        return f"{self.construction}/{self.precision}/rep{self.replica}{source}"
-
-    def key(self, checkpoint: str, item_id: str) -> tuple:
-        """The TRAJECTORY_KEY of this side's row for one item."""
-        return row_key({**asdict(self), "checkpoint": checkpoint, "item_id": item_id}, TRAJECTORY_KEY)
-
-
-@dataclass(frozen=True)
-class PairSpec:
-    experiment: str
-    relation: str
-    a: Side
-    b: Side
-
-
-def live(precision: str, replica: int = 0) -> Side:
-    return Side("live", precision, precision, replica)
-
-
-def pair_specs(
-    matched_precision: str, replicas: int, precisions: list[str], constructions: list[str]
-) -> list[PairSpec]:
-    """The pairs of the primary checkpoint: E1 with its replicas, E2 and E3."""
-    rebuilt = lambda construction, precision, replica=0: Side(construction, precision, matched_precision, replica)  # noqa: E731
-    specs = [PairSpec("E1", "construction", live(matched_precision), rebuilt("prefill", matched_precision))]
-    for replica in range(1, replicas):
-        specs.append(PairSpec("E1", "replica", live(matched_precision), live(matched_precision, replica)))
-        specs.append(
-            PairSpec(
-                "E1", "replica", rebuilt("prefill", matched_precision), rebuilt("prefill", matched_precision, replica)
-            )
-        )
-    for precision in precisions:
-        for construction in constructions:
-            if construction != "incremental":
-                specs.append(
-                    PairSpec("E2", "construction", rebuilt("incremental", precision), rebuilt(construction, precision))
-                )
-    for precision in precisions:
-        specs.append(PairSpec("E3", "construction", live(precision), Side("incremental", precision, precision)))
-    return specs
-
-
-def replication_specs(matched_precision: str) -> list[PairSpec]:
-    """The pairs of another checkpoint: only E1 live vs prefill, the sides its replication runs."""
-    return pair_specs(matched_precision, 1, [], [])[:1]
 
 
 def index_trajectories(trajectories: pa.Table) -> dict[tuple, dict]:
@@ -93,7 +31,7 @@ def _at(values: list, index: int | None):
     return values[index] if index is not None and index < len(values) else None
 
 
-def compare_pair(caches, spec: PairSpec, a: dict, b: dict) -> dict:
+def compare_pair(caches, spec: Comparison, a: dict, b: dict) -> dict:
     """One comparison row; ``caches`` (a recompute.CacheSource) gives each row's cache, stored or rebuilt."""
     prefix_equal = a["prefix_object"] == b["prefix_object"]
     if prefix_equal:
@@ -149,25 +87,25 @@ def compare_pair(caches, spec: PairSpec, a: dict, b: dict) -> dict:
     }
 
 
-def comparison_table(trajectories: pa.Table, caches, specs: dict[str, list[PairSpec]]) -> pa.Table:
-    """Compare the pairs ``specs`` names for each checkpoint; every pair must exist for every item."""
+def comparison_table(trajectories: pa.Table, caches, specs: list[Comparison]) -> pa.Table:
+    """Compare the pairs ``specs`` names (each within one checkpoint); every pair must exist for every item."""
     index = index_trajectories(trajectories)
     items = sorted({row["item_id"] for row in trajectories.select(["item_id"]).to_pylist()})
-    strays = sorted({row["checkpoint"] for row in trajectories.select(["checkpoint"]).to_pylist()} - specs.keys())
+    planned = {spec.a.checkpoint for spec in specs}
+    strays = sorted({row["checkpoint"] for row in trajectories.select(["checkpoint"]).to_pylist()} - planned)
     if strays:
         raise LedgerError(
             f"trajectories of checkpoint {strays[0]} are not part of this run's design — rerun snakemake to regather"
         )
     rows = []
-    for checkpoint, checkpoint_specs in specs.items():
-        for spec in checkpoint_specs:
-            for item_id in items:
-                a = index.get(spec.a.key(checkpoint, item_id))
-                b = index.get(spec.b.key(checkpoint, item_id))
-                if a is None or b is None:
-                    missing = spec.a if a is None else spec.b
-                    raise LedgerError(
-                        f"item {item_id}: trajectory {missing.label()} of checkpoint {checkpoint} is missing for {spec.experiment} — rerun snakemake to complete the ledger"
-                    )
-                rows.append(compare_pair(caches, spec, a, b))
+    for spec in specs:
+        for item_id in items:
+            a = index.get(spec.a.key(item_id))
+            b = index.get(spec.b.key(item_id))
+            if a is None or b is None:
+                missing = spec.a if a is None else spec.b
+                raise LedgerError(
+                    f"item {item_id}: trajectory {missing.label()} of checkpoint {missing.checkpoint} is missing for {spec.experiment} — rerun snakemake to complete the ledger"
+                )
+            rows.append(compare_pair(caches, spec, a, b))
     return pa.Table.from_pylist(rows, schema=COMPARISON_SCHEMA)

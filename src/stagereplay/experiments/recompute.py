@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from stagereplay.design.jobs import trajectory_label
 from stagereplay.engines.base import Engine, Runtime
 from stagereplay.engines.registry import load_checkpoint
-from stagereplay.experiments.compare import Side
 from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import CacheFingerprint, fingerprint_cache
@@ -37,10 +37,6 @@ from stagereplay.ledger.tables import LedgerError
 
 class CacheMismatch(LedgerError):
     """A rebuilt cache whose fingerprints differ from the ledger's: one line, item, side, layer and fix."""
-
-
-def side_label(row: dict) -> str:
-    return Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
 
 
 def rebuild_construction(row: dict) -> str:
@@ -60,7 +56,7 @@ def first_mismatch(fingerprint: CacheFingerprint, row: dict) -> tuple[int, str] 
 
 def mismatch_message(row: dict, layer: int, kind: str) -> str:
     return (
-        f"item {row['item_id']} {side_label(row)} (checkpoint {row['checkpoint']}): the cache rebuilt from the saved"
+        f"item {row['item_id']} {trajectory_label(row)} (checkpoint {row['checkpoint']}): the cache rebuilt from the saved"
         f" tokens differs from the ledger's fingerprints at layer {layer} {kind} — this environment does not"
         " reproduce the row (compare its device, threads and versions with the row's); run where the ledger was"
         " written, or rerun the model jobs with store_caches: all"
@@ -92,12 +88,12 @@ class ModelPool:
         record = self.records.get(checkpoint)
         if record is None:
             raise LedgerError(
-                f"item {row['item_id']} {side_label(row)}: no model record of checkpoint {checkpoint} was given to"
+                f"item {row['item_id']} {trajectory_label(row)}: no model record of checkpoint {checkpoint} was given to"
                 " rebuild its cache — rerun snakemake (the rule passes every checkpoint's model.json)"
             )
         if row["model_fingerprint"] != record["fingerprint"]:
             raise LedgerError(
-                f"item {row['item_id']} {side_label(row)}: the row came from model {row['model_fingerprint']}, not"
+                f"item {row['item_id']} {trajectory_label(row)}: the row came from model {row['model_fingerprint']}, not"
                 f" {record['fingerprint']} of checkpoint {checkpoint} — rerun the model jobs of this checkpoint"
             )
         key = (checkpoint, precision)
@@ -132,7 +128,7 @@ class CacheSource:
             return KVState.from_named_tensors(holder.get(row["cache_object"]))
         if self.models is None:
             raise LedgerError(
-                f"item {row['item_id']} {side_label(row)}: cache object {row['cache_object']} is not stored and this"
+                f"item {row['item_id']} {trajectory_label(row)}: cache object {row['cache_object']} is not stored and this"
                 " job has no model to rebuild it — rerun snakemake (or the model jobs with store_caches: all)"
             )
         return self.rebuild(row)
@@ -142,7 +138,7 @@ class CacheSource:
         token_holder = self._holder(row["prefix_object"])
         if token_holder is None:
             raise LedgerError(
-                f"item {row['item_id']} {side_label(row)}: prefix object {row['prefix_object']} is missing, so its"
+                f"item {row['item_id']} {trajectory_label(row)}: prefix object {row['prefix_object']} is missing, so its"
                 " cache cannot be rebuilt — run stagereplay verify and rerun snakemake"
             )
         prefix = token_holder.get_tokens(row["prefix_object"])

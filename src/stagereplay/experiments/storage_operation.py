@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stagereplay.design.jobs import trajectory_label
 from stagereplay.design.storage import check_policy
-from stagereplay.experiments.recompute import CacheSource, ModelPool, side_label
+from stagereplay.experiments.recompute import CacheSource, ModelPool
 from stagereplay.ledger.store import ObjectStore
 
 
@@ -49,7 +50,9 @@ def kept_caches(policy: str, trajectories: list[dict], transplants: list[dict]) 
     # selected: the donors and recipients of E5's transplants.
     sides = {(row["checkpoint"], row["item_id"], row[side]) for row in transplants for side in ("donor", "recipient")}
     return {
-        row["cache_object"] for row in trajectories if (row["checkpoint"], row["item_id"], side_label(row)) in sides
+        row["cache_object"]
+        for row in trajectories
+        if (row["checkpoint"], row["item_id"], trajectory_label(row)) in sides
     }
 
 

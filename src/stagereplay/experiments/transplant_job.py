@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagereplay.design.jobs import trajectory_label
 from stagereplay.design.names import check_plan
 from stagereplay.engines.base import Runtime
 from stagereplay.engines.registry import load_checkpoint
-from stagereplay.experiments.compare import Side, first_divergence
+from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.decode import Decoded, continue_from
 from stagereplay.experiments.job import ShardSpec, environment_columns, progress_bar
 from stagereplay.experiments.recompute import CacheSource, ModelPool
@@ -118,8 +119,8 @@ def run_transplant_shard(
                     "checkpoint": spec.checkpoint,
                     "item_id": donor["item_id"],
                     "divergent": donor_suffix != recipient_suffix,
-                    "donor": _side_label(donor),
-                    "recipient": _side_label(recipient),
+                    "donor": trajectory_label(donor),
+                    "recipient": trajectory_label(recipient),
                     "precision": spec.precision,
                     "subset": subset.label(),
                     "layers": list(subset.layers),
@@ -141,7 +142,3 @@ def run_transplant_shard(
         bar.update()
     bar.close()
     return write_table(rows, TRANSPLANT_SCHEMA, out_path)
-
-
-def _side_label(row: dict) -> str:
-    return Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from stagereplay.experiments.compare import Side
+from stagereplay.design.jobs import trajectory_label
 from stagereplay.inputs import items as items_mod
 
 OUTCOMES = ("follows_donor", "follows_recipient", "neither")
@@ -94,10 +94,6 @@ def _at(values: tuple, index: int | None):
     return values[index] if index is not None and index < len(values) else None
 
 
-def _side_label(row: dict) -> str:
-    return Side(row["construction"], row["precision"], row["prefix_precision"], row["replica"]).label()
-
-
 def spell(vocabulary: dict[int, str], token_ids: list[int]) -> tuple[str, ...]:
     """Each token as the prompts job spelled it from the checkpoint's tokenizer (experiments.prompts.spelling)."""
     return tuple(vocabulary[token] for token in token_ids)
@@ -105,7 +101,7 @@ def spell(vocabulary: dict[int, str], token_ids: list[int]) -> tuple[str, ...]:
 
 def _side_view(row: dict, vocabulary: dict[int, str]) -> SideView:
     return SideView(
-        label=_side_label(row),
+        label=trajectory_label(row),
         tokens=spell(vocabulary, row["suffix_tokens"]),
         margins=tuple(row["suffix_margins"]),
         stop=row["suffix_stop"],
@@ -127,7 +123,7 @@ def item_records(
 ) -> list[ItemRecord]:
     """One record per E1 live-vs-prefill pair, in the card's order (``checkpoints``: summary.json's order)."""
     items = {item.item_id: item for item in items_mod.load_items(items_path)}
-    by_label = {(row["checkpoint"], row["item_id"], _side_label(row)): row for row in trajectories.to_pylist()}
+    by_label = {(row["checkpoint"], row["item_id"], trajectory_label(row)): row for row in trajectories.to_pylist()}
     moved: dict[tuple[str, str], list[TransplantView]] = {}
     for row in transplants.to_pylist() if transplants is not None else []:
         moved.setdefault((row["checkpoint"], row["item_id"]), []).append(

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from stagereplay.report.text import experiment_name, percent, points
 
 if TYPE_CHECKING:
-    from stagereplay.report.provenance import Provenance
+    from stagereplay.report.card_provenance import Provenance
 
 AUDIT_HOW = "snakemake --cores N audit"
 

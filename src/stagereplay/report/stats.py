@@ -182,3 +182,15 @@ def paired_difference_newcombe(
     below = np.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
     above = np.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
     return difference, float(difference - below), float(difference + above)
+
+
+def share(count: int, n: int) -> dict:
+    """x/N with its Wilson interval; with n = 0 nothing was observed, so it is marked not measured."""
+    low, high = wilson_interval(count, n) if n else (None, None)
+    return {
+        "count": int(count),
+        "n": int(n),
+        "rate": count / n if n else None,
+        "wilson95": [low, high],
+        "measured": n > 0,
+    }

@@ -14,32 +14,20 @@ from pathlib import Path
 import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
-from stagereplay.design.factors import VERDICTS, cell_label, factor_named, verdict
+from stagereplay.design.factors import VERDICTS, cell_label, factor_named, item_verdict
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
 from stagereplay.report.stats import (
     mcnemar_exact,
     paired_difference_ci,
     paired_difference_newcombe,
     paired_difference_wald,
-    wilson_interval,
+    share,
 )
 
 BOOTSTRAP = {"confidence": 0.95, "n_resamples": 10000, "seed": 0}
 NEWCOMBE = "Newcombe hybrid score 95% (1998, method 10)"
 WALD = "Wald 95% for paired proportions"
 MCNEMAR = "exact McNemar (two-sided binomial test on the discordant pairs)"
-
-
-def proportion(count: int, n: int) -> dict:
-    """x/N with its Wilson interval; with n = 0 nothing was observed, so it is marked not measured."""
-    low, high = wilson_interval(count, n) if n else (None, None)
-    return {
-        "count": int(count),
-        "n": int(n),
-        "rate": count / n if n else None,
-        "wilson95": [low, high],
-        "measured": n > 0,
-    }
 
 
 def _rows(comparisons: pa.Table, experiment: str, relation: str = "construction") -> list[dict]:
@@ -67,7 +55,7 @@ LABELINGS = {
 }
 
 
-def e1_figures(rows: list[dict]) -> dict:
+def e1_summary(rows: list[dict]) -> dict:
     """E1 of one checkpoint, from its construction and replica rows."""
     pairs = [row for row in rows if row["relation"] == "construction"]
     n = len(pairs)
@@ -84,20 +72,20 @@ def e1_figures(rows: list[dict]) -> dict:
         "pair": sorted({f"{row['a']} vs {row['b']}" for row in pairs}),
         "precision": pairs[0]["precision"] if pairs else None,
         "items": n,
-        "caches_differ": proportion(sum(not row["cache_exact"] for row in pairs), n),
-        "suffixes_differ": proportion(sum(row["suffix_differs"] for row in pairs), n),
+        "caches_differ": share(sum(not row["cache_exact"] for row in pairs), n),
+        "suffixes_differ": share(sum(row["suffix_differs"] for row in pairs), n),
         # The parsed labeling's figures, under their original keys; both labelings under `labelings`.
         "labels_differ": parsed["labels_differ"],
         "accuracy": parsed["accuracy"],
         "labelings": labelings,
         "unparsable": {
-            "live": proportion(sum(not row["a_parsed"] for row in pairs), n),
-            "prefill": proportion(sum(not row["b_parsed"] for row in pairs), n),
+            "live": share(sum(not row["a_parsed"] for row in pairs), n),
+            "prefill": share(sum(not row["b_parsed"] for row in pairs), n),
         },
         "boundary_reasons": dict(Counter(row["boundary_reason"] for row in pairs)),
         # Replicas that reproduced their side exactly; n = 0 (one replica) is "not measured", never "all exact".
         "replicas_exact": {
-            side: proportion(sum(replicas.get(side, [])), len(replicas.get(side, []))) for side in ("live", "prefill")
+            side: share(sum(replicas.get(side, [])), len(replicas.get(side, []))) for side in ("live", "prefill")
         },
     }
     if n:
@@ -109,8 +97,8 @@ def labeling_figures(live: list[bool], prefill: list[bool]) -> dict:
     """One labeling of the E1 pairs: accuracy of each side, labels that differ, the paired difference."""
     n = len(live)
     figures = {
-        "accuracy": {"live": proportion(sum(live), n), "prefill": proportion(sum(prefill), n)},
-        "labels_differ": proportion(sum(a != b for a, b in zip(live, prefill)), n),
+        "accuracy": {"live": share(sum(live), n), "prefill": share(sum(prefill), n)},
+        "labels_differ": share(sum(a != b for a, b in zip(live, prefill)), n),
     }
     if n:
         difference, low, high = paired_difference_ci(live, prefill, **BOOTSTRAP)
@@ -145,7 +133,7 @@ def _difference(result: tuple[float, float, float], method: str) -> dict:
     return {"live_minus_prefill": float(difference), "ci95": [float(low), float(high)], "method": method}
 
 
-def e2_figures(rows: list[dict]) -> dict:
+def e2_summary(rows: list[dict]) -> dict:
     """One checkpoint's E2: per precision and construction, decoded disagreements with incremental."""
     grouped: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in rows:
@@ -154,11 +142,11 @@ def e2_figures(rows: list[dict]) -> dict:
     for (precision, construction), group in sorted(grouped.items()):
         n = len(group)
         by_precision[precision][f"incremental_vs_{construction}"] = {
-            "decoded_disagreements": proportion(sum(row["suffix_differs"] for row in group), n),
-            "labels_differ": proportion(sum(row["label_differs"] for row in group), n),
-            "caches_differ": proportion(sum(not row["cache_exact"] for row in group), n),
+            "decoded_disagreements": share(sum(row["suffix_differs"] for row in group), n),
+            "labels_differ": share(sum(row["label_differs"] for row in group), n),
+            "caches_differ": share(sum(not row["cache_exact"] for row in group), n),
             "accuracy": {
-                group[0][column].split("/")[0]: proportion(sum(row[f"{column}_correct"] for row in group), n)
+                group[0][column].split("/")[0]: share(sum(row[f"{column}_correct"] for row in group), n)
                 for column in ("a", "b")
             },
             "median_first_divergence": _median([row["first_divergence"] for row in group if row["suffix_differs"]]),
@@ -166,7 +154,7 @@ def e2_figures(rows: list[dict]) -> dict:
     return {"precisions": dict(by_precision)}
 
 
-def e3_figures(rows: list[dict]) -> dict:
+def e3_summary(rows: list[dict]) -> dict:
     """One checkpoint's E3: per precision, is token-by-token incremental bit-exact with the retained live cache?"""
     grouped: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
@@ -175,8 +163,8 @@ def e3_figures(rows: list[dict]) -> dict:
     for precision, group in sorted(grouped.items()):
         not_exact = [row for row in group if not row["cache_exact"]]
         figures[precision] = {
-            "bit_exact": proportion(len(group) - len(not_exact), len(group)),
-            "suffixes_identical": proportion(sum(not row["suffix_differs"] for row in group), len(group)),
+            "bit_exact": share(len(group) - len(not_exact), len(group)),
+            "suffixes_identical": share(sum(not row["suffix_differs"] for row in group), len(group)),
             "not_exact": [
                 {
                     "item_id": row["item_id"],
@@ -209,14 +197,14 @@ def _is_all_layers(row: dict) -> bool:
 
 
 def _counted(rows: list[dict], outcome: str) -> dict:
-    return proportion(sum(row["outcome"] == outcome for row in rows), len(rows))
+    return share(sum(row["outcome"] == outcome for row in rows), len(rows))
 
 
 def _follows_donor(rows: list[dict]) -> dict:
     return _counted(rows, "follows_donor")
 
 
-def e5_figures(transplants: pa.Table, primary: str | None) -> dict:
+def e5_summary(transplants: pa.Table, primary: str | None) -> dict:
     """Follows-donor counts over divergent items: all layers per selection, the sweep, cross-precision."""
     every = transplants.to_pylist()
     rows = [row for row in every if row["divergent"]]
@@ -289,7 +277,7 @@ def cross_precision_figures(rows: list[dict]) -> dict:
         pairs = [sorted(item_rows, key=lambda r: r["donor"]) for item_rows in by_item.values() if len(item_rows) == 2]
         survives[precision] = {
             "pair": " vs ".join(f"cast {row['donor']}" for row in pairs[0]) if pairs else None,
-            **proportion(sum(a["suffix_object"] != b["suffix_object"] for a, b in pairs), len(pairs)),
+            **share(sum(a["suffix_object"] != b["suffix_object"] for a, b in pairs), len(pairs)),
         }
     return {
         "follows_donor": {
@@ -308,7 +296,7 @@ def _group(rows: list[dict], key) -> dict[str, list[dict]]:
 
 
 def item_verdicts(rows: list[dict]) -> dict[str, str]:
-    """Each item's E6 verdict (design.factors.verdict) from the rows of one factor level. Suffixes are
+    """Each item's E6 verdict (design.factors.item_verdict) from the rows of one factor level. Suffixes are
     compared by their object ids: a token list's id is its content's hash, so equal ids mean equal tokens."""
     by_item: dict[str, dict[str, dict]] = defaultdict(dict)
     for row in rows:
@@ -317,7 +305,7 @@ def item_verdicts(rows: list[dict]) -> dict[str, str]:
     verdicts = {}
     for item_id, cells in sorted(by_item.items()):
         write, read, server = cells.get("test-ref"), cells.get("ref-test"), cells.get("test-test")
-        verdicts[item_id] = verdict(
+        verdicts[item_id] = item_verdict(
             next(iter(cells.values()))["reference_suffix"],
             write["suffix_object"] if write else None,
             read["suffix_object"] if read else None,
@@ -353,11 +341,11 @@ def e6_level(rows: list[dict]) -> dict:
     figures.update(
         {
             "items": n,
-            "caches_differ": proportion(len(differing_layers), n),
+            "caches_differ": share(len(differing_layers), n),
             "first_differing_layer": min(differing_layers) if differing_layers else None,
             "max_abs_difference": max((max(row["layer_max_abs"], default=0.0) for row in built), default=0.0),
-            "suffixes_differ": proportion(sum(row["suffix_object"] != row["reference_suffix"] for row in served), n),
-            "verdicts": {name: proportion(verdicts[name], n) for name in VERDICTS},
+            "suffixes_differ": share(sum(row["suffix_object"] != row["reference_suffix"] for row in served), n),
+            "verdicts": {name: share(verdicts[name], n) for name in VERDICTS},
         }
     )
     reused = [row["reused_tokens"] for row in built if row["reused_tokens"] is not None]
@@ -366,7 +354,7 @@ def e6_level(rows: list[dict]) -> dict:
     return figures
 
 
-def e6_figures(factors: pa.Table) -> dict:
+def e6_summary(factors: pa.Table) -> dict:
     rows = factors.to_pylist()
     levels = _group(rows, lambda r: f"{r['checkpoint']}/{r['precision']}/{r['factor']}/{r['level']}")
     first = rows[0] if rows else {}
@@ -391,18 +379,18 @@ def summary(
     result = {
         "stagereplay_version": version,
         "checkpoints": order,
-        "E1": {"name": "matched", "checkpoints": per_checkpoint(comparisons, "E1", e1_figures)},
+        "E1": {"name": "matched", "checkpoints": per_checkpoint(comparisons, "E1", e1_summary)},
         "E2": {
             "name": "fixed_prefix",
             "prefix": "E1 live trajectory (never regenerated)",
-            "checkpoints": per_checkpoint(comparisons, "E2", e2_figures),
+            "checkpoints": per_checkpoint(comparisons, "E2", e2_summary),
         },
-        "E3": {"name": "bridge", "checkpoints": per_checkpoint(comparisons, "E3", e3_figures)},
+        "E3": {"name": "bridge", "checkpoints": per_checkpoint(comparisons, "E3", e3_summary)},
     }
     if transplants is not None:
-        result["E5"] = e5_figures(transplants, order[0] if order else None)
+        result["E5"] = e5_summary(transplants, order[0] if order else None)
     if factors is not None:
-        result["E6"] = e6_figures(factors)
+        result["E6"] = e6_summary(factors)
     result["environment"] = environment(trajectories)
     return result
 

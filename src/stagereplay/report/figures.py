@@ -1,0 +1,276 @@
+"""The card's figure rows: every x/N of summary.json (and e4.json) as a row with its estimate, its 95%
+interval and the method that produced the interval, per experiment, and E6's table per factor level."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagereplay.design.factors import VERDICTS
+from stagereplay.report.reading import AUDIT_HOW
+from stagereplay.report.text import experiment_name, percent, points
+
+WILSON = "Wilson score 95%"
+NOT_RUN = "not run"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the card's table."""
+
+    experiment: str  # "E1 matched (bf16)"
+    figure: str  # what is counted, in the paper's terms
+    count: str  # "3/4" (or the counts a difference is made of)
+    estimate: str  # "75.0%", "+25.0 pts", "p = 1.000"
+    interval: str  # "[30.1%, 95.4%]"
+    method: str  # how the estimate and interval were computed
+
+
+NOT_MEASURED = "not measured"
+
+
+def count_row(experiment: str, figure: str, counted: dict) -> Figure:
+    """A row for one x/N of summary.json (count, n, rate, wilson95)."""
+    count, n = counted["count"], counted["n"]
+    if n == 0:  # nothing was observed: never a success, never a failure
+        return Figure(experiment, figure, "0/0", NOT_MEASURED, "—", "no observations (n = 0)")
+    low, high = counted["wilson95"]
+    return Figure(
+        experiment, figure, f"{count}/{n}", percent(counted["rate"]), f"[{percent(low)}, {percent(high)}]", WILSON
+    )
+
+
+def not_run(experiment: str, how: str) -> Figure:
+    return Figure(experiment, NOT_RUN, "—", "—", "—", how)
+
+
+# --- E1 ---------------------------------------------------------------------------------
+
+
+# The two labelings of summary.json's E1 `labelings`, in its order, as the card names them.
+LABELING_NAMES = {"parsed": "parsed", "readout": "readout"}
+
+
+def e1_rows(summary: dict) -> list[Figure]:
+    figures = []
+    for checkpoint, e1 in summary["E1"]["checkpoints"].items():
+        name = experiment_name("E1 matched", e1["precision"], checkpoint, summary)
+        figures += [
+            count_row(name, "suffixes that differ, live vs prefill", e1["suffixes_differ"]),
+            count_row(name, "boundary caches that differ", e1["caches_differ"]),
+        ]
+        for key, labeling in e1["labelings"].items():
+            label = LABELING_NAMES[key]
+            figures += [
+                count_row(name, f"correctness labels that differ ({label})", labeling["labels_differ"]),
+                count_row(name, f"accuracy, live ({label})", labeling["accuracy"]["live"]),
+                count_row(name, f"accuracy, prefill ({label})", labeling["accuracy"]["prefill"]),
+            ]
+            if key == "parsed":  # the readout always yields a letter: only the parsed labeling has unparsable answers
+                figures += [
+                    count_row(name, "unparsable answers, live (parsed)", e1["unparsable"]["live"]),
+                    count_row(name, "unparsable answers, prefill (parsed)", e1["unparsable"]["prefill"]),
+                ]
+        for side in ("live", "prefill"):
+            figures.append(count_row(name, f"exact replicas, {side}", e1["replicas_exact"][side]))
+        if e1["items"]:
+            for key, labeling in e1["labelings"].items():
+                figures += paired_figures(name, e1["items"], labeling, LABELING_NAMES[key])
+    return figures
+
+
+def paired_figures(name: str, n: int, labeling: dict, label: str) -> list[Figure]:
+    """One labeling's accuracy difference live − prefill by three interval methods, and the exact McNemar test."""
+    counted = f"({labeling['accuracy']['live']['count']} − {labeling['accuracy']['prefill']['count']})/{n}"
+    figure = f"accuracy difference, live − prefill ({label})"
+    paired = labeling["paired_difference"]
+    figures = []
+    for method in (paired, paired["newcombe"], paired["wald"]):
+        low, high = method["ci95"]
+        figures.append(
+            Figure(
+                name,
+                figure,
+                counted,
+                f"{points(method['live_minus_prefill'])} pts",
+                f"[{points(low)}, {points(high)}] pts",
+                method["method"],
+            )
+        )
+    mcnemar = paired["mcnemar"]
+    figures.append(
+        Figure(
+            name,
+            f"equal accuracy (discordant pairs live-only : prefill-only) ({label})",
+            f"{mcnemar['live_only_correct']} : {mcnemar['prefill_only_correct']}",
+            f"p = {mcnemar['p_value']:.3f}",
+            "—",
+            mcnemar["method"],
+        )
+    )
+    return figures
+
+
+# --- E2, E3 -----------------------------------------------------------------------------
+
+
+def e2_rows(summary: dict) -> list[Figure]:
+    figures = []
+    for checkpoint, e2 in summary["E2"]["checkpoints"].items():
+        for precision, arms in e2["precisions"].items():
+            name = experiment_name("E2 fixed_prefix", precision, checkpoint, summary)
+            for arm, figure in arms.items():
+                other = arm.removeprefix("incremental_vs_")
+                counted = figure["decoded_disagreements"]
+                figures += [
+                    count_row(name, f"decoded disagreements, incremental vs {other}", counted),
+                    count_row(name, f"labels that differ, incremental vs {other}", figure["labels_differ"]),
+                    count_row(name, f"caches that differ, incremental vs {other}", figure["caches_differ"]),
+                ]
+                if figure["median_first_divergence"] is not None:
+                    figures.append(
+                        Figure(
+                            name,
+                            f"median first divergent position, incremental vs {other}",
+                            f"{counted['count']} divergent",
+                            f"token {figure['median_first_divergence']:g}",
+                            "—",
+                            "median over the divergent suffixes",
+                        )
+                    )
+    return figures or [not_run("E2 fixed_prefix", "no fixed_prefix.precisions in the config")]
+
+
+def e3_rows(summary: dict) -> list[Figure]:
+    figures = []
+    for checkpoint, e3 in summary["E3"]["checkpoints"].items():
+        for precision, figure in e3["precisions"].items():
+            name = experiment_name("E3 bridge", precision, checkpoint, summary)
+            figures += [
+                count_row(name, "caches bit-exact, incremental vs live", figure["bit_exact"]),
+                count_row(name, "suffixes identical, incremental vs live", figure["suffixes_identical"]),
+            ]
+    return figures or [not_run("E3 bridge", "no fixed_prefix.precisions in the config")]
+
+
+# --- E4, E5 (optional: present only when their rules ran) --------------------------------
+
+
+def e4_rows(e4: dict | None) -> list[Figure]:
+    if e4 is None:
+        return [not_run("E4 audit", AUDIT_HOW)]
+    name = "E4 audit"
+    figures = [count_row(name, "trajectories reproduced from the saved ledger", e4["trajectories"])]
+    for kind, counted in sorted(e4.get("artifacts", {}).items()):
+        figures.append(count_row(name, f"{kind} fingerprints reproduced", counted))
+    return figures
+
+
+def e5_rows(e5: dict | None) -> list[Figure]:
+    if e5 is None:
+        return [not_run("E5 transplant", "transplant.enabled is false in the config")]
+    name = "E5 transplant"
+    figures = []
+    for key, figure in e5["all_layers"].items():
+        figures.append(count_row(name, f"all layers, {key}: follow the donor", figure["follows_donor"]))
+        figures.append(count_row(name, f"all layers, {key}: follow the recipient", figure["follows_recipient"]))
+        figures.append(count_row(name, f"all layers, {key}: follow neither", figure["neither"]))
+        for direction, counted in figure["by_direction"].items():
+            figures.append(count_row(name, f"all layers, {key}, {direction}: follow the donor", counted))
+    for entry in e5["sweep"]:
+        figures.append(count_row(name, f"sweep {entry['subset']}: follow the donor", entry["follows_donor"]))
+    cross = e5["cross_precision"]
+    for precision, counted in cross["divergence_survives_cast"].items():
+        figures.append(
+            count_row(
+                name,
+                f"cross precision, at {precision}: continuations from the cast live and cast prefill caches differ"
+                " (the divergence survives the cast)",
+                counted,
+            )
+        )
+    for direction, counted in cross["follows_donor"].items():
+        figures.append(
+            count_row(
+                name,
+                f"cross precision {direction}: follow the donor's own suffix (decoded at the donor's precision, so"
+                " this mixes the cache with the precision)",
+                counted,
+            )
+        )
+    return figures or [
+        Figure(
+            name,
+            "all layers: follow the donor",
+            "0/0",
+            "—",
+            "—",
+            "no divergent item to transplant (counted on divergent items only)",
+        )
+    ]
+
+
+def e6_rows(e6: dict | None) -> list[Figure]:
+    if e6 is None:
+        return []
+    figures = []
+    for level in e6["levels"]:
+        name = f"E6 factors ({level['factor']} {level['level']}, reference {level['reference_level']})"
+        if not level["applicable"]:
+            figures.append(Figure(name, "not applicable", "—", "—", "—", level["reason"]))
+            continue
+        figures.append(count_row(name, "built caches differ from the reference (bytes)", level["caches_differ"]))
+        figures.append(count_row(name, "suffixes differ from the reference", level["suffixes_differ"]))
+        for verdict, counted in level["verdicts"].items():
+            figures.append(count_row(name, f"verdict {verdict}", counted))
+    return figures
+
+
+def all_figures(summary: dict) -> list[Figure]:
+    return (
+        e1_rows(summary)
+        + e2_rows(summary)
+        + e3_rows(summary)
+        + e4_rows(summary.get("E4"))
+        + e5_rows(summary.get("E5"))
+        + e6_rows(summary.get("E6"))
+    )
+
+
+FACTOR_COLUMNS = ["Factor", "Level", "Reference", "Cells", "Caches differ", "Suffixes differ", *VERDICTS]
+
+
+def _with_bounds(counted: dict) -> str:
+    low, high = counted["wilson95"]
+    return f"{counted['count']}/{counted['n']} [{percent(low)}, {percent(high)}]" if counted["n"] else NOT_MEASURED
+
+
+def factor_blocks(summary: dict) -> list[tuple]:
+    """E6's one table: per factor level, caches and suffixes that differ and each verdict x/N (Wilson 95%)."""
+    e6 = summary.get("E6")
+    if e6 is None:
+        return []
+    rows = []
+    for level in e6["levels"]:
+        head = [level["factor"], level["level"], level["reference_level"], ", ".join(level["cells"])]
+        if not level["applicable"]:
+            rows.append(head + [f"not applicable: {level['reason']}"] + [""] * (len(FACTOR_COLUMNS) - 5))
+            continue
+        caches = _with_bounds(level["caches_differ"])
+        if level["caches_differ"]["count"]:
+            caches += f", from layer {level['first_differing_layer']}"
+        rows.append(
+            head
+            + [caches, _with_bounds(level["suffixes_differ"])]
+            + [_with_bounds(level["verdicts"][verdict]) for verdict in VERDICTS]
+        )
+    return [
+        ("heading", 2, "E6: where divergence enters, per factor level"),
+        (
+            "paragraph",
+            f"Checkpoint `{e6['checkpoint']}` at {e6['precision']}; the reference cell is {e6['reference']}. Cells"
+            " are (build, read): test-ref is the write side, ref-test the read side, test-test the level as a"
+            " server runs it; a build-only factor has test-ref alone, a server-only one (rotation) test-test alone."
+            " Suffixes differ counts test-test (test-ref for a build-only factor). Verdicts are defined in docs/experiments.md (E6); x/N with Wilson 95% intervals.",
+        ),
+        ("table", FACTOR_COLUMNS, rows),
+    ]
