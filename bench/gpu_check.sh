@@ -11,7 +11,8 @@
 #
 # The node needs no model hub. It needs the package index for the embedded GGUF,
 # unless ledger/downloads/embedded.gguf exists already (from the default run on a
-# machine that has it): then that file is reused.
+# machine that has it): then that file is reused. On a machine that reaches nothing,
+# bench/gpu_device_run.sh installs carried wheels and the carried GGUF, then runs this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"

@@ -57,6 +57,10 @@ class Engine(ABC):
     # Can keep a sequence's first positions for a later request, and save and restore a sequence through
     # its own files (``truncate``, ``save_sequence``, ``load_sequence``): a server's prefix reuse.
     keeps_sequences: bool = False
+    # Where the engine's caches live. A state can come from the store (always on CPU) or from this engine (on
+    # its device), and one batch may mix both (E6's batch level), so every method taking a state moves it here
+    # first (``placed``): the one seam between stored states and the engine's tensors.
+    device: torch.device = torch.device("cpu")
 
     @classmethod
     @abstractmethod
@@ -93,6 +97,10 @@ class Engine(ABC):
     @abstractmethod
     def to_cache(self, state: KVState) -> object:
         """A fresh cache holding a copy of ``state`` (decoding from it leaves ``state`` intact)."""
+
+    def placed(self, state: KVState) -> KVState:
+        """``state`` on this engine's device (as it is when it is there already: same tensors, same bytes)."""
+        return state.to(self.device)
 
     def close(self) -> None:  # noqa: B027 - most engines hold nothing outside Python's memory
         """Free what the engine holds outside Python's memory (nothing by default)."""

@@ -223,6 +223,7 @@ class LlamaCppEngine(Engine):
     def converted(self, state: KVState) -> KVState:
         """``state`` in this context's cache type: values quantized offline (rotated first where this context
         rotates) by gguf's reference quantizer, or blocks dequantized (un-rotated) and rounded to fp16/fp32."""
+        state = self.placed(state)  # the quantizer and dequantizer read CPU memory (numpy)
         types = cache_types(self.settings.cache_type)
         dtypes = (state.keys[0].dtype, state.values[0].dtype)
         if state.formats == self.formats and dtypes == (self._plain_dtype(types.k), self._plain_dtype(types.v)):
@@ -322,6 +323,8 @@ class LlamaCppEngine(Engine):
         return cache
 
     def _seq_state(self, state: KVState, seq: int = SEQ) -> SeqState:
+        # to_cache and batch_of both pass here: llama.cpp reads a sequence's bytes from CPU memory.
+        state = self.placed(state)
         if state.formats != self.formats:
             raise LlamaCppError(
                 f"a cache stored as {state.formats} cannot go into this {self.settings.cache_type} context (stores"

@@ -139,6 +139,7 @@ class TransformersEngine(Engine):
         )
 
     def to_cache(self, state: KVState) -> DynamicCache:
+        state = self.placed(state)
         cache = self.empty_cache()
         if state.num_layers != len(cache.layers):
             raise ModelError(
@@ -146,7 +147,7 @@ class TransformersEngine(Engine):
             )
         for index, (key, value) in enumerate(zip(state.keys, state.values)):
             # DynamicLayer.update concatenates onto an empty tensor, so the cache holds a copy, never ``state`` itself.
-            cache.update(key.to(self.device), value.to(self.device), index)
+            cache.update(key, value, index)
         return cache
 
     def use_threads(self, threads: int) -> None:
@@ -191,6 +192,9 @@ class TransformersEngine(Engine):
         return _Batch(batch.cache, mask), output.logits[:, -1].float()
 
     def batch_of(self, states: list[KVState]) -> _Batch:
+        # Each state moved before stacking: E6 batches the item's state read from the store (CPU) with
+        # companions this engine built (its device); stacking them as they come fails on CUDA.
+        states = [self.placed(state) for state in states]
         width = max(state.num_positions for state in states)
         cache = self.empty_cache()
         mask = torch.zeros(len(states), width, dtype=torch.long, device=self.device)
@@ -198,7 +202,7 @@ class TransformersEngine(Engine):
             mask[index, width - state.num_positions :] = 1
         for layer in range(states[0].num_layers):
             keys, values = (
-                torch.stack([_left_pad(getattr(state, part)[layer][0], width) for state in states]).to(self.device)
+                torch.stack([_left_pad(getattr(state, part)[layer][0], width) for state in states])
                 for part in ("keys", "values")
             )
             cache.update(keys, values, layer)

@@ -55,6 +55,10 @@ class KVState:
         """The same kind of cache (formats kept) holding other tensors."""
         return dataclasses.replace(self, keys=tuple(keys), values=tuple(values))
 
+    def to(self, device: torch.device | str) -> KVState:
+        """The same state on ``device``, dtypes and bytes unchanged; a tensor already there is kept, not copied."""
+        return self.replace((key.to(device) for key in self.keys), (value.to(device) for value in self.values))
+
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """Names sort into layer order (zero-padded), K before V; a part in blocks names its format."""
         key_suffix = f".{self.key_format}" if self.key_format else ""
@@ -99,7 +103,7 @@ class KVState:
 
 def to_host(state: KVState) -> KVState:
     """Copy to CPU for saving; a no-op for CPU tensors."""
-    return state.replace((key.cpu() for key in state.keys), (value.cpu() for value in state.values))
+    return state.to("cpu")
 
 
 # --- a part stored as quantized blocks ------------------------------------------------------------
