@@ -25,8 +25,6 @@ import contextlib
 import ctypes
 import dataclasses
 import os
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +36,6 @@ from stagereplay.engines.cache_types import (
     CacheTypeError,
     cache_types,
     check_cache_precision,
-    rotation_size,
 )
 from stagereplay.engines.llamacpp_binding import (
     PINNED_VERSION,
@@ -48,6 +45,7 @@ from stagereplay.engines.llamacpp_binding import (
     captured_log,
     last_error,
 )
+from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, chosen_rotation
 from stagereplay.engines.llamacpp_state import (
     CACHE_TYPE_IDS,
     FORMAT,
@@ -64,29 +62,6 @@ from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of
 # the sequence state then holds exactly the boundary cache the parser reads.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SEQ = 0
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    cache_type: str  # the precision: "fp16", "fp32", "q8_0", "q4_0", or K's and V's ("q8_0-fp16")
-    n_threads: int
-    n_threads_batch: int
-    n_ctx: int
-    n_ubatch: int = 0  # 0: n_ctx, so a prefix is one micro-batch
-    flash_attn: bool = False
-    rotation: bool = True  # llama.cpp's Hadamard rotation of a quantized cache (off: LLAMA_ATTN_ROT_DISABLE=1)
-    n_seq_max: int = 1  # more than 1: a unified cache of that many sequences, as llama.cpp's server runs
-
-    @property
-    def micro_batch(self) -> int:
-        return self.n_ubatch or self.n_ctx
-
-    def describe(self) -> str:
-        return (
-            f"n_ctx=n_batch={self.n_ctx}; n_ubatch={self.micro_batch}; n_threads={self.n_threads};"
-            f" n_threads_batch={self.n_threads_batch}; cache={self.cache_type}; flash_attn={'on' if self.flash_attn else 'off'};"
-            f" rotation={'default' if self.rotation else 'disabled'}; n_seq_max={self.n_seq_max}"
-        )
 
 
 class LlamaCppCache:
@@ -202,7 +177,7 @@ class LlamaCppEngine(Engine):
         self.settings = settings
         self.memory = llama_cpp.llama_get_memory(context)
         self.batch = llama_cpp.llama_batch_init(params.n_ctx, 0, 1)
-        self.rotation = _rotation(log, types, self.geometry)
+        self.rotation = chosen_rotation(log, types, self.geometry)
         self.generation += 1
 
     def reconfigure(self, **changes) -> None:
@@ -473,26 +448,6 @@ class LlamaCppBatch:
 
     def __init__(self, engine: LlamaCppEngine, generation: int, positions: list[int]):
         self.engine, self.generation, self.positions = engine, generation, positions
-
-
-def _rotation(log: list[str], types, geometry: Geometry) -> tuple[int, int]:
-    """The Hadamard sizes the new context rotates a quantized K and V by: whether it does, as llama.cpp logged
-    its choice (``attn_rot_k`` / ``attn_rot_v``), and by how much, its rule (``cache_types.rotation_size``)."""
-    if not types.quantized:
-        return 0, 0
-    text = "".join(log)
-    found = {part: re.search(rf"attn_rot_{part} = (\d)", text) for part in ("k", "v")}
-    if not all(found.values()):
-        raise LlamaCppError(
-            f"llama.cpp {PINNED_VERSION} did not log whether it rotates the quantized cache — the state cannot be read"
-        )
-    k_size = rotation_size("k", geometry.head_dim_k) if found["k"].group(1) == "1" else 0
-    v_size = rotation_size("v", geometry.head_dim_v) if found["v"].group(1) == "1" else 0
-    return k_size, v_size
-
-
-# One context size for every llama.cpp job: a prefix is one micro-batch of at most this many tokens.
-LLAMACPP_N_CTX = 2048
 
 
 def load_llamacpp(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:

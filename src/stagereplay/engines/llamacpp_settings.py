@@ -1,0 +1,55 @@
+"""A llama.cpp context's settings (``EngineSettings``: cache type, threads, context and micro-batch sizes,
+flash attention, rotation, sequences), the one context size of every job, and the rotation a new context
+chose for a quantized cache, read from llama.cpp's log. No binding: the engine opens contexts from these."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from stagereplay.engines.cache_types import rotation_size
+from stagereplay.engines.llamacpp_binding import PINNED_VERSION, LlamaCppError
+from stagereplay.engines.llamacpp_state import Geometry
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    cache_type: str  # the precision: "fp16", "fp32", "q8_0", "q4_0", or K's and V's ("q8_0-fp16")
+    n_threads: int
+    n_threads_batch: int
+    n_ctx: int
+    n_ubatch: int = 0  # 0: n_ctx, so a prefix is one micro-batch
+    flash_attn: bool = False
+    rotation: bool = True  # llama.cpp's Hadamard rotation of a quantized cache (off: LLAMA_ATTN_ROT_DISABLE=1)
+    n_seq_max: int = 1  # more than 1: a unified cache of that many sequences, as llama.cpp's server runs
+
+    @property
+    def micro_batch(self) -> int:
+        return self.n_ubatch or self.n_ctx
+
+    def describe(self) -> str:
+        return (
+            f"n_ctx=n_batch={self.n_ctx}; n_ubatch={self.micro_batch}; n_threads={self.n_threads};"
+            f" n_threads_batch={self.n_threads_batch}; cache={self.cache_type}; flash_attn={'on' if self.flash_attn else 'off'};"
+            f" rotation={'default' if self.rotation else 'disabled'}; n_seq_max={self.n_seq_max}"
+        )
+
+
+def chosen_rotation(log: list[str], types, geometry: Geometry) -> tuple[int, int]:
+    """The Hadamard sizes the new context rotates a quantized K and V by: whether it does, as llama.cpp logged
+    its choice (``attn_rot_k`` / ``attn_rot_v``), and by how much, its rule (``cache_types.rotation_size``)."""
+    if not types.quantized:
+        return 0, 0
+    text = "".join(log)
+    found = {part: re.search(rf"attn_rot_{part} = (\d)", text) for part in ("k", "v")}
+    if not all(found.values()):
+        raise LlamaCppError(
+            f"llama.cpp {PINNED_VERSION} did not log whether it rotates the quantized cache — the state cannot be read"
+        )
+    k_size = rotation_size("k", geometry.head_dim_k) if found["k"].group(1) == "1" else 0
+    v_size = rotation_size("v", geometry.head_dim_v) if found["v"].group(1) == "1" else 0
+    return k_size, v_size
+
+
+# One context size for every llama.cpp job: a prefix is one micro-batch of at most this many tokens.
+LLAMACPP_N_CTX = 2048
