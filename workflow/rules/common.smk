@@ -11,6 +11,7 @@ from snakemake.exceptions import WorkflowError
 
 from stagereplay.design import checked_run
 from stagereplay.design.factors import FACTORS as FACTOR_NAMES
+from stagereplay.design.factors import factor_named
 from stagereplay.engines.registry import PRECISION_PATTERN
 from stagereplay.engines.runtime import runtime_options
 from stagereplay.ledger.layout import LedgerLayout
@@ -344,10 +345,8 @@ def factor_tables(ledger=None):
 
 
 def factor_threads(wildcards):
-    """A threads level runs with that many threads: the job declares the larger of it and the run's."""
-    if wildcards.factor == "threads":
-        return max(RUNTIME["threads"], int(wildcards.level))
-    return RUNTIME["threads"]
+    """The threads a factor job declares: the run's, unless its level runs more (the factor's own answer)."""
+    return factor_named(wildcards.factor).threads(wildcards.level, RUNTIME["threads"])
 
 
 # --- E4 (audit.smk) ------------------------------------------------------------------------------
