@@ -109,6 +109,26 @@ class RunLedger:
 
         return ShardSpec(self.checkpoint, precision, replica, shard, self.config["shard_size"])
 
+    def job_context(self, precision: str, store: Path, out: Path, **options):
+        """The context of a model job on shard 000 at ``precision`` that writes to ``store`` and ``out``.
+
+        Its store_caches is ``all``: the live and rebuild jobs store their caches, a transplant stores none it
+        rebuilt, whatever the ledger's policy (the store is a scratch copy the bench throws away).
+        """
+        from stagereplay.experiments.job import JobContext
+
+        return JobContext.read(
+            self.model_record,
+            runtime=self.runtime(precision),
+            shard_spec=self.spec(precision),
+            items_path=self.layout.items,
+            suffix_tokens=self.config["stage"]["suffix_tokens"],
+            store_root=store,
+            out_path=out,
+            store_caches="all",
+            **options,
+        )
+
 
 # ---------------------------------------------------------------- (a) forward tokens
 
@@ -165,7 +185,7 @@ def fingerprints(rows_: list[dict], keys=("prefix_object", "cache_object", "suff
 
 def section_a(ledger: RunLedger) -> None:
     from stagereplay.experiments.constructions import StageBoundary
-    from stagereplay.experiments.shards import Budgets, run_construction_shard, run_live_shard
+    from stagereplay.experiments.shards import run_construction_shard, run_live_shard
     from stagereplay.experiments.transplant_job import TransplantJob, run_transplant_shard
     from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table
 
@@ -203,35 +223,22 @@ def section_a(ledger: RunLedger) -> None:
     )
 
     stage = ledger.config["stage"]
-    budgets = Budgets(StageBoundary(stage["max_new_tokens"], stage["marker"]), stage["suffix_tokens"])
+    boundary = StageBoundary(stage["max_new_tokens"], stage["marker"])
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         # A hard-linked copy of the store: the re-executed shards read the saved prefixes and
         # caches from it and write their objects there, never into the ledger.
         store = Path(LedgerLayout(scratch).objects)
         shutil.copytree(ledger.layout.objects, store, copy_function=os.link)
+        prompts = ledger.layout.prompts(ledger.checkpoint)
         jobs = {
             "live": lambda: run_live_shard(
-                ledger.model_record,
-                ledger.layout.items,
-                ledger.layout.prompts(ledger.checkpoint),
-                ledger.spec(ledger.e1),
-                ledger.runtime(ledger.e1),
-                budgets,
-                store,
-                scratch / "live.parquet",
+                ledger.job_context(ledger.e1, store, scratch / "live.parquet", prompts_path=prompts), boundary
             ),
             "rebuild": lambda: run_construction_shard(
-                ledger.model_record,
-                ledger.layout.items,
-                ledger.layout.prompts(ledger.checkpoint),
+                ledger.job_context(ledger.e1, store, scratch / "rebuild.parquet", prompts_path=prompts),
                 ledger.live(ledger.e1),
                 "prefill",
-                ledger.spec(ledger.e1),
-                ledger.runtime(ledger.e1),
-                stage["suffix_tokens"],
-                store,
-                scratch / "rebuild.parquet",
             ),
         }
         reference = {"live": ledger.live(ledger.e1), "rebuild": ledger.rebuilt(ledger.e1, "prefill")}
@@ -245,13 +252,7 @@ def section_a(ledger: RunLedger) -> None:
                 None,
             )
             jobs["transplant"] = lambda: run_transplant_shard(
-                ledger.model_record,
-                job,
-                ledger.spec(ledger.e1),
-                ledger.runtime(ledger.e1),
-                stage["suffix_tokens"],
-                store,
-                scratch / "transplant.parquet",
+                ledger.job_context(ledger.e1, store, scratch / "transplant.parquet"), job
             )
             reference["transplant"] = Path(
                 ledger.layout.transplant_table("outcome_blind", ledger.checkpoint, ledger.e1, "000")

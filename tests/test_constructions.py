@@ -1,3 +1,4 @@
+import inspect
 import math
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 
 from stagereplay.design.names import ConstructionError, parse_construction
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
-from stagereplay.experiments.decode import continue_from
+from stagereplay.experiments.decode import continue_from, decode_greedy
 from stagereplay.experiments.difference import cache_difference
 from stagereplay.ledger.fingerprint import fingerprint_cache
 
@@ -139,6 +140,16 @@ def test_continuation_leaves_the_boundary_state_intact(tiny_fp32):
     second = continue_from(tiny_fp32, live.state, live.prefix[-1], 6, frozenset())
     assert fingerprint_cache(live.state) == before
     assert first == second and len(first.tokens) == 6 and first.stop == "budget"
+
+
+def test_decoding_options_are_passed_by_name_only():
+    """stop_after, on_token, feed are all callables: positionally, one could silently take another's place."""
+    for function, required in ((decode_greedy, 5), (continue_from, 5)):
+        parameters = list(inspect.signature(function).parameters.values())
+        assert [p.kind for p in parameters[:required]] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * required
+        assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in parameters[required:])
+    with pytest.raises(TypeError):
+        continue_from(None, None, 0, 1, frozenset(), lambda tokens: True)
 
 
 def test_continuing_live_equals_uninterrupted_generation(tiny_fp32):

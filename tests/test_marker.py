@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagereplay.engines.transformers_engine import Runtime, load_model
 from stagereplay.experiments.constructions import MarkerMatcher, StageBoundary, build_live
-from stagereplay.experiments.job import ShardSpec
-from stagereplay.experiments.shards import Budgets, run_construction_shard, run_live_shard
+from stagereplay.experiments.job import JobContext, ShardSpec
+from stagereplay.experiments.shards import run_construction_shard, run_live_shard
 from stagereplay.inputs.checkpoints import write_model_record
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, PROMPT_SCHEMA, TRAJECTORY_SCHEMA, read_table, write_table
 
@@ -149,28 +149,21 @@ def test_the_ledger_records_which_marker_match_fired_and_rebuilt_rows_copy_it(ma
     )
     spec = ShardSpec("tiny", "fp32", replica=0, shard=0, shard_size=1)
     runtime = Runtime(precision="fp32", device="cpu", threads=1)
-    live_path = run_live_shard(
-        record,
-        items,
-        prompts,
-        spec,
-        runtime,
-        Budgets(StageBoundary(BUDGET, MARKER), 4),
-        tmp_path / "objects",
-        tmp_path / "live.parquet",
-    )
-    rebuilt_path = run_construction_shard(
-        record,
-        items,
-        prompts,
-        live_path,
-        "prefill",
-        spec,
-        runtime,
-        4,
-        tmp_path / "objects",
-        tmp_path / "prefill.parquet",
-    )
+
+    def context(out):
+        return JobContext.read(
+            record,
+            runtime=runtime,
+            shard_spec=spec,
+            items_path=items,
+            suffix_tokens=4,
+            store_root=tmp_path / "objects",
+            out_path=out,
+            prompts_path=prompts,
+        )
+
+    live_path = run_live_shard(context(tmp_path / "live.parquet"), StageBoundary(BUDGET, MARKER))
+    rebuilt_path = run_construction_shard(context(tmp_path / "prefill.parquet"), live_path, "prefill")
     (live,) = read_table(live_path, TRAJECTORY_SCHEMA).to_pylist()
     (rebuilt,) = read_table(rebuilt_path, TRAJECTORY_SCHEMA).to_pylist()
     assert TRAJECTORY_SCHEMA.names.index("marker_match") == TRAJECTORY_SCHEMA.names.index("boundary_reason") + 1

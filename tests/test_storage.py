@@ -15,10 +15,10 @@ from stagereplay.design.jobs import trajectory_label
 from stagereplay.design.storage import StorageError, read_policy
 from stagereplay.engines.transformers_engine import Runtime
 from stagereplay.experiments.constructions import StageBoundary
-from stagereplay.experiments.job import ShardSpec
+from stagereplay.experiments.job import JobContext, ShardSpec
 from stagereplay.experiments.prompts import readout_tokens
 from stagereplay.experiments.recompute import CacheMismatch, CacheSource, ModelPool
-from stagereplay.experiments.shards import Budgets, run_construction_shard, run_live_shard
+from stagereplay.experiments.shards import run_construction_shard, run_live_shard
 from stagereplay.inputs.checkpoints import write_model_record
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import PROMPT_SCHEMA, TRAJECTORY_SCHEMA, LedgerError, read_table, write_table
@@ -57,25 +57,27 @@ def shards(tiny_qwen2_folder, tmp_path_factory):
     spec = ShardSpec("tiny", "bf16", replica=0, shard=0, shard_size=2)
     runtime = Runtime(precision="bf16", device="cpu", threads=1)
     tables = {}
-    for name, keep in (("stored", True), ("bare", False)):
+    for name, policy in (("stored", "all"), ("bare", "none")):
         store = root / name / "objects"
-        live = run_live_shard(
-            record,
-            items,
-            prompts,
-            spec,
-            runtime,
-            Budgets(StageBoundary(6), 3),
-            store,
-            root / name / "live.parquet",
-            keep,
-        )
+
+        def context(out, store=store, policy=policy):
+            return JobContext.read(
+                record,
+                runtime=runtime,
+                shard_spec=spec,
+                items_path=items,
+                suffix_tokens=3,
+                store_root=store,
+                out_path=out,
+                prompts_path=prompts,
+                store_caches=policy,
+            )
+
+        live = run_live_shard(context(root / name / "live.parquet"), StageBoundary(6))
         rows = read_table(live, TRAJECTORY_SCHEMA).to_pylist()
         for construction in ("incremental", "chunked:2"):
             out = root / name / f"{construction.replace(':', '-')}.parquet"
-            run_construction_shard(
-                record, items, prompts, live, construction, spec, runtime, 3, store, out, store_caches=keep
-            )
+            run_construction_shard(context(out), live, construction)
             rows += read_table(out, TRAJECTORY_SCHEMA).to_pylist()
         tables[name] = (ObjectStore(store), rows)
     return record, runtime, tables

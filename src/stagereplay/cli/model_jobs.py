@@ -5,26 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stagereplay.cli.options import add_runtime, runtime, spec
+from stagereplay.cli.options import add_runtime, job_context
 
 
 def cmd_live(args) -> None:
-    from stagereplay.design.storage import model_jobs_store, store_policy
     from stagereplay.experiments.constructions import StageBoundary
-    from stagereplay.experiments.shards import Budgets, run_live_shard
+    from stagereplay.experiments.shards import run_live_shard
 
-    budgets = Budgets(StageBoundary(args.max_new_tokens, args.marker or None), args.suffix_tokens)
-    run_live_shard(
-        args.model_record,
-        args.items,
-        args.prompts,
-        spec(args),
-        runtime(args),
-        budgets,
-        args.store,
-        args.out,
-        model_jobs_store(args.store_caches or store_policy(args.store)),
-    )
+    run_live_shard(job_context(args), StageBoundary(args.max_new_tokens, args.marker or None))
 
 
 def add_live_command(sub) -> None:
@@ -37,23 +25,9 @@ def add_live_command(sub) -> None:
 
 
 def cmd_rebuild(args) -> None:
-    from stagereplay.design.storage import model_jobs_store, store_policy
     from stagereplay.experiments.shards import run_construction_shard
 
-    run_construction_shard(
-        args.model_record,
-        args.items,
-        args.prompts,
-        args.source_shard,
-        args.construction,
-        spec(args),
-        runtime(args),
-        args.suffix_tokens,
-        args.store,
-        args.out,
-        args.source_store,
-        model_jobs_store(args.store_caches or store_policy(args.store)),
-    )
+    run_construction_shard(job_context(args), args.source_shard, args.construction)
 
 
 def add_rebuild_command(sub) -> None:
@@ -102,7 +76,6 @@ def add_select_transplants_command(sub) -> None:
 
 def cmd_transplant(args) -> None:
     from stagereplay.design.names import SweepPlan, parse_layers
-    from stagereplay.design.storage import store_policy, transplant_jobs_store
     from stagereplay.experiments.transplant_job import TransplantJob, run_transplant_shard
 
     selection = json.loads(Path(args.selection_file).read_text())
@@ -116,16 +89,7 @@ def cmd_transplant(args) -> None:
             windows=tuple(args.windows),
         )
     job = TransplantJob(args.selection, frozenset(item_ids), tuple(tuple(pair) for pair in args.pair), plan)
-    stores = (args.store, args.out, args.source_store)  # written to, table out, read from
-    run_transplant_shard(
-        args.model_record,
-        job,
-        spec(args),
-        runtime(args),
-        args.suffix_tokens,
-        *stores,
-        transplant_jobs_store(args.store_caches or store_policy(args.store)),
-    )
+    run_transplant_shard(job_context(args), job)
 
 
 def add_transplant_command(sub) -> None:
@@ -153,17 +117,7 @@ def cmd_factor(args) -> None:
     from stagereplay.design.factors import Level
     from stagereplay.experiments.factor_job import run_factor_shard
 
-    run_factor_shard(
-        args.model_record,
-        Level(args.factor, args.level),
-        args.reference,
-        spec(args),
-        runtime(args),
-        args.suffix_tokens,
-        args.store,
-        args.out,
-        args.source_store,
-    )
+    run_factor_shard(job_context(args), Level(args.factor, args.level), args.reference)
 
 
 def add_factor_command(sub) -> None:

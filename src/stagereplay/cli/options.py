@@ -1,5 +1,5 @@
-"""The arguments several commands share: a model job's runtime and shard, and the checkpoints a light job
-may rebuild a cache with."""
+"""The arguments several commands share: a model job's options and the one context they give (``job_context``),
+and the checkpoints a light job may rebuild a cache with."""
 
 from __future__ import annotations
 
@@ -15,15 +15,27 @@ def runtime(args):
     return runtime_from_args(args)
 
 
-def spec(args):
-    from stagereplay.experiments.shards import ShardSpec
+def job_context(args):
+    """The context a model job's options (``add_runtime``) give: the one place a job's context is built."""
+    from stagereplay.experiments.job import JobContext, ShardSpec
 
-    return ShardSpec(
-        checkpoint=args.checkpoint,
-        precision=args.precision,
-        replica=args.replica,
-        shard=args.shard,
-        shard_size=args.shard_size,
+    return JobContext.read(
+        args.model_record,
+        runtime=runtime(args),
+        shard_spec=ShardSpec(
+            checkpoint=args.checkpoint,
+            precision=args.precision,
+            replica=args.replica,
+            shard=args.shard,
+            shard_size=args.shard_size,
+        ),
+        items_path=args.items,
+        suffix_tokens=args.suffix_tokens,
+        store_root=args.store,
+        out_path=args.out,
+        prompts_path=getattr(args, "prompts", None),  # only the live and rebuild commands take --prompts
+        source_store_root=args.source_store,
+        store_caches=args.store_caches,
     )
 
 

@@ -53,9 +53,10 @@ def decode_greedy(
     logits: torch.Tensor,
     max_new_tokens: int,
     eos_ids: Collection[int],
+    *,
     stop_after: Callable[[list[int]], bool] | None = None,
-    on_token: Callable[[], None] | None = None,
     stop_reason: str = "marker",
+    on_token: Callable[[], None] | None = None,
     feed: Callable[[int], torch.Tensor] | None = None,
 ) -> Decoded:
     """Choose from ``logits``, feed the choice, repeat: until EOS, the budget or ``stop_after``
@@ -65,6 +66,8 @@ def decode_greedy(
     input before it: exactly the boundary state when decoding ends a stage.
     ``feed`` replaces feeding ``cache`` one token (a batch feeds its other rows too): it takes the
     chosen token and returns the next logits.
+    The options are keyword-only (here and in ``continue_from``): ``stop_after``, ``on_token`` and ``feed``
+    are all callables, so one passed in another's place would run without an error.
     """
     if feed is None:
 
@@ -113,9 +116,10 @@ def continue_from(
     pending: int,
     max_new_tokens: int,
     eos_ids: Collection[int],
-    on_token: Callable[[], None] | None = None,
+    *,
     stop_after: Callable[[list[int]], bool] | None = None,
     stop_reason: str = "stopped",
+    on_token: Callable[[], None] | None = None,
     readout: ReadoutCue | None = None,
 ) -> Decoded:
     """The suffix: feed the pending token on a copy of the boundary cache, then decode greedily;

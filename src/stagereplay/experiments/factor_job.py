@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from stagereplay.design.factors import (
@@ -23,39 +24,48 @@ from stagereplay.design.factors import (
     cell_label,
     reference_level,
 )
-from stagereplay.engines.base import Engine, Runtime
-from stagereplay.engines.registry import load_checkpoint
+from stagereplay.engines.base import Engine
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.difference import cache_difference
 from stagereplay.experiments.factors import Kernels, LevelJob, Prefix, Setting, level_setting
-from stagereplay.experiments.job import ShardSpec, environment_columns, progress_bar
+from stagereplay.experiments.job import JobContext, environment_columns, progress_bar
 from stagereplay.experiments.recompute import CacheSource, ModelPool
-from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import FACTOR_SCHEMA, TRAJECTORY_SCHEMA, LedgerError, read_table, write_table
 
 
-def run_factor_shard(
-    model_record: str | Path,
-    level: Level,
-    reference_shards: list[str | Path],
-    spec: ShardSpec,
-    runtime: Runtime,
-    suffix_tokens: int,
-    store_root: str | Path,
-    out_path: str | Path,
-    source_store_root: str | Path | None = None,
-) -> Path:
-    """The cells of one factor level for the items of one shard (``reference_shards[spec.shard]``'s).
+@dataclass(frozen=True)
+class LevelSettings:
+    """What a factor job compares, the same for every item: the level and the settings that run it and its
+    reference."""
+
+    level: Level
+    reference: Setting
+    test: Setting
+
+
+@dataclass(frozen=True)
+class ReferenceItem:
+    """One item's reference ``(r, r)`` as the job holds it: its prefix, its E2 prefill row and that row's cache."""
+
+    prefix: Prefix
+    row: dict
+    state: KVState
+    fed_positions: int = 0  # positions fed to rebuild the cache (0 when it was stored)
+
+
+def run_factor_shard(context: JobContext, level: Level, reference_shards: list[str | Path]) -> Path:
+    """The cells of one factor level for the items of the context's shard (``reference_shards[shard]``'s).
 
     ``reference_shards`` are every shard of the E2 prefill rows at the factor precision: a batch's
-    companions may come from any of them.
+    companions may come from any of them. Test-built caches are never stored, so the job has no
+    store_caches policy to read.
     """
-    record = read_model_record(model_record)
-    store = ObjectStore(store_root)
-    source_store = ObjectStore(source_store_root or store_root)
+    record, spec, runtime, suffix_tokens = context.record, context.shard_spec, context.runtime, context.suffix_tokens
+    store = context.store()
+    source_store = context.source_store()
     references = {}
     for path in reference_shards:
         for row in read_table(path, TRAJECTORY_SCHEMA).to_pylist():
@@ -65,8 +75,8 @@ def run_factor_shard(
                 )
             references[row["item_id"]] = row
     own = read_table(reference_shards[spec.shard], TRAJECTORY_SCHEMA).to_pylist()
-    engine = load_checkpoint(record, runtime)
-    models = ModelPool({spec.checkpoint: model_record}, runtime, {(spec.checkpoint, spec.precision): engine})
+    engine = context.load_engine()
+    models = ModelPool({spec.checkpoint: context.record_path}, runtime, {(spec.checkpoint, spec.precision): engine})
     caches = CacheSource([source_store] + ([store] if store.root != source_store.root else []), models)
     prefixes = {
         item_id: Prefix(
@@ -83,9 +93,10 @@ def run_factor_shard(
     with tempfile.TemporaryDirectory(prefix="stagereplay-prefix-reuse-") as scratch:
         reference = Setting(engine, suffix_tokens, eos)
         job = LevelJob(
-            engine, runtime, suffix_tokens, eos, prefixes, ObjectStore(scratch), {**record, "path": model_record}
+            engine, runtime, suffix_tokens, eos, prefixes, ObjectStore(scratch), {**record, "path": context.record_path}
         )
         test = level_setting(level, job)
+        settings = LevelSettings(level, reference, test)
         reason = test.unavailable()
         # The kernels worker needs every reference cache first; they are read (or rebuilt) once, here.
         early: dict[str, tuple[KVState, int]] = {}
@@ -101,7 +112,7 @@ def run_factor_shard(
                     f"item {row['item_id']}: its prefill row came from model {row['model_fingerprint']}, not"
                     f" {record['fingerprint']} — rerun the E2 jobs of this checkpoint"
                 )
-            base = _base_row(level, spec, row, record, engine, runtime)
+            base = _base_row(level, context, row, engine)
             if reason is not None:
                 rows += [{**base, **_cell(cell), "applicable": False, "reason": reason} for cell in level.of.cells]
                 bar.update()
@@ -112,9 +123,8 @@ def run_factor_shard(
                 before = engine.fed_positions
                 reference_state = caches.state(row)
                 reference_fed = engine.fed_positions - before
-            cells = item_cells(
-                level, prefixes[row["item_id"]], row, reference_state, reference, test, base, reference_fed
-            )
+            item = ReferenceItem(prefixes[row["item_id"]], row, reference_state, reference_fed)
+            cells = item_cells(settings, item, base)
             rows += [{**cell, "suffix_object": store.put_tokens(cell["suffix_tokens"])} for cell in cells]
             rows += [
                 {**base, **_cell(cell), "applicable": False, "reason": why}
@@ -122,22 +132,14 @@ def run_factor_shard(
             ]
             bar.update()
     bar.close()
-    return write_table(rows, FACTOR_SCHEMA, out_path)
+    return write_table(rows, FACTOR_SCHEMA, context.out_path)
 
 
-def item_cells(
-    level: Level,
-    prefix: Prefix,
-    reference_row: dict,
-    reference_state: KVState,
-    reference: Setting,
-    test: Setting,
-    base: dict,
-    reference_fed: int = 0,
-) -> list[dict]:
+def item_cells(settings: LevelSettings, item: ReferenceItem, base: dict) -> list[dict]:
     """The rows of one item's cells (``design.factors.Factor.cells``): (t, r), (r, t) and (t, t); (t, r) alone for
-    a build-only factor, (t, t) alone for a server-only one.
-    ``reference_fed``: positions fed to rebuild the reference cache (0 when it was stored)."""
+    a build-only factor, (t, t) alone for a server-only one. ``base``: the columns every cell shares."""
+    level, reference, test = settings.level, settings.reference, settings.test
+    prefix, reference_row, reference_state = item.prefix, item.row, item.state
     reference_suffix = list(reference_row["suffix_tokens"])
     start = test.fed_positions()
     built = test.build(prefix)
@@ -211,7 +213,7 @@ def item_cells(
                 "suffix_stop": decoded.stop,
                 "first_divergence": first_divergence(tokens, reference_suffix),
                 **_conversion(converted.get(cell), test_fingerprint if cell == READ else None),
-                "forward_positions": fed[cell] + (reference_fed if cell == wanted[0] else 0),
+                "forward_positions": fed[cell] + (item.fed_positions if cell == wanted[0] else 0),
             }
         )
     return rows
@@ -243,21 +245,22 @@ def _cell(cell: tuple[str, str]) -> dict:
     return {"build": cell[0], "read": cell[1], "cell": cell_label(cell)}
 
 
-def _base_row(level: Level, spec: ShardSpec, row: dict, record: dict, engine: Engine, runtime: Runtime) -> dict:
+def _base_row(level: Level, context: JobContext, row: dict, engine: Engine) -> dict:
+    """The columns every cell of the item of ``row`` (its E2 prefill row) shares."""
     return {
-        "checkpoint": spec.checkpoint,
-        "precision": spec.precision,
+        "checkpoint": context.shard_spec.checkpoint,
+        "precision": context.shard_spec.precision,
         "factor": level.factor,
         "level": level.name,
         "reference_level": reference_level(
-            level.factor, dataclasses.asdict(runtime), engine.environment.cpu_capability
+            level.factor, dataclasses.asdict(context.runtime), engine.environment.cpu_capability
         ),
         "item_id": row["item_id"],
         "reference_cache": row["cache_object"],
         "reference_suffix": row["suffix_object"],
         "suffix_object": None,
         "prefix_object": row["prefix_object"],
-        "model_fingerprint": record["fingerprint"],
+        "model_fingerprint": context.record["fingerprint"],
         "setting": None,
         "reused_tokens": None,
         "reused_digest": None,

@@ -1,13 +1,21 @@
-"""What every model job shares: its shard of items, the environment columns of its rows, its progress line."""
+"""What every model job shares: its context (the checkpoint, runtime, shard, inputs and stores its command
+line names), the environment columns of its rows, its progress line."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from tqdm import tqdm
 
-from stagereplay.engines.base import Environment
+from stagereplay.design.storage import store_policy
+from stagereplay.engines.base import Engine, Environment
+from stagereplay.engines.registry import spec_of
+from stagereplay.engines.runtime import Runtime
+from stagereplay.engines.spec import EngineSpec
+from stagereplay.inputs.checkpoints import read_model_record
+from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS
 
 
@@ -18,6 +26,48 @@ class ShardSpec:
     replica: int
     shard: int
     shard_size: int
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What a model job (live, rebuild, transplant, factor) is given besides its own work: built once from
+    the options every model job takes (``cli.options.job_context``), or with ``read`` by a test or bench."""
+
+    record_path: str | Path  # model.json as given: a model pool and the kernels worker read it again
+    record: dict  # the model record, its paths resolved (read_model_record)
+    engine_spec: EngineSpec  # the engine the record names
+    runtime: Runtime
+    shard_spec: ShardSpec
+    items_path: str | Path
+    suffix_tokens: int  # budget of the continuation after the boundary
+    store_root: str | Path  # the object store the job writes to
+    out_path: str | Path  # the shard table the job writes
+    prompts_path: str | Path | None = None  # prompt tokens and readout cues (live and rebuild jobs)
+    # Where saved prefixes and caches are read from (None: store_root); the audit reads the saved ledger's.
+    source_store_root: str | Path | None = None
+    # The store_caches policy given (None: the ledger's own). Resolved only when a job stores (cache_policy),
+    # so a job that stores nothing (factor) never reads storage.json.
+    store_caches: str | None = None
+
+    @classmethod
+    def read(cls, record_path: str | Path, **options) -> JobContext:
+        """The context of a job on the checkpoint of ``record_path``; ``options``: the other fields."""
+        record = read_model_record(record_path)
+        return cls(record_path=record_path, record=record, engine_spec=spec_of(record), **options)
+
+    def load_engine(self) -> Engine:
+        """The checkpoint loaded by its engine at the job's runtime (what registry.load_checkpoint does)."""
+        return self.engine_spec.engine_class().load(self.record, self.runtime)
+
+    def store(self) -> ObjectStore:
+        return ObjectStore(self.store_root)
+
+    def source_store(self) -> ObjectStore:
+        return ObjectStore(self.source_store_root or self.store_root)
+
+    def cache_policy(self) -> str:
+        """The store_caches policy the job stores at: the one given, else that of its ledger's storage.json."""
+        return self.store_caches or store_policy(self.store_root)
 
 
 def environment_columns(environment: Environment) -> dict:

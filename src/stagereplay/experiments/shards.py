@@ -7,20 +7,18 @@ trajectory rows; the ledger rule gathers the shard tables afterwards.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from stagereplay.engines.base import Engine, Runtime
-from stagereplay.engines.registry import load_checkpoint
+from stagereplay.design.storage import model_jobs_store
+from stagereplay.engines.base import Engine
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live, parse_construction
 from stagereplay.experiments.decode import Decoded, ReadoutCue, continue_from, read_out_state
-from stagereplay.experiments.job import ShardSpec, environment_columns, progress_bar
+from stagereplay.experiments.job import JobContext, environment_columns, progress_bar
 from stagereplay.inputs import items as items_mod
-from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.inputs.scoring import score
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
-from stagereplay.ledger.store import ObjectStore, store_cache
+from stagereplay.ledger.store import store_cache
 from stagereplay.ledger.tables import (
     PROMPT_SCHEMA,
     TRAJECTORY_SCHEMA,
@@ -28,12 +26,6 @@ from stagereplay.ledger.tables import (
     read_table,
     write_table,
 )
-
-
-@dataclass(frozen=True)
-class Budgets:
-    boundary: StageBoundary
-    suffix_tokens: int
 
 
 def shard_slice(rows: list, shard: int, shard_size: int) -> list:
@@ -49,22 +41,15 @@ class ShardRecorder:
     """Stores a trajectory's artifacts and builds its ledger row."""
 
     def __init__(
-        self,
-        engine: Engine,
-        record: dict,
-        spec: ShardSpec,
-        store: ObjectStore,
-        construction: str,
-        prefix_precision: str,
-        store_caches: bool = True,
+        self, context: JobContext, engine: Engine, construction: str, prefix_precision: str, store_caches: bool
     ):
         self.prefix_precision = prefix_precision
         # False at store_caches selected or none: the row keeps the cache's fingerprints, not its tensors.
         self.store_caches = store_caches
         self.engine = engine
-        self.record = record
-        self.spec = spec
-        self.store = store
+        self.record = context.record
+        self.spec = context.shard_spec
+        self.store = context.store()
         self.construction = construction
         self.rows: list[dict] = []
 
@@ -136,34 +121,26 @@ def _continue(
     return continue_from(engine, state, prefix[-1], budget, eos, on_token=on_token, readout=cue)
 
 
-def run_live_shard(
-    model_record: str | Path,
-    items_path: str | Path,
-    prompts_path: str | Path,
-    spec: ShardSpec,
-    runtime: Runtime,
-    budgets: Budgets,
-    store_root: str | Path,
-    out_path: str | Path,
-    store_caches: bool = True,
-) -> Path:
-    record = read_model_record(model_record)
-    item_list = shard_slice(items_mod.load_items(items_path), spec.shard, spec.shard_size)
-    prompts = prompt_rows_by_item(prompts_path)
-    engine = load_checkpoint(record, runtime)
-    recorder = ShardRecorder(engine, record, spec, ObjectStore(store_root), "live", spec.precision, store_caches)
+def run_live_shard(context: JobContext, boundary: StageBoundary) -> Path:
+    """Generate each item of the shard to the stage ``boundary``, keep the live cache, continue."""
+    store_caches = model_jobs_store(context.cache_policy())
+    spec = context.shard_spec
+    item_list = shard_slice(items_mod.load_items(context.items_path), spec.shard, spec.shard_size)
+    prompts = prompt_rows_by_item(context.prompts_path)
+    engine = context.load_engine()
+    recorder = ShardRecorder(context, engine, "live", spec.precision, store_caches)
     eos = engine.eos_ids
     bar, on_token = progress_bar(len(item_list), f"live {spec.precision} rep{spec.replica} shard {spec.shard}")
     for item in item_list:
         prompt = prompts[item.item_id]["prompt_tokens"]
         started = time.perf_counter()
-        live = build_live(engine, prompt, budgets.boundary, eos, engine.tokenizer, on_token=on_token)
+        live = build_live(engine, prompt, boundary, eos, engine.tokenizer, on_token=on_token)
         suffix = _continue(
             engine,
             live.state,
             live.prefix,
             live.reasoning.stop,
-            budgets.suffix_tokens,
+            context.suffix_tokens,
             eos,
             on_token,
             readout_cue(prompts[item.item_id]),
@@ -180,40 +157,28 @@ def run_live_shard(
         )
         bar.update()
     bar.close()
-    return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
+    return write_table(recorder.rows, TRAJECTORY_SCHEMA, context.out_path)
 
 
-def run_construction_shard(
-    model_record: str | Path,
-    items_path: str | Path,
-    prompts_path: str | Path,
-    source_shard: str | Path,
-    construction: str,
-    spec: ShardSpec,
-    runtime: Runtime,
-    suffix_tokens: int,
-    store_root: str | Path,
-    out_path: str | Path,
-    source_store_root: str | Path | None = None,
-    store_caches: bool = True,
-) -> Path:
-    """Rebuild each boundary state of a live shard from its saved integer prefix, then continue.
+def run_construction_shard(context: JobContext, source_shard: str | Path, construction: str) -> Path:
+    """Rebuild each boundary state of the live shard ``source_shard`` from its saved integer prefix, then continue.
 
-    Prefixes are read from ``source_store_root`` (default: the store written to), so the
+    Prefixes are read from the context's source store (default: the store written to), so the
     audit can rebuild from the saved ledger into a separate store.
     """
+    store_caches = model_jobs_store(context.cache_policy())
     parse_construction(construction)
-    record = read_model_record(model_record)
-    items = {item.item_id: item for item in items_mod.load_items(items_path)}
-    prompts = prompt_rows_by_item(prompts_path)
+    record = context.record
+    spec = context.shard_spec
+    items = {item.item_id: item for item in items_mod.load_items(context.items_path)}
+    prompts = prompt_rows_by_item(context.prompts_path)
     source = read_table(source_shard, TRAJECTORY_SCHEMA).to_pylist()
     if any(row["construction"] != "live" for row in source):
         raise LedgerError(f"{source_shard} is not a live shard — rebuild constructions only from saved live prefixes")
-    store = ObjectStore(store_root)
-    source_store = ObjectStore(source_store_root or store_root)
-    engine = load_checkpoint(record, runtime)
+    source_store = context.source_store()
+    engine = context.load_engine()
     prefix_precision = source[0]["precision"] if source else spec.precision
-    recorder = ShardRecorder(engine, record, spec, store, construction, prefix_precision, store_caches)
+    recorder = ShardRecorder(context, engine, construction, prefix_precision, store_caches)
     eos = engine.eos_ids
     bar, on_token = progress_bar(len(source), f"{construction} {spec.precision} rep{spec.replica} shard {spec.shard}")
     for row in source:
@@ -229,7 +194,7 @@ def run_construction_shard(
             state,
             prefix,
             row["boundary_reason"],
-            suffix_tokens,
+            context.suffix_tokens,
             eos,
             on_token,
             readout_cue(prompts[row["item_id"]]),
@@ -247,7 +212,7 @@ def run_construction_shard(
         )
         bar.update()
     bar.close()
-    return write_table(recorder.rows, TRAJECTORY_SCHEMA, out_path)
+    return write_table(recorder.rows, TRAJECTORY_SCHEMA, context.out_path)
 
 
 def prompt_rows_by_item(prompts_path: str | Path) -> dict[str, dict]:

@@ -12,16 +12,13 @@ from pathlib import Path
 
 from stagereplay.design.jobs import trajectory_label
 from stagereplay.design.names import check_plan
-from stagereplay.engines.base import Runtime
-from stagereplay.engines.registry import load_checkpoint
+from stagereplay.design.storage import transplant_jobs_store
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.decode import Decoded, continue_from
-from stagereplay.experiments.job import ShardSpec, environment_columns, progress_bar
+from stagereplay.experiments.job import JobContext, environment_columns, progress_bar
 from stagereplay.experiments.recompute import CacheSource, ModelPool
 from stagereplay.experiments.transplants import TransplantSpec, left_both, outcome, sweep_specs, transplant
-from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
-from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, LedgerError, read_table, write_table
 
 
@@ -35,31 +32,23 @@ class TransplantJob:
     plan: object  # plan.SweepPlan; only the all-layer transplant when None
 
 
-def run_transplant_shard(
-    model_record: str | Path,
-    job: TransplantJob,
-    spec: ShardSpec,
-    runtime: Runtime,
-    suffix_tokens: int,
-    store_root: str | Path,
-    out_path: str | Path,
-    source_store_root: str | Path | None = None,
-    store_rebuilt_caches: bool = False,
-) -> Path:
+def run_transplant_shard(context: JobContext, job: TransplantJob) -> Path:
     """Transplant donor caches into recipient states and continue in the recipient's precision.
 
-    Caches and prefixes are read from ``source_store_root`` (default: the store written to).
+    Caches and prefixes are read from the context's source store (default: the store written to).
     A cache that is not stored is rebuilt (on a model of its own precision, loaded when a
-    donor's differs); with ``store_rebuilt_caches`` (store_caches: selected) it is then stored in
-    ``store_root``.
+    donor's differs); at store_caches: selected it is then stored in the store written to.
     """
-    record = read_model_record(model_record)
-    store = ObjectStore(store_root)
-    source_store = ObjectStore(source_store_root or store_root)
-    loaded = load_checkpoint(record, runtime)
+    store_rebuilt_caches = transplant_jobs_store(context.cache_policy())
+    record, spec, suffix_tokens = context.record, context.shard_spec, context.suffix_tokens
+    store = context.store()
+    source_store = context.source_store()
+    loaded = context.load_engine()
     if job.plan:
         check_plan(job.plan, loaded.num_layers)
-    models = ModelPool({spec.checkpoint: model_record}, runtime, {(spec.checkpoint, spec.precision): loaded})
+    models = ModelPool(
+        {spec.checkpoint: context.record_path}, context.runtime, {(spec.checkpoint, spec.precision): loaded}
+    )
     keep = store if store_rebuilt_caches else None
     caches = CacheSource([source_store] + ([store] if store.root != source_store.root else []), models, keep)
     environment = environment_columns(loaded.environment)
@@ -141,4 +130,4 @@ def run_transplant_shard(
             )
         bar.update()
     bar.close()
-    return write_table(rows, TRANSPLANT_SCHEMA, out_path)
+    return write_table(rows, TRANSPLANT_SCHEMA, context.out_path)
