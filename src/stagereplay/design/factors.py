@@ -1,7 +1,7 @@
 """E6 (factors): the runtime settings a server changes, one object per factor, and the verdict of each item.
 
 No torch: the workflow's parse-time checks, summary, verify and the report read this. How a level builds
-and reads a cache is the torch side's (``experiments.factors``, one setting class per factor, found by
+and reads a cache is the torch side's (``experiments.factor_settings``, one setting class per factor, found by
 the factor's name).
 
 A factor has one reference level — the setting every other experiment ran with (one-shot prefill,
@@ -21,7 +21,7 @@ micro-batches) reads the same way at every level, so it has two cells, ``(r, r)`
 cells cannot be built honestly (server-only: the rotation) has ``(t, t)`` alone.
 
 Adding a factor: one ``Factor`` here (its levels, reference, cells), one setting in
-``experiments.factors``, and its name in the specs of the engines that run it (``engines``).
+``experiments.factor_settings``, and its name in the specs of the engines that run it (``engines``).
 """
 
 from __future__ import annotations

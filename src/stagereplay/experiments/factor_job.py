@@ -27,7 +27,7 @@ from stagereplay.design.factors import (
 from stagereplay.engines.base import Engine
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.difference import cache_difference
-from stagereplay.experiments.factors import Kernels, LevelJob, Prefix, Setting, level_setting
+from stagereplay.experiments.factor_settings import Kernels, LevelJob, Prefix, Setting, level_setting
 from stagereplay.experiments.job import JobContext, environment_columns, progress_bar
 from stagereplay.experiments.recompute import CacheSource, ModelPool
 from stagereplay.ledger.fingerprint import fingerprint_cache

@@ -192,7 +192,7 @@ FACTOR_SCHEMA = pa.schema(
         ("suffix_tokens", pa.list_(pa.int64())),
         ("suffix_stop", pa.string()),
         ("first_divergence", pa.int32()),  # the first suffix step that differs from the reference's
-        # cache_type: a cell that read a cache of the other type read it converted (design in experiments.factors):
+        # cache_type: a cell that read a cache of the other type read it converted (design in experiments.factor_settings):
         # that cache's fingerprint; on ref-test (the reference quantized offline) whether it has the native
         # test build's bytes, and from which layer it differs.
         ("converted_digest", pa.string()),
