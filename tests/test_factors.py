@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from workflow_helpers import copy_run, job_counts, snakemake, stagereplay
 
 from stagereplay.audit.rerun import audit_factors
-from stagereplay.design.factors import FactorError, check_levels, item_verdict
+from stagereplay.design.factors import FactorError, check_levels
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState
@@ -230,24 +230,6 @@ def test_the_audit_names_a_cell_that_does_not_reproduce(factor_run):
     failed = [c for c in audit_factors(saved, pa.Table.from_pylist(changed, schema=saved.schema)) if not c.reproduced]
     assert [(c.artifact, c.item_id) for c in failed] == [("factor_suffix", target["item_id"])]
     assert failed[0].side == f"{target['factor']}={target['level']} ref-test"
-
-
-@pytest.mark.parametrize(
-    ("reference", "write", "read", "server", "expected"),
-    [
-        ([1, 2], [1, 2], [1, 2], [1, 2], "none"),
-        ([1, 2], [1, 3], [1, 2], [1, 3], "write"),
-        ([1, 2], [1, 2], [1, 3], [1, 3], "read"),
-        ([1, 2], [1, 3], [1, 4], [1, 3], "both"),
-        ([1, 2], [1, 2], [1, 2], [1, 5], "interaction"),
-        ([1, 2], [1, 3], None, None, "write"),
-        ([1, 2], [1, 2], None, None, "none"),
-        ([1, 2], None, None, [1, 3], "served"),
-        ([1, 2], None, None, [1, 2], "none"),
-    ],
-)
-def test_verdicts(reference, write, read, server, expected):
-    assert item_verdict(reference, write, read, server) == expected
 
 
 @pytest.mark.parametrize(
