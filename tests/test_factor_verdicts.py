@@ -16,12 +16,16 @@ from stagereplay.design.factors import (
     READ,
     SERVED_VERDICTS,
     SERVER,
+    VERDICTS,
     WRITE,
     cell_patterns,
     differing_cells,
     item_verdict,
     pattern_name,
 )
+from stagereplay.report.figures import factor_blocks
+from stagereplay.report.plots import VERDICT_COLOURS
+from stagereplay.report.reading import e6_reading
 from stagereplay.report.stats import share
 from stagereplay.report.summary import e6_level
 
@@ -96,6 +100,11 @@ def test_patterns_of_each_factor_shape():
     assert cell_patterns((WRITE,)) == ("none", "test-ref")
     assert cell_patterns((SERVER,)) == ("none", "test-test")
     assert CELL_LABELS == ("test-ref", "ref-test", "test-test") and (WRITE, READ, SERVER) == FULL
+
+
+def test_the_plot_stacks_every_verdict_in_order():
+    assert tuple(VERDICT_COLOURS) == VERDICTS
+    assert set(VERDICTS) - set(SERVED_VERDICTS) == {"none", "latent"}
 
 
 def rows_of(factor: str, level: str, items: dict[str, tuple], unbuilt: tuple[str, ...] = ()) -> list[dict]:
@@ -179,3 +188,35 @@ def test_build_only_and_server_only_levels_have_two_patterns():
     assert rotation["served_cell"] == "test-test" and rotation["cells"] == ["test-test"]
     assert rotation["differing_cells"] == {"none": share(1, 2), "test-test": share(1, 2)}
     assert rotation["verdicts"]["served"] == share(1, 2) and rotation["verdicts"]["latent"] == share(0, 2)
+
+
+def hand_built_e6() -> dict:
+    chunk = rows_of("chunk", "5", {"a": (True, None, None), "b": (False, None, None)})
+    return {
+        "checkpoint": "tiny",
+        "precision": "bf16",
+        "reference": "E2's prefill row",
+        "levels": [e6_level(full_level_rows()), e6_level(chunk)],
+    }
+
+
+def test_card_and_reading_give_the_patterns_and_latent():
+    e6 = hand_built_e6()
+    blocks = factor_blocks({"E6": e6})
+    tables = [block for block in blocks if block[0] == "table"]
+    verdict_header, verdict_rows = tables[0][1], tables[0][2]
+    assert verdict_header[-len(VERDICTS) :] == list(VERDICTS)
+    assert verdict_rows[0][verdict_header.index("latent")] == "4/11 [15.2%, 64.6%]"
+    pattern_header, pattern_rows = tables[1][1], tables[1][2]
+    assert pattern_header == ["Factor", "Level", *cell_patterns(FULL)]
+    assert [row[:2] for row in pattern_rows] == [["attention", "eager"]]  # the build-only level is in a sentence
+    assert pattern_rows[0][pattern_header.index("none")].startswith("3/11 [")
+    sentences = [block[1] for block in blocks if block[0] == "paragraph"]
+    assert any("chunk 5 (test-ref alone): none 1/2 [" in text for text in sentences)
+    attention, patterns, chunk = e6_reading(e6)
+    assert "suffixes differ on 4/11 as a server runs it" in attention
+    assert "of the items whose served suffix changes: 1 write, 1 read, 1 both, 1 interaction" in attention
+    assert "on 4/11 items a one-sided cell differs but the served suffix does not (latent," in attention
+    assert "none 3/11 (Wilson 95% [" in patterns and "test-ref+ref-test 1/11 (" in patterns
+    assert "0/" not in patterns  # every pattern was seen once at least
+    assert "every item whose served suffix changes (1/2) follows the written cache (write side)" in chunk
