@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from stagereplay.audit.verify_documents import counts_e6_one_sided
 from stagereplay.design.factors import (
     CELL_LABELS,
     FULL,
@@ -220,3 +221,16 @@ def test_card_and_reading_give_the_patterns_and_latent():
     assert "none 3/11 (Wilson 95% [" in patterns and "test-ref+ref-test 1/11 (" in patterns
     assert "0/" not in patterns  # every pattern was seen once at least
     assert "every item whose served suffix changes (1/2) follows the written cache (write side)" in chunk
+
+
+def test_a_summary_of_the_old_shape_is_recognised():
+    e6 = hand_built_e6()
+    assert not counts_e6_one_sided({"E6": e6})
+    for key in ("served_cell", "differing_cells"):
+        old = hand_built_e6()
+        del old["levels"][1][key]
+        assert counts_e6_one_sided({"E6": old})
+    old = hand_built_e6()
+    del old["levels"][0]["verdicts"]["latent"]
+    assert counts_e6_one_sided({"E6": old})
+    assert not counts_e6_one_sided({"E1": {}})  # no E6: nothing of its shape to check
