@@ -21,11 +21,12 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from workflow_helpers import copy_run, job_counts, snakemake, stagereplay
 
 from stagereplay.audit.rerun import audit_factors
-from stagereplay.design.factors import FactorError, check_levels, item_verdict
+from stagereplay.design.factors import FactorError, check_levels
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
+from stagereplay.report.stamp import stamp
 
 pytestmark = pytest.mark.slow
 
@@ -219,6 +220,35 @@ def test_verify_recomputes_e6_from_the_tables(factor_run, tmp_path):
     assert "E6.levels" in result.stdout + result.stderr
 
 
+def test_a_summary_of_the_old_e6_shape_gets_one_line_naming_its_migration(factor_run, tmp_path):
+    """A ledger whose summary.json was written before the verdicts were served first: verify names the cause and
+    the command once (not the first key that differs), and that command makes the ledger verify."""
+    ledger, _, _, _ = factor_run
+    copy, config = copy_run(ledger.parent, tmp_path / "old")
+    path = copy / "summary.json"
+    summary = json.loads(path.read_text())
+    for level in summary["E6"]["levels"]:
+        if level["applicable"]:
+            del level["served_cell"], level["differing_cells"], level["verdicts"]["latent"]
+    old = (json.dumps(summary, indent=2) + "\n").encode()
+    path.write_bytes(old)
+    # The cards an old run drew carry the stamp of its summary.json.
+    for card in (copy / "results.md", copy / "report" / "results.html"):
+        card.write_text(stamp(card.read_text().rsplit("<!-- stagereplay stamp:", 1)[0], old))
+    result = stagereplay("verify", copy)
+    assert result.returncode == 1
+    assert [line for line in result.stderr.splitlines() if line.startswith("stagereplay: fault:")] == [
+        "stagereplay: fault: summary.json: its E6 levels are in the shape written before the verdicts were served"
+        " first (no cell patterns, no verdict latent): they count an item write, read or both whenever a one-sided"
+        " cell differs, even where the served suffix does not — migrate it: rerun snakemake --forcerun summary"
+        " report (it rewrites summary.json and the card from the tables)"
+    ], result.stderr
+    migrated = snakemake(copy.parent, config, "--forcerun", "summary", "report")
+    assert migrated.returncode == 0, migrated.stderr[-3000:]
+    assert stagereplay("verify", copy).returncode == 0
+    assert json.loads(path.read_text()) == json.loads((ledger / "summary.json").read_text())
+
+
 def test_the_audit_names_a_cell_that_does_not_reproduce(factor_run):
     ledger, _, rows, _ = factor_run
     saved = pq.read_table(ledger / "tables" / "factors.parquet")
@@ -230,24 +260,6 @@ def test_the_audit_names_a_cell_that_does_not_reproduce(factor_run):
     failed = [c for c in audit_factors(saved, pa.Table.from_pylist(changed, schema=saved.schema)) if not c.reproduced]
     assert [(c.artifact, c.item_id) for c in failed] == [("factor_suffix", target["item_id"])]
     assert failed[0].side == f"{target['factor']}={target['level']} ref-test"
-
-
-@pytest.mark.parametrize(
-    ("reference", "write", "read", "server", "expected"),
-    [
-        ([1, 2], [1, 2], [1, 2], [1, 2], "none"),
-        ([1, 2], [1, 3], [1, 2], [1, 3], "write"),
-        ([1, 2], [1, 2], [1, 3], [1, 3], "read"),
-        ([1, 2], [1, 3], [1, 4], [1, 3], "both"),
-        ([1, 2], [1, 2], [1, 2], [1, 5], "interaction"),
-        ([1, 2], [1, 3], None, None, "write"),
-        ([1, 2], [1, 2], None, None, "none"),
-        ([1, 2], None, None, [1, 3], "served"),
-        ([1, 2], None, None, [1, 2], "none"),
-    ],
-)
-def test_verdicts(reference, write, read, server, expected):
-    assert item_verdict(reference, write, read, server) == expected
 
 
 @pytest.mark.parametrize(

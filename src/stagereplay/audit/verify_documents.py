@@ -22,6 +22,11 @@ CARDS = (RELATIVE.card, RELATIVE.card_html)
 SUMMARY = RELATIVE.summary
 E4 = RELATIVE.e4
 REWRITE_SUMMARY = "rerun snakemake --forcerun summary to rewrite it from the tables"
+MIGRATE_SUMMARY = (
+    "migrate it: rerun snakemake --forcerun summary report (it rewrites summary.json and the card from the tables)"
+)
+# What an E6 level that ran has had since its verdicts are served first (design.factors.item_verdict).
+SERVED_FIRST_KEYS = ("served_cell", "differing_cells")
 
 
 def read_summary(root: Path, report: Report) -> dict | None:
@@ -86,6 +91,18 @@ def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Re
     factors = tables.get(FACTORS) if "E6" in summary else None
     if "E6" in summary and factors is None:
         return  # the factor table is missing or unreadable: already a fault
+    if counts_e6_one_sided(summary):
+        # Every E6 level would differ from the recomputed one: one line with the cause, not the first key.
+        report.faults.append(
+            Fault(
+                SUMMARY,
+                "its E6 levels are in the shape written before the verdicts were served first (no cell patterns,"
+                " no verdict latent): they count an item write, read or both whenever a one-sided cell differs,"
+                " even where the served suffix does not",
+                MIGRATE_SUMMARY,
+            )
+        )
+        return
     recomputed = compute_summary(
         comparisons=tables[COMPARISONS],
         trajectories=tables[TRAJECTORIES],
@@ -94,6 +111,19 @@ def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Re
         factors=factors,
     )
     _compare_figures(SUMMARY, summary, json.loads(json.dumps(recomputed)), "the tables", REWRITE_SUMMARY, report)
+
+
+def counts_e6_one_sided(summary: dict) -> bool:
+    """Whether summary.json's E6 is in the old shape: a level that ran lacks the served cell, the patterns of
+    differing cells, or the verdict latent."""
+    e6 = summary.get("E6")
+    levels = e6.get("levels") if isinstance(e6, dict) else None
+    return any(
+        isinstance(level, dict)
+        and level.get("applicable")
+        and (any(key not in level for key in SERVED_FIRST_KEYS) or "latent" not in (level.get("verdicts") or {}))
+        for level in (levels if isinstance(levels, list) else [])
+    )
 
 
 def _compare_figures(where: str, saved: dict, recomputed: dict, source: str, fix: str, report: Report) -> None:

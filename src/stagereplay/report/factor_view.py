@@ -1,8 +1,9 @@
-"""E6 per item: each item's cells for each factor level, their verdict, and where each cell's suffix parts
-from the reference's.
+"""E6 per item: each item's cells for each factor level, which of them differ, their verdict, and where each
+cell's suffix parts from the reference's.
 
 Read from the ledger tables (the factor rows, the E2 prefill rows they start from) and the checkpoint's
-vocabulary table; the verdict is summary.item_verdicts', so the per-item view and the counts agree.
+vocabulary table; the pattern and the verdict are summary.item_outcomes', so the per-item view and the counts
+agree.
 """
 
 from __future__ import annotations
@@ -12,11 +13,21 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
+from stagereplay.design.factors import CELL_LABELS
 from stagereplay.report.item_view import spell, visible
-from stagereplay.report.summary import item_verdicts
+from stagereplay.report.summary import item_outcomes
 
-CELLS = ("test-ref", "ref-test", "test-test")
-COLUMNS = ["Item", "Factor level", "Verdict", "Built cache", "test-ref (write)", "ref-test (read)", "test-test"]
+COLUMNS = [
+    "Item",
+    "Factor level",
+    "Cells that differ",
+    "Verdict",
+    "Built cache",
+    "test-ref (write)",
+    "ref-test (read)",
+    "test-test",
+]
+CELL_COLUMNS = 5  # the columns from here on are the cells, in CELL_LABELS' order
 
 
 def part_text(tokens: list[int], reference: list[int], vocabulary: dict[int, str]) -> str:
@@ -34,8 +45,8 @@ def part_text(tokens: list[int], reference: list[int], vocabulary: dict[int, str
 def factor_item_rows(
     factors: pa.Table, trajectories: pa.Table, vocabularies: dict[str, dict[int, str]]
 ) -> list[list[str]]:
-    """One row per item and factor level that ran: its verdict, its built cache against the reference, and
-    each cell's suffix against the reference suffix (a cell the factor does not have is marked —)."""
+    """One row per item and factor level that ran: which cells differ, its verdict, its built cache against the
+    reference, and each cell's suffix against the reference suffix (a cell the factor does not have is marked —)."""
     reference_tokens = {row["suffix_object"]: list(row["suffix_tokens"]) for row in trajectories.to_pylist()}
     levels: dict[tuple, list[dict]] = {}
     for row in factors.to_pylist():
@@ -43,7 +54,7 @@ def factor_item_rows(
             levels.setdefault((row["factor"], row["level"]), []).append(row)
     rows = []
     for (factor, level), level_rows in levels.items():
-        verdicts = item_verdicts(level_rows)
+        outcomes = item_outcomes(level_rows)
         by_item: dict[str, dict[str, dict]] = {}
         for row in level_rows:
             by_item.setdefault(row["item_id"], {})[row["cell"]] = row
@@ -60,9 +71,10 @@ def factor_item_rows(
                 cache += f"; {built['reused_tokens']} positions reused"
             parts = [
                 part_text(list(cells[cell]["suffix_tokens"]), reference, vocabulary) if cell in cells else "—"
-                for cell in CELLS
+                for cell in CELL_LABELS
             ]
-            rows.append([item_id, f"{factor} {level}", verdicts[item_id], cache, *parts])
+            outcome = outcomes[item_id]
+            rows.append([item_id, f"{factor} {level}", outcome.pattern, outcome.verdict, cache, *parts])
     return rows
 
 
@@ -93,8 +105,11 @@ def ledger_factor_text(root: str | Path, item_id: str) -> str | None:
     checkpoints = sorted(set(factors.column("checkpoint").to_pylist()))
     vocabularies = read_vocabularies({name: ledger.vocab(name) for name in checkpoints})
     rows = factor_item_rows(factors, read_table(ledger.table("trajectories"), TRAJECTORY_SCHEMA), vocabularies)
-    lines = [f"E6 factors (item {item_id}): verdict; built cache; each cell's suffix against the reference"]
-    for _, level, verdict, cache, *cells in rows:
-        lines.append(f"  {level}: {verdict}; built cache: {cache}")
-        lines += [f"    {cell}: {text}" for cell, text in zip(COLUMNS[4:], cells) if text != "—"]
+    lines = [
+        f"E6 factors (item {item_id}): verdict; the cells whose suffix differs; built cache; each cell's suffix"
+        " against the reference"
+    ]
+    for _, level, pattern, verdict, cache, *cells in rows:
+        lines.append(f"  {level}: {verdict}; cells that differ: {pattern}; built cache: {cache}")
+        lines += [f"    {cell}: {text}" for cell, text in zip(COLUMNS[CELL_COLUMNS:], cells) if text != "—"]
     return "\n".join(lines)

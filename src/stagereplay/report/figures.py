@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagereplay.design.factors import VERDICTS
+from stagereplay.design.factors import FULL, VERDICTS, cell_patterns
 from stagereplay.report.reading import AUDIT_HOW
 from stagereplay.report.text import experiment_name, percent, points
 
@@ -219,7 +219,13 @@ def e6_rows(e6: dict | None) -> list[Figure]:
             figures.append(Figure(name, "not applicable", "—", "—", "—", level["reason"]))
             continue
         figures.append(count_row(name, "built caches differ from the reference (bytes)", level["caches_differ"]))
-        figures.append(count_row(name, "suffixes differ from the reference", level["suffixes_differ"]))
+        figures.append(
+            count_row(
+                name, f"suffixes differ from the reference as served ({level['served_cell']})", level["suffixes_differ"]
+            )
+        )
+        for pattern, counted in level["differing_cells"].items():
+            figures.append(count_row(name, f"cells whose suffix differs: {pattern}", counted))
         for verdict, counted in level["verdicts"].items():
             figures.append(count_row(name, f"verdict {verdict}", counted))
     return figures
@@ -236,7 +242,9 @@ def all_figures(summary: dict) -> list[Figure]:
     )
 
 
-FACTOR_COLUMNS = ["Factor", "Level", "Reference", "Cells", "Caches differ", "Suffixes differ", *VERDICTS]
+FACTOR_COLUMNS = ["Factor", "Level", "Reference", "Cells", "Caches differ", "Suffixes differ (served)", *VERDICTS]
+FULL_PATTERNS = cell_patterns(FULL)
+PATTERN_COLUMNS = ["Factor", "Level", *FULL_PATTERNS]
 
 
 def _with_bounds(counted: dict) -> str:
@@ -245,7 +253,8 @@ def _with_bounds(counted: dict) -> str:
 
 
 def factor_blocks(summary: dict) -> list[tuple]:
-    """E6's one table: per factor level, caches and suffixes that differ and each verdict x/N (Wilson 95%)."""
+    """E6's two tables: per factor level, caches and suffixes that differ and each verdict x/N (Wilson 95%); then,
+    for the levels with the full 2x2, each pattern of differing cells x/N (the others' patterns in a sentence)."""
     e6 = summary.get("E6")
     if e6 is None:
         return []
@@ -270,7 +279,50 @@ def factor_blocks(summary: dict) -> list[tuple]:
             f"Checkpoint `{e6['checkpoint']}` at {e6['precision']}; the reference cell is {e6['reference']}. Cells"
             " are (build, read): test-ref is the write side, ref-test the read side, test-test the level as a"
             " server runs it; a build-only factor has test-ref alone, a server-only one (rotation) test-test alone."
-            " Suffixes differ counts test-test (test-ref for a build-only factor). Verdicts are defined in docs/experiments.md (E6); x/N with Wilson 95% intervals.",
+            " Suffixes differ counts the served cell: test-test (test-ref for a build-only factor). The verdicts"
+            " write, read, both and interaction (and served, for a server-only factor) classify only the items"
+            " whose served suffix differs; latent counts those where a one-sided cell differs but the served"
+            " suffix does not, none those where no cell differs. Verdicts are defined in docs/experiments.md"
+            " (E6); x/N with Wilson 95% intervals.",
         ),
         ("table", FACTOR_COLUMNS, rows),
+        *pattern_blocks(e6),
     ]
+
+
+def pattern_blocks(e6: dict) -> list[tuple]:
+    """Per level with the full 2x2, the items of each pattern of differing cells, x/N (Wilson 95%). A build-only or
+    server-only level has one cell, its served one, so its two patterns are said in a sentence."""
+    ran = [level for level in e6["levels"] if level["applicable"]]
+    full = [level for level in ran if tuple(level["differing_cells"]) == FULL_PATTERNS]
+    one_cell = [level for level in ran if tuple(level["differing_cells"]) != FULL_PATTERNS]
+    blocks: list[tuple] = [("heading", 3, "E6: which cells' suffixes differ, per factor level")]
+    if full:
+        rows = [
+            [level["factor"], level["level"]] + [_with_bounds(level["differing_cells"][p]) for p in FULL_PATTERNS]
+            for level in full
+        ]
+        blocks += [
+            (
+                "paragraph",
+                "Each column counts the items on which exactly the cells it names (joined by +) continue"
+                " differently from the reference and the level's other cells do not; the first four keep the"
+                " served suffix (none, and latent's three), the last four change it (interaction, write, read,"
+                " both).",
+            ),
+            ("table", PATTERN_COLUMNS, rows),
+        ]
+    if one_cell:
+        blocks.append(
+            (
+                "paragraph",
+                "One cell, the served one, so two patterns each: "
+                + "; ".join(
+                    f"{level['factor']} {level['level']} ({level['served_cell']} alone): "
+                    + ", ".join(f"{p} {_with_bounds(c)}" for p, c in level["differing_cells"].items())
+                    for level in one_cell
+                )
+                + ".",
+            )
+        )
+    return blocks if len(blocks) > 1 else []

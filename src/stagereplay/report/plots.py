@@ -28,9 +28,11 @@ PLOT_FILES = {
     "factor_verdicts": "factor_verdicts.png",
     "accuracy": "accuracy.png",
 }
-# E6's verdicts, in the order they are stacked, and their colours (none is the quiet one).
+# E6's verdicts, in the order they are stacked, and their colours: none and latent (the served suffix is the
+# reference's) are the quiet ones, so the bars' coloured part is what a server returns differently.
 VERDICT_COLOURS = {
     "none": "lightgrey",
+    "latent": "tab:gray",
     "write": "tab:orange",
     "read": "tab:blue",
     "both": "tab:purple",

@@ -292,14 +292,26 @@ SIDE_WORDS = {
 
 
 def e6_reading(e6: dict | None) -> list[str]:
-    """One sentence per factor level: caches, suffixes, and where the divergence enters."""
+    """One sentence per factor level: caches, served suffixes, and where the divergence enters; and for a level
+    with the full 2x2 on which some cell differs, one more: which cells differ."""
     if e6 is None:
         return []
-    return [e6_level_reading(level) for level in e6["levels"]]
+    lines = []
+    for level in e6["levels"]:
+        lines.append(e6_level_reading(level))
+        # A build-only or server-only level has one cell, so its two patterns are its suffixes-differ figure.
+        full = level["applicable"] and len(level["differing_cells"]) > 2
+        if full and level["verdicts"]["none"]["count"] < level["items"]:
+            lines.append(e6_pattern_reading(level))
+    return lines
+
+
+def e6_level_name(level: dict) -> str:
+    return f"E6 {level['factor']} {level['level']} (reference {level['reference_level']})"
 
 
 def e6_level_reading(level: dict) -> str:
-    name = f"E6 {level['factor']} {level['level']} (reference {level['reference_level']})"
+    name = e6_level_name(level)
     if not level["applicable"]:
         return f"{name}: not applicable here — {level['reason']}."
     n = level["items"]
@@ -318,14 +330,42 @@ def e6_level_reading(level: dict) -> str:
     served = "as built" if level["cells"] == ["test-ref"] else "as a server runs it"
     suffixes = level["suffixes_differ"]
     text = f"{name}: {cache_text}; suffixes differ on {suffixes['count']}/{n} {served} ({_bound(suffixes)})"
-    changed = {verdict: level["verdicts"][verdict]["count"] for verdict in SIDE_WORDS}
-    changed = {verdict: count for verdict, count in changed.items() if count}
-    if not changed:
+    verdicts = level["verdicts"]
+    latent = verdicts["latent"]["count"]
+    if verdicts["none"]["count"] == n:
         return f"{text}; no cell of any item continues differently from the reference (verdict none on {n}/{n})."
+    # Only the items whose served suffix differs get a side; a one-sided difference alone is latent.
+    latent_text = (
+        f"; on {latent}/{n} items a one-sided cell differs but the served suffix does not (latent,"
+        f" {_bound(verdicts['latent'])})"
+        if latent
+        else ""
+    )
+    changed = {verdict: verdicts[verdict]["count"] for verdict in SIDE_WORDS if verdicts[verdict]["count"]}
+    if not changed:
+        return f"{text}; no served suffix changes{latent_text}."
     if len(changed) == 1:
         ((verdict, count),) = changed.items()
-        return f"{text}; every item that changes ({count}/{n}) {SIDE_WORDS[verdict]}."
-    return f"{text}; verdicts: " + ", ".join(f"{count} {verdict}" for verdict, count in changed.items()) + "."
+        return f"{text}; every item whose served suffix changes ({count}/{n}) {SIDE_WORDS[verdict]}{latent_text}."
+    sides = ", ".join(f"{count} {verdict}" for verdict, count in changed.items())
+    return f"{text}; of the items whose served suffix changes: {sides}{latent_text}."
+
+
+def e6_pattern_reading(level: dict) -> str:
+    """The patterns of differing cells of a level with the full 2x2: those seen, each with its Wilson interval,
+    then those not seen, with their common upper bound."""
+    patterns = level["differing_cells"]
+    seen = [f"{pattern} {c['count']}/{c['n']} ({_bound(c)})" for pattern, c in patterns.items() if c["count"]]
+    unseen = [pattern for pattern, c in patterns.items() if not c["count"]]
+    text = (
+        f"{e6_level_name(level)}, by the cells whose suffix differs (exactly those, of test-ref, ref-test and"
+        f" test-test): {', '.join(seen)}"
+    )
+    if unseen:
+        n = patterns[unseen[0]]["n"]
+        high = patterns[unseen[0]]["wilson95"][1]
+        text += f"; 0/{n} each (Wilson upper bound {percent(high)}): {', '.join(unseen)}"
+    return text + "."
 
 
 def reading(summary: dict, provenance: Provenance) -> list[str]:

@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
-from stagereplay.design.factors import VERDICTS, cell_label, factor_named, item_verdict
+from stagereplay.design.factors import (
+    CELL_LABELS,
+    VERDICTS,
+    cell_label,
+    differing_cells,
+    factor_named,
+    item_verdict,
+    pattern_name,
+)
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
 from stagereplay.report.stats import (
     mcnemar_exact,
@@ -295,28 +304,38 @@ def _group(rows: list[dict], key) -> dict[str, list[dict]]:
     return dict(sorted(grouped.items()))
 
 
-def item_verdicts(rows: list[dict]) -> dict[str, str]:
-    """Each item's E6 verdict (design.factors.item_verdict) from the rows of one factor level. Suffixes are
+@dataclass(frozen=True)
+class ItemOutcome:
+    """One item of one factor level: which cells' suffixes differ from the reference's, and its verdict."""
+
+    pattern: str  # design.factors.pattern_name: "none", "test-ref+test-test", ...
+    verdict: str  # design.factors.item_verdict
+
+
+def item_outcomes(rows: list[dict]) -> dict[str, ItemOutcome]:
+    """Each item's E6 pattern and verdict (design.factors) from the rows of one factor level. Suffixes are
     compared by their object ids: a token list's id is its content's hash, so equal ids mean equal tokens."""
     by_item: dict[str, dict[str, dict]] = defaultdict(dict)
     for row in rows:
         if row["applicable"]:
             by_item[row["item_id"]][row["cell"]] = row
-    verdicts = {}
+    outcomes = {}
     for item_id, cells in sorted(by_item.items()):
-        write, read, server = cells.get("test-ref"), cells.get("ref-test"), cells.get("test-test")
-        verdicts[item_id] = item_verdict(
-            next(iter(cells.values()))["reference_suffix"],
-            write["suffix_object"] if write else None,
-            read["suffix_object"] if read else None,
-            server["suffix_object"] if server else None,
-        )
-    return verdicts
+        first = next(iter(cells.values()))
+        reference = first["reference_suffix"]
+        suffixes = [cells[label]["suffix_object"] if label in cells else None for label in CELL_LABELS]
+        try:
+            verdict = item_verdict(reference, *suffixes)
+        except ValueError as error:
+            raise ValueError(f"E6 {first['factor']} {first['level']}, item {item_id}: {error}") from None
+        outcomes[item_id] = ItemOutcome(pattern_name(differing_cells(reference, *suffixes)), verdict)
+    return outcomes
 
 
 def e6_level(rows: list[dict]) -> dict:
     """One factor level: caches differ x/N (from which layer), suffixes differ x/N as a server runs it
-    (the (t, t) cell; (t, r) for a build-only factor), and every verdict x/N with its Wilson bounds."""
+    (the served cell: (t, t); (t, r) for a build-only factor), each pattern of differing cells x/N, and every
+    verdict x/N, each with its Wilson bounds."""
     first = rows[0]
     factor = first["factor"]
     applicable = [row for row in rows if row["applicable"]]
@@ -336,7 +355,9 @@ def e6_level(rows: list[dict]) -> dict:
     built = [row for row in applicable if row["cell"] == cell_label(of.cells[0])]
     served = [row for row in applicable if row["cell"] == cell_label(of.served_cell)]
     differing_layers = [row["first_differing_layer"] for row in built if row["cache_differs"]]
-    verdicts = Counter(item_verdicts(applicable).values())
+    outcomes = item_outcomes(applicable).values()
+    patterns = Counter(outcome.pattern for outcome in outcomes)
+    verdicts = Counter(outcome.verdict for outcome in outcomes)
     n = len(built)
     figures.update(
         {
@@ -344,7 +365,10 @@ def e6_level(rows: list[dict]) -> dict:
             "caches_differ": share(len(differing_layers), n),
             "first_differing_layer": min(differing_layers) if differing_layers else None,
             "max_abs_difference": max((max(row["layer_max_abs"], default=0.0) for row in built), default=0.0),
+            "served_cell": cell_label(of.served_cell),
             "suffixes_differ": share(sum(row["suffix_object"] != row["reference_suffix"] for row in served), n),
+            # Exactly these cells' suffixes differ from the reference's, the level's other cells' do not.
+            "differing_cells": {pattern: share(patterns[pattern], n) for pattern in of.patterns},
             "verdicts": {name: share(verdicts[name], n) for name in VERDICTS},
         }
     )
