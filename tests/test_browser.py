@@ -101,15 +101,19 @@ def panel_expected(ledger: Path) -> dict[str, str]:
     e2 = summary["E2"]["checkpoints"][primary]["precisions"]["fp32"]["incremental_vs_prefill"]["decoded_disagreements"]
     e3 = summary["E3"]["checkpoints"][primary]["precisions"]
     e5 = summary["E5"]["all_layers"]
-    return {
+    wanted = {
         "E1 matched": f"{e1['count']}/{e1['n']}",
         "E2 fixed prefix": f"{e2['count']}/{e2['n']}",
         "E3 bridge": "; ".join(f"{p}: {arm['bit_exact']['count']}/{arm['bit_exact']['n']}" for p, arm in e3.items()),
         "E4 audit": "not run yet",
-        "E5 transplant": "; ".join(
-            f"{key}: {fig['follows_donor']['count']}/{fig['follows_donor']['n']}" for key, fig in e5.items()
-        ),
     }
+    # E5 over items, one row per selection; the outcome-blind sample is its own row (beside the paper's
+    # later-checkpoint replication only when it ran on another checkpoint).
+    for key, fig in e5.items():
+        items = fig["items_follow_donor_both_ways"]
+        row = "E5 transplant" if key.startswith("selected/") else "E5 outcome-blind"
+        wanted[row] = f"{items['count']}/{items['n']}"
+    return wanted
 
 
 def panel_problems(report: dict, wanted: dict[str, str]) -> list[str]:

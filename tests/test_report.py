@@ -109,6 +109,9 @@ def expected_e1(comparisons: list[dict]) -> dict:
         "boundary caches that differ": sum(not r["cache_exact"] for r in rows),
         "unparsable answers, live (parsed)": sum(not r["a_parsed"] for r in rows),
         "unparsable answers, prefill (parsed)": sum(not r["b_parsed"] for r in rows),
+        "stages that ended at EOS before the boundary (nothing continued: their suffixes agree)": sum(
+            r["boundary_reason"] == "eos" for r in rows
+        ),
     }
     labelings = {"parsed": ("a_correct", "b_correct"), "readout": ("a_readout_correct", "b_readout_correct")}
     for labeling, (a, b) in labelings.items():
@@ -208,6 +211,12 @@ def expected_e5(transplants: list[dict]) -> dict:
                 and len(r["layers"]) == len(r["layer_k"])
             ]
             key = f"all layers, {selection}/{checkpoint}"
+            # Over items: an item counts once, when every direction it was transplanted follows the donor.
+            items = sorted({r["item_id"] for r in chosen})
+            both_ways = sum(all(r["outcome"] == "follows_donor" for r in chosen if r["item_id"] == i) for i in items)
+            expected[(name, f"{key}: items that follow the donor both ways", WILSON)] = proportion(
+                both_ways, len(items)
+            )
             for outcome, label in (
                 ("follows_donor", "follow the donor"),
                 ("follows_recipient", "follow the recipient"),
@@ -310,8 +319,8 @@ def test_card_reading_follows_the_numbers(completed):
         if k == 0:
             high = percent(wilson(0, n)[1])
             assert (
-                f"Wilson upper bound {high}: consistent with none, but {n} items cannot rule out a rate below {high}"
-                in reading
+                f"Wilson 95% upper bound {high}: consistent with none, and rates up to {high} are not ruled out by"
+                f" {n} items" in reading
             )
     assert "E4 audit: not run (snakemake --cores N audit)" in reading
     assert "randomly initialised" in reading  # the test model's accuracy means nothing, and the card says so

@@ -67,14 +67,18 @@ def environment_table(entries: list[dict]) -> tuple:
 FIGURE_COLUMNS = ["Experiment", "Figure", "Count / N", "Estimate", "95% interval", "Method"]
 
 
-# The paper's figure for the same design (200 GPQA items, a Qwen2.5-derived reasoning model, BF16 E1;
-# the abstract of arXiv 2607.28495), beside each experiment's answer on the card's first panel.
+# The paper's figure for the same design, as its abstract (arXiv 2607.28495) states it, beside each
+# experiment's answer on the card's first panel. What the abstract does not state is marked inferred: it
+# says "a Qwen2.5-derived system" and "200 items" (GPQA is inferred from its references, a model size from
+# its 48 K/V layers; neither is shown), and "FP32 produces no decoded disagreement" over "all 200 token
+# states" (0/200 is inferred from the two).
 PAPER_FIGURES = {
-    "E1": "166/200 suffixes differ (BF16), replicas exact",
-    "E2": "0/200 FP32 decoded disagreements (Wilson 95% upper bound 1.88%)",
-    "E3": "12/12 bit-exact",
+    "E1": "166 of 200 suffixes differ (BF16); replicas remain exact",
+    "E2": "FP32: no decoded disagreement (Wilson 95% upper bound 1.88%; 0/200 inferred)",
+    "E3": "12/12 rows bit-exact",
     "E4": "every retained trajectory and comparison fingerprint reproduced (all 200)",
-    "E5": "24/24 selected, 43/43 outcome-blind follow the donor (all 48 layers)",
+    "E5": "24/24 selected divergent continuations follow the donor (all 48 K/V layers, primary checkpoint)",
+    "E5 outcome-blind": "43/43 at a later checkpoint",
 }
 PANEL_COLUMNS = ["Experiment", "The figure that answers it", "This run", "The paper"]
 
@@ -124,20 +128,7 @@ def answer_panel(summary: dict) -> list[list[str]]:
             PAPER_FIGURES["E4"],
         ]
     )
-    e5 = summary.get("E5")
-    transplants = (
-        "; ".join(f"{key}: {_counted(figure['follows_donor'])}" for key, figure in e5["all_layers"].items())
-        if e5
-        else "not run (transplant.enabled is false)"
-    )
-    rows.append(
-        [
-            "E5 transplant",
-            "divergent continuations that follow the donor cache (all layers)",
-            transplants or "no divergent item to transplant",
-            PAPER_FIGURES["E5"],
-        ]
-    )
+    rows += e5_panel(summary.get("E5"), primary)
     e6 = summary.get("E6")
     if e6 is not None:
         ran = [level for level in e6["levels"] if level["applicable"]]
@@ -151,6 +142,35 @@ def answer_panel(summary: dict) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def e5_panel(e5: dict | None, primary: str) -> list[list[str]]:
+    """E5's rows of the panel, counted over items (both directions of an item are one observation). The
+    outcome-blind sample sits beside the paper's replication only when it ran on another checkpoint, as the
+    paper's did (a later one); on the primary checkpoint it is a repeat on a seeded sample, and says so."""
+    figure = "divergent items whose continuation follows the donor cache both ways (all layers)"
+    if e5 is None:
+        return [["E5 transplant", figure, "not run (transplant.enabled is false)", PAPER_FIGURES["E5"]]]
+    rows = []
+    for key, counted in e5["all_layers"].items():
+        selection, checkpoint = key.split("/", 1)
+        items = _counted(counted["items_follow_donor_both_ways"])
+        if selection == "selected":
+            rows.append(["E5 transplant", f"{figure}, selected", items, PAPER_FIGURES["E5"]])
+        elif checkpoint == primary:
+            rows.append(
+                [
+                    "E5 outcome-blind",
+                    f"{figure}, a seeded sample at the same checkpoint",
+                    items,
+                    "not comparable: the paper's replication is at a later checkpoint",
+                ]
+            )
+        else:
+            rows.append(
+                ["E5 outcome-blind", f"{figure}, at checkpoint {checkpoint}", items, PAPER_FIGURES["E5 outcome-blind"]]
+            )
+    return rows or [["E5 transplant", figure, "no divergent item to transplant", PAPER_FIGURES["E5"]]]
 
 
 def grouped_figures(figures: list[Figure]) -> list[tuple]:

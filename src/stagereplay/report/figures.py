@@ -72,6 +72,13 @@ def e1_rows(summary: dict) -> list[Figure]:
                 ]
         for side in ("live", "prefill"):
             figures.append(count_row(name, f"exact replicas, {side}", e1["replicas_exact"][side]))
+        figures.append(
+            count_row(
+                name,
+                "stages that ended at EOS before the boundary (nothing continued: their suffixes agree)",
+                e1["stage_ended_at_eos"],
+            )
+        )
         if e1["items"]:
             for key, labeling in e1["labelings"].items():
                 figures += paired_figures(name, e1["items"], labeling, LABELING_NAMES[key])
@@ -171,6 +178,13 @@ def e5_rows(e5: dict | None) -> list[Figure]:
     name = "E5 transplant"
     figures = []
     for key, figure in e5["all_layers"].items():
+        figures.append(
+            count_row(
+                name,
+                f"all layers, {key}: items that follow the donor both ways",
+                figure["items_follow_donor_both_ways"],
+            )
+        )
         figures.append(count_row(name, f"all layers, {key}: follow the donor", figure["follows_donor"]))
         figures.append(count_row(name, f"all layers, {key}: follow the recipient", figure["follows_recipient"]))
         figures.append(count_row(name, f"all layers, {key}: follow neither", figure["neither"]))

@@ -21,7 +21,7 @@ def _bound(counted: dict) -> str:
     count, n = counted["count"], counted["n"]
     low, high = counted["wilson95"]
     if count == 0:
-        return f"Wilson upper bound {percent(high)}: consistent with none, but {n} items cannot rule out a rate below {percent(high)}"
+        return f"Wilson 95% upper bound {percent(high)}: consistent with none, and rates up to {percent(high)} are not ruled out by {n} items"
     return f"Wilson 95% [{percent(low)}, {percent(high)}]"
 
 
@@ -47,6 +47,12 @@ def e1_checkpoint_reading(name: str, e1: dict) -> list[str]:
     for key, title in (("parsed", "Accuracy (parsed 'Answer: X')"), ("readout", "Accuracy (forced-choice readout)")):
         lines.append(accuracy_reading(title, labelings[key], n, differ))
     lines.append(replica_reading(e1["replicas_exact"]))
+    ended = e1["stage_ended_at_eos"]["count"]
+    if ended:
+        lines.append(
+            f"{ended}/{n} stages ended at EOS before the boundary: nothing was continued there, so those items agree"
+            " by construction and are counted among the suffixes that do not differ."
+        )
     live, prefill = e1["unparsable"]["live"]["count"], e1["unparsable"]["prefill"]["count"]
     if live or prefill:
         lines.append(
@@ -188,19 +194,22 @@ def e5_reading(e5: dict | None) -> list[str]:
         else ["E5 transplant: no item diverged in E1, so there was nothing to transplant and count."]
     )
     for key, figure in e5["all_layers"].items():
-        followed, n = figure["follows_donor"]["count"], figure["follows_donor"]["n"]
+        items = figure["items_follow_donor_both_ways"]
+        followed, n = items["count"], items["n"]
         if not n:
             lines.append(f"E5 ({key}): no divergent item, so there is no transplant to count.")
         elif followed == n:
-            low = figure["follows_donor"]["wilson95"][0]
             lines.append(
-                f"E5 ({key}): {followed}/{n} continuations given the other side's full boundary cache follow"
-                f" that donor (Wilson lower bound {percent(low)}): the divergence is carried by the cache."
+                f"E5 ({key}): {followed}/{n} divergent items follow the donor in both directions when given the"
+                f" other side's full boundary cache (Wilson 95% lower bound {percent(items['wilson95'][0])}, over"
+                " items): the divergence is carried by the cache."
             )
         else:
             lines.append(
-                f"E5 ({key}): {followed}/{n} continuations follow the donor cache, {figure['follows_recipient']['count']}"
-                f" their own side, {figure['neither']['count']} neither: the cache carries only part of the difference."
+                f"E5 ({key}): {followed}/{n} divergent items follow the donor in both directions; of the"
+                f" {figure['follows_donor']['n']} transplanted continuations, {figure['follows_donor']['count']} follow"
+                f" the donor cache, {figure['follows_recipient']['count']} their own side,"
+                f" {figure['neither']['count']} neither: the cache carries only part of the difference."
             )
     lines += sweep_reading(e5) + cross_precision_reading(e5["cross_precision"])
     if e5.get("outcome_blind_checkpoint"):

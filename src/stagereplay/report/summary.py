@@ -92,6 +92,9 @@ def e1_summary(rows: list[dict]) -> dict:
             "prefill": share(sum(not row["b_parsed"] for row in pairs), n),
         },
         "boundary_reasons": dict(Counter(row["boundary_reason"] for row in pairs)),
+        # Items whose stage ended at EOS before the boundary: nothing is continued, so their suffixes agree by
+        # construction; the card shows them apart from the divergence counts they sit in.
+        "stage_ended_at_eos": share(sum(row["boundary_reason"] == "eos" for row in pairs), n),
         # Replicas that reproduced their side exactly; n = 0 (one replica) is "not measured", never "all exact".
         "replicas_exact": {
             side: share(sum(replicas.get(side, [])), len(replicas.get(side, []))) for side in ("live", "prefill")
@@ -213,6 +216,15 @@ def _follows_donor(rows: list[dict]) -> dict:
     return _counted(rows, "follows_donor")
 
 
+def _items_following_both_ways(rows: list[dict]) -> dict:
+    """Divergent items whose continuation follows the donor in every direction it was transplanted (live into
+    prefill and back), x/N over items: an item's two directions are one observation, not two."""
+    by_item = _group(rows, lambda r: r["item_id"])
+    return share(
+        sum(all(row["outcome"] == "follows_donor" for row in group) for group in by_item.values()), len(by_item)
+    )
+
+
 def e5_summary(transplants: pa.Table, primary: str | None) -> dict:
     """Follows-donor counts over divergent items: all layers per selection, the sweep, cross-precision."""
     every = transplants.to_pylist()
@@ -234,14 +246,16 @@ def e5_summary(transplants: pa.Table, primary: str | None) -> dict:
                 for row in rows
                 if row["selection"] == selection and row["checkpoint"] == checkpoint and _is_all_layers(row)
             ]
-            all_layers[f"{selection}/{checkpoint}"] = {
-                outcome: _counted(chosen, outcome) for outcome in ("follows_donor", "follows_recipient", "neither")
-            } | {
-                "by_direction": {
-                    direction: _follows_donor(group)
-                    for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
+            all_layers[f"{selection}/{checkpoint}"] = (
+                {"items_follow_donor_both_ways": _items_following_both_ways(chosen)}
+                | {outcome: _counted(chosen, outcome) for outcome in ("follows_donor", "follows_recipient", "neither")}
+                | {
+                    "by_direction": {
+                        direction: _follows_donor(group)
+                        for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
+                    }
                 }
-            }
+            )
     figures["all_layers"] = all_layers
     sweep_rows = [row for row in rows if row["selection"] == "selected"]
     sweep = []
