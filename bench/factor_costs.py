@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from stagereplay.design.factors import cell_label, factor_named
+from stagereplay.design.cells import cell_label
+from stagereplay.design.factors import factor_named
 from stagereplay.design.projection import cache_object_bytes
 from stagereplay.engines.shapes import checkpoint_shapes
 from stagereplay.ledger.layout import LedgerLayout

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from stagereplay.audit.verify_documents import counts_e6_one_sided
-from stagereplay.design.factors import (
+from stagereplay.design.cells import (
     CELL_LABELS,
     FULL,
     READ,

@@ -25,7 +25,7 @@ REWRITE_SUMMARY = "rerun snakemake --forcerun summary to rewrite it from the tab
 MIGRATE_SUMMARY = (
     "migrate it: rerun snakemake --forcerun summary report (it rewrites summary.json and the card from the tables)"
 )
-# What an E6 level that ran has had since its verdicts are served first (design.factors.item_verdict).
+# What an E6 level that ran has had since its verdicts are served first (design.cells.item_verdict).
 SERVED_FIRST_KEYS = ("served_cell", "differing_cells")
 
 

@@ -16,14 +16,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagereplay.design.factors import (
-    READ,
-    SERVER,
-    WRITE,
-    Level,
-    cell_label,
-    reference_level,
-)
+from stagereplay.design.cells import READ, SERVER, WRITE, cell_label
+from stagereplay.design.factors import Level, reference_level
 from stagereplay.engines.base import Engine
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.difference import cache_difference

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from stagereplay.design.factors import CELL_LABELS
+from stagereplay.design.cells import CELL_LABELS
 from stagereplay.report.item_view import spell, visible
 from stagereplay.report.summary import item_outcomes
 

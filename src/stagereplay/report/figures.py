@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagereplay.design.factors import FULL, VERDICTS, cell_patterns
+from stagereplay.design.cells import FULL, VERDICTS, cell_patterns
 from stagereplay.report.reading import AUDIT_HOW
 from stagereplay.report.text import experiment_name, percent, points
 

@@ -15,15 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
-from stagereplay.design.factors import (
-    CELL_LABELS,
-    VERDICTS,
-    cell_label,
-    differing_cells,
-    factor_named,
-    item_verdict,
-    pattern_name,
-)
+from stagereplay.design.cells import CELL_LABELS, VERDICTS, cell_label, differing_cells, item_verdict, pattern_name
+from stagereplay.design.factors import factor_named
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
 from stagereplay.report.stats import (
     mcnemar_exact,
@@ -323,7 +316,7 @@ class ItemOutcome:
     """One item of one factor level: which cells' suffixes differ from the reference's, and its verdict."""
 
     pattern: str  # design.factors.pattern_name: "none", "test-ref+test-test", ...
-    verdict: str  # design.factors.item_verdict
+    verdict: str  # design.cells.item_verdict
 
 
 def item_outcomes(rows: list[dict]) -> dict[str, ItemOutcome]:
