@@ -170,3 +170,16 @@ def test_stale_cache_is_refused(engine):
     engine.empty_cache()
     with pytest.raises(LlamaCppError, match="another sequence"):
         engine.forward([1], first)
+
+
+def test_reconfigure_to_its_own_settings_opens_a_new_context(engine):
+    """E6's llama.cpp controls reconfigure to the run's own settings: that is still a new context, as a test
+    level gets, never a silent no-op."""
+    from stagereplay.engines.llamacpp_binding import LlamaCppError
+
+    cache = engine.empty_cache()
+    old, settings = engine.context, engine.settings
+    engine.reconfigure()
+    assert engine.context is not old and engine.settings == settings
+    with pytest.raises(LlamaCppError, match="another sequence"):
+        engine.forward([1], cache)
