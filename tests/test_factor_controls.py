@@ -1,18 +1,26 @@
 """E6's A/A controls, fast: every factor has a control level that its checks accept and check_levels adds;
 each in-process control runs the factor's test machinery (the switch, the batched path, the chunker, the
-prefix store) and still gives the reference's bytes and suffix on the tiny model. The real runs are in
+prefix store) and still gives the reference's bytes and suffix on the tiny model; and a control that does
+not reproduce the reference stops summarize and report in one line naming the path. The real runs are in
 test_factors.py and test_llamacpp_factors.py."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
+from stagereplay.cli import main
 from stagereplay.design.factors import FACTOR_OBJECTS, Level, LevelContext, check_levels, is_control
 from stagereplay.engines.base import Runtime
 from stagereplay.engines.registry import spec_named
 from stagereplay.experiments.factor_settings import LevelJob, Prefix, Setting, level_setting
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.store import ObjectStore
+from stagereplay.ledger.tables import FACTOR_SCHEMA, write_table
+from stagereplay.report.controls import ControlFailed, check_controls, controls_card_row
+from stagereplay.report.summary import e6_controls
 
 RUNTIME = {"threads": 2, "attn_implementation": "eager", "precision": "fp16", "flash_attn": True}
 # The control level of each factor on a run of RUNTIME at q8_0 with flash attention (rotation needs a quantized cache).
@@ -131,3 +139,78 @@ def test_in_process_controls_run_the_test_machinery_and_reproduce_the_reference(
         assert test_built.reused_tokens == len(prefix.context)
         assert test_built.reused_digest == fingerprint_cache(built.state).digest
         assert test_built.reused_digest in scratch.object_ids()
+
+
+def _rows(level: str, reference: str, suffix_of) -> list[dict]:
+    """A hand-built factor table of batch level ``level`` over two items, three cells each."""
+    rows = []
+    for item in ("a-0", "a-1"):
+        for build, read in (("test", "ref"), ("ref", "test"), ("test", "test")):
+            cache = f"cache-{item}"
+            rows.append(
+                {
+                    "checkpoint": "tiny",
+                    "precision": "bf16",
+                    "factor": "batch",
+                    "level": level,
+                    "reference_level": reference,
+                    "item_id": item,
+                    "cell": f"{build}-{read}",
+                    "build": build,
+                    "read": read,
+                    "applicable": True,
+                    "reference_cache": cache,
+                    "reference_suffix": f"suffix-{item}",
+                    "cache_digest": cache,
+                    "cache_differs": False,
+                    "suffix_object": suffix_of(item, build, read),
+                }
+            )
+    return rows
+
+
+def _same(item, build, read):
+    return f"suffix-{item}"
+
+
+def _perturbed(item, build, read):  # the harness changes what it reads: the control's reads differ on a-1
+    return "other" if (item, read) == ("a-1", "test") else f"suffix-{item}"
+
+
+def test_controls_section_counts_identical_paths():
+    rows = _rows("1", "1", _same) + _rows("3", "1", _perturbed)  # level 3 is a test level: it may differ
+    controls = e6_controls(rows)
+    assert (controls["paths"], controls["identical"], controls["without_control"]) == (1, 1, [])
+    assert controls["levels"][0]["factor"] == "batch" and controls["levels"][0]["identical"]
+    check_controls(controls)
+    assert controls_card_row({"controls": controls})[2] == "1/1 paths identical on every item"
+    old = e6_controls(_rows("3", "1", _same))  # a ledger written before controls
+    assert controls_card_row({"controls": old})[2] == "0/0 paths identical on every item; no control run for batch"
+
+
+FAILED_LINE = (
+    "E6 control failed: batch 1 (the reference setting through the batch test path) gave another suffix on 1 of 2"
+    " items (a-1); a verdict other than none on 1 of 2 items (a-1) — the E6 harness is broken"
+)
+
+
+def test_a_failed_control_stops_summarize_and_report(tmp_path, capsys):
+    rows = _rows("1", "1", _perturbed)
+    with pytest.raises(ControlFailed, match=re.escape(FAILED_LINE)):
+        check_controls(e6_controls(rows))
+    table = write_table(rows, FACTOR_SCHEMA, tmp_path / "factors.parquet")
+    missing = str(tmp_path / "absent.parquet")  # never read: the controls are checked first
+    out = tmp_path / "summary.json"
+    code = main(
+        ["summarize", "--trajectories", missing, "--comparisons", missing, "--factors", str(table), "--out", str(out)]
+    )
+    error = capsys.readouterr().err.strip()
+    assert code != 0 and not out.exists()
+    assert error.count("\n") == 0 and FAILED_LINE in error
+    summary = tmp_path / "edited.json"
+    summary.write_text(json.dumps({"E6": {"controls": e6_controls(rows)}}))
+    args = ["--trajectories", missing, "--comparisons", missing, "--items", missing, "--item-source", "x"]
+    args += ["--model", "tiny", missing, "--vocab", "tiny", missing]
+    code = main(["report", "--summary", str(summary), *args, "--card", str(tmp_path / "c.md"), "--plots-dir", "p"])
+    error = capsys.readouterr().err.strip()
+    assert code != 0 and error.count("\n") == 0 and FAILED_LINE in error
