@@ -34,13 +34,15 @@ pytestmark = pytest.mark.slow
 # machines, so it is read here, never written down); "default" runs on every x86-64 CPU.
 OWN_KERNELS = torch.backends.cpu.get_cpu_capability().lower()
 FACTORS = {
-    "kernels": sorted({"default", OWN_KERNELS}),
-    "threads": [1, 2],  # 1 is the reference: a known answer
+    "kernels": ["default"],
+    "threads": [1, 2],  # 1 is the reference: a known answer, and this factor's control (listed, so run once)
     "attention": ["eager", "flash_attention_2"],  # flash_attention_2 is not installed here: not applicable
     "chunk": [5],
     "prefix_reuse": ["prompt", "block:16"],
-    "batch": [1, 3],  # 1 is the reference computed through the batched path
+    "batch": [1, 3],  # 1 is the reference computed through the batched path (the control, listed)
 }
+# The control levels the workflow adds: each factor's reference setting through its test machinery.
+ADDED_CONTROLS = {"kernels": "own", "attention": "sdpa", "chunk": "whole", "prefix_reuse": "whole"}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,8 @@ def _references(ledger):
 
 def test_adding_factors_schedules_only_their_jobs(factor_run):
     _, _, _, counts = factor_run
-    assert counts["factor"] == sum(len(levels) for levels in FACTORS.values())  # one shard per level
+    # one shard per level, the added controls among them
+    assert counts["factor"] == sum(len(levels) for levels in FACTORS.values()) + len(ADDED_CONTROLS)
     for rule in ("live", "rebuild", "transplant", "compare"):
         assert rule not in counts
 
@@ -82,7 +85,7 @@ def test_a_level_equal_to_the_reference_gives_none_with_identical_caches(factor_
     ledger, _, rows, _ = factor_run
     references = _references(ledger)
     summary = json.loads((ledger / "summary.json").read_text())["E6"]
-    for factor, level in (("threads", "1"), ("batch", "1"), ("kernels", OWN_KERNELS)):
+    for factor, level in (("threads", "1"), ("batch", "1"), ("kernels", "own"), ("attention", "sdpa")):
         cells = _rows(rows, factor, level)
         assert len(cells) == 3 * len(references)
         for row in cells:
@@ -92,6 +95,60 @@ def test_a_level_equal_to_the_reference_gives_none_with_identical_caches(factor_
         figures = next(f for f in summary["levels"] if (f["factor"], f["level"]) == (factor, level))
         assert figures["verdicts"]["none"]["count"] == len(references)
         assert figures["caches_differ"]["count"] == 0
+
+
+def test_every_control_reproduces_the_reference_and_the_card_says_so(factor_run):
+    ledger, _, rows, _ = factor_run
+    references = _references(ledger)
+    controls = json.loads((ledger / "summary.json").read_text())["E6"]["controls"]
+    assert (controls["paths"], controls["identical"], controls["without_control"]) == (6, 6, [])
+    assert {(c["factor"], c["level"]) for c in controls["levels"]} == {
+        *ADDED_CONTROLS.items(),
+        ("threads", "1"),
+        ("batch", "1"),
+    }
+    for factor, level in ADDED_CONTROLS.items():
+        cells = [r for r in _rows(rows, factor, level) if r["applicable"]]
+        assert len({r["item_id"] for r in cells}) == len(references), factor
+        for row in cells:
+            assert row["cache_digest"] == references[row["item_id"]]["cache_object"], factor
+            assert row["suffix_object"] == references[row["item_id"]]["suffix_object"], factor
+    store = ObjectStore(ledger / "objects")
+    for row in _rows(rows, "prefix_reuse", "whole"):  # the whole context went through the store, none on top
+        context = len(store.get_tokens(references[row["item_id"]]["prefix_object"])) - 1
+        assert row["reused_tokens"] == context and row["reused_digest"] == row["reference_cache"]
+    assert all(f"torch's {OWN_KERNELS} CPU kernels" in r["setting"] for r in _rows(rows, "kernels", "own", "test-ref"))
+    card = (ledger / "results.md").read_text()
+    assert "6/6 paths identical on every item" in card and card.count("E6 controls") == 1
+
+
+def test_a_failed_control_stops_the_summary(factor_run, tmp_path):
+    """The factor table of the run with the batch control's read side perturbed on one item, as a harness
+    that reads a batch otherwise than the reference would leave it."""
+    ledger, config, rows, _ = factor_run
+    changed = [dict(row) for row in rows]
+    target = next(r for r in changed if (r["factor"], r["level"], r["cell"]) == ("batch", "1", "ref-test"))
+    target["suffix_object"] = "0" * 32
+    table = tmp_path / "factors.parquet"
+    pq.write_table(pa.Table.from_pylist(changed, schema=pq.read_schema(ledger / "tables" / "factors.parquet")), table)
+    tables = ledger / "tables"
+    result = stagereplay(
+        "summarize",
+        "--trajectories",
+        tables / "trajectories.parquet",
+        "--comparisons",
+        tables / "comparisons.parquet",
+        "--factors",
+        table,
+        "--out",
+        tmp_path / "summary.json",
+    )
+    assert result.returncode != 0 and not (tmp_path / "summary.json").exists()
+    assert (
+        "E6 control failed: batch 1 (the reference setting through the batch test path) gave another suffix on 1 of"
+        in result.stderr
+    )
+    assert f"({target['item_id']})" in result.stderr and "the E6 harness is broken" in result.stderr
 
 
 def test_build_only_factors_have_two_cells(factor_run):

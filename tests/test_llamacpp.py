@@ -170,3 +170,66 @@ def test_stale_cache_is_refused(engine):
     engine.empty_cache()
     with pytest.raises(LlamaCppError, match="another sequence"):
         engine.forward([1], first)
+
+
+def test_reconfigure_to_its_own_settings_opens_a_new_context(engine):
+    """E6's llama.cpp controls reconfigure to the run's own settings: that is still a new context, as a test
+    level gets, never a silent no-op."""
+    from stagereplay.engines.llamacpp_binding import LlamaCppError
+
+    cache = engine.empty_cache()
+    old, settings = engine.context, engine.settings
+    engine.reconfigure()
+    assert engine.context is not old and engine.settings == settings
+    with pytest.raises(LlamaCppError, match="another sequence"):
+        engine.forward([1], cache)
+
+
+# factor -> the engine calls its control level must make (the test machinery) and must not make.
+CONTROL_MACHINERY = {
+    "flash_attn": ({"reconfigure"}, set()),
+    "cache_type": ({"reconfigure", "converted"}, set()),
+    "ubatch": ({"reconfigure"}, set()),
+    "batch": ({"reconfigure", "batch_forward", "batch_row", "batch_of"}, {"forward"}),
+    "threads": ({"use_threads"}, set()),
+    "chunk": ({"forward"}, set()),
+    "prefix_reuse": ({"truncate"}, set()),
+}
+
+
+@pytest.mark.parametrize("factor", sorted(CONTROL_MACHINERY))
+def test_controls_reproduce_the_reference_through_their_machinery(engine, factor, tmp_path, monkeypatch):
+    """Each llama.cpp factor's control level, run by its setting as a test level is, builds the reference's
+    bytes and continues like it, and goes through the factor's machinery to do so."""
+    from stagereplay.design.factors import FACTOR_OBJECTS, Level
+    from stagereplay.engines.runtime import Runtime
+    from stagereplay.experiments.factor_settings import LevelJob, Prefix, Setting, level_setting
+    from stagereplay.ledger.store import ObjectStore
+
+    runtime = Runtime(precision=engine.settings.cache_type, device="cpu", threads=1)
+    prefix = Prefix("item-0", tuple(range(5, 40)), 12, False)
+    companion = Prefix("item-1", tuple(range(9, 30)), 8, False)
+    reference = Setting(engine, 6, frozenset())
+    built = reference.build(prefix)
+    expected = reference.read(prefix, built.state, None)
+    seen = []
+    must, must_not = CONTROL_MACHINERY[factor]
+    for name in sorted(must | must_not):
+        method = getattr(engine, name)
+
+        def spy(*args, _name=name, _method=method, **kwargs):
+            seen.append(_name)
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(engine, name, spy)
+    prefixes = {p.item_id: p for p in (prefix, companion)}
+    job = LevelJob(engine, runtime, 6, frozenset(), prefixes, ObjectStore(tmp_path), {"fingerprint": "f"})
+    control = FACTOR_OBJECTS[factor].control({"threads": 1, "precision": runtime.precision, "flash_attn": False})
+    test = level_setting(Level(factor, control, control=True), job)
+    test_built = test.build(prefix)
+    state = test.for_reference(test_built.state)
+    if factor not in ("ubatch", "chunk", "prefix_reuse"):  # build-only factors read as the reference does
+        assert test.read(prefix, test.for_test(built.state), test_built).tokens == expected.tokens
+    assert must <= set(seen) and not must_not & set(seen), seen
+    assert fingerprint_cache(state).digest == fingerprint_cache(built.state).digest
+    assert reference.read(prefix, state, None).tokens == expected.tokens

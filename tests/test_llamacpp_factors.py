@@ -237,3 +237,19 @@ def test_llamacpp_factor_config_errors(factors, precision, flash, message):
 def test_restore_on_transformers_is_refused():
     with pytest.raises(FactorError, match="restores llama.cpp's saved sequence file"):
         check_levels({"prefix_reuse": ["restore:prompt"]}, "transformers", 4, 12)
+
+
+def test_every_control_reproduces_the_reference(fp16_run):
+    """Each factor's control (its reference setting through its machinery: a new context with the run's own
+    settings, n_ubatch = n_ctx, the run's cache type through the conversion path) gives the reference's bytes."""
+    ledger, rows = fp16_run
+    controls = json.loads((ledger / "summary.json").read_text())["E6"]["controls"]
+    assert controls["paths"] == controls["identical"] == len(FACTORS) and controls["without_control"] == []
+    assert {(c["factor"], c["level"]) for c in controls["levels"]} >= {
+        ("cache_type", "fp16"),
+        ("ubatch", "whole"),
+        ("chunk", "whole"),
+        ("prefix_reuse", "whole"),
+        ("threads", "1"),
+    }
+    assert all("n_ubatch=2048;" in row["setting"] for row in _level(rows, "ubatch", "whole"))

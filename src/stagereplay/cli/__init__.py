@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from stagereplay.inputs.checkpoints import CheckpointError
     from stagereplay.inputs.items import ItemError
     from stagereplay.ledger.tables import LedgerError
+    from stagereplay.report.controls import ControlFailed
 
     args = build_parser().parse_args(argv)
     try:
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointError,
         ConfigError,
         ConstructionError,
+        ControlFailed,
         FactorError,
         ItemError,
         LedgerError,

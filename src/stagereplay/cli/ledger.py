@@ -162,12 +162,16 @@ def cmd_summarize(args) -> None:
         TRANSPLANT_SCHEMA,
         read_table,
     )
-    from stagereplay.report.summary import summary, write_json
+    from stagereplay.report.controls import check_controls
+    from stagereplay.report.summary import e6_controls, summary, write_json
 
+    factors = read_table(args.factors, FACTOR_SCHEMA) if args.factors else None
+    if factors is not None:
+        # A control that did not reproduce the reference means the E6 harness is broken: no figure is written.
+        check_controls(e6_controls(factors.to_pylist()))
     comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
-    factors = read_table(args.factors, FACTOR_SCHEMA) if args.factors else None
     write_json(summary(comparisons, trajectories, __version__, transplants, factors), args.out)
 
 

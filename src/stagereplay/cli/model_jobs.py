@@ -135,7 +135,7 @@ def add_factor_command(sub) -> None:
 
 
 def cmd_kernel_worker(args) -> None:
-    from stagereplay.experiments.factor_settings import run_kernel_worker
+    from stagereplay.experiments.kernel_worker import run_kernel_worker
 
     run_kernel_worker(args.folder)
 

@@ -147,6 +147,7 @@ def cmd_report(args) -> None:
     )
     from stagereplay.report.card import write_results_card
     from stagereplay.report.card_provenance import provenance
+    from stagereplay.report.controls import check_controls
     from stagereplay.report.factor_view import factor_item_rows
     from stagereplay.report.item_view import item_records, read_vocabularies
     from stagereplay.report.plots import PLOT_FILES, write_plots
@@ -156,6 +157,8 @@ def cmd_report(args) -> None:
         raise LedgerError(f"{summary_path} not found — run snakemake (rule summary) first")
     summary_bytes = summary_path.read_bytes()
     summary = json.loads(summary_bytes)
+    # summarize stops on a failed control already; a summary.json written otherwise is stopped here too.
+    check_controls((summary.get("E6") or {}).get("controls"))
     comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None

@@ -234,7 +234,7 @@ def prompt_lengths(config: dict, repo: Path, layout: LedgerLayout, items: list) 
 
 def check_factor_levels(config: dict, repo: Path, layout: LedgerLayout, items: list, estimated: list[int]) -> list:
     """E6's levels (factor, level, engine, batch size against the items, a prefix-cache block against the
-    shortest prompt, the CPU's kernel levels)."""
+    shortest prompt, the CPU's kernel levels), each factor's control level among them."""
     from stagereplay.design.prompt_lengths import measured_prompt_tokens
 
     primary = next(iter(config["checkpoints"]))
@@ -250,6 +250,7 @@ def check_factor_levels(config: dict, repo: Path, layout: LedgerLayout, items: l
             runtime["device"],
             config["matched"]["precision"],
             runtime["flash_attn"],
+            runtime,
         )
     except FactorError as error:
         raise RunRefused(str(error)) from None

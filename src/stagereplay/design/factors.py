@@ -20,6 +20,13 @@ micro-batches) reads the same way at every level, so it has two cells, ``(r, r)`
 ``(t, t)`` is the same computation as ``(t, r)`` and is not recorded twice. A factor whose one-sided
 cells cannot be built honestly (server-only: the rotation) has ``(t, t)`` alone.
 
+Every factor also runs a control level (``Factor.control``): the reference setting pushed through the
+test machinery (a switch set to the run's own value, a new context with the run's own settings, batch 1
+through the batched path, one chunk of the whole context, the reference cache through the prefix store,
+the kernels worker at this CPU's own level). It must give the reference's bytes and suffix on every item:
+a harness artefact would otherwise look exactly like a finding. ``check_levels`` adds it to every
+configured factor.
+
 Adding a factor: one ``Factor`` here (its levels, reference, cells), one setting in
 ``experiments.factor_settings``, and its name in the specs of the engines that run it (``engines``).
 """
@@ -27,7 +34,7 @@ Adding a factor: one ``Factor`` here (its levels, reference, cells), one setting
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagereplay.design.cells import FULL, SERVER, WRITE, cell_patterns
 from stagereplay.engines.cache_types import QUANTIZED, CacheTypeError, cache_types, check_cache_precision
@@ -36,6 +43,9 @@ from stagereplay.engines.spec import EngineSpec
 from stagereplay.engines.transformers_spec import ATTENTION_LEVELS
 
 ON_OFF = ("on", "off")
+# The level of a build-only factor that builds the whole context at once (one chunk, one micro-batch, a
+# prefix-cache hit over all of it): the reference computation, through the factor's own machinery.
+WHOLE = "whole"
 
 
 class FactorError(ValueError):
@@ -75,6 +85,15 @@ class Factor:
     def reference(self, runtime: dict, cpu_capability: str | None) -> str:
         """The setting every other experiment ran with."""
         raise NotImplementedError
+
+    def control(self, runtime: dict, cpu_capability: str | None = None) -> str:
+        """The A/A control level: the reference setting, run through this factor's test machinery."""
+        return self.control_of(self.reference(runtime, cpu_capability))
+
+    def control_of(self, reference: str) -> str:
+        """The control level of a run whose reference level is ``reference`` (a row records it): the
+        reference's own name, where the test machinery can run it as a level."""
+        return reference
 
     def value(self, name: str):
         """The level as the engine takes it."""
@@ -125,6 +144,22 @@ class Count(Factor):
         return int(name)
 
 
+class WholeOrCount(Count):
+    """A build size (chunk, micro-batch) whose reference, ``whole``, is also a level: the whole context in one
+    piece, built through the same splitting machinery as any count."""
+
+    def check(self, name, context):
+        if name != WHOLE:
+            super().check(name, context)
+
+    def reference(self, runtime, cpu_capability):
+        return WHOLE
+
+    def value(self, name):
+        """0 for ``whole``: no limit (one chunk of the whole context; llama.cpp's n_ubatch 0 is n_ctx)."""
+        return 0 if name == WHOLE else int(name)
+
+
 class PrefixReuse(Factor):
     name = "prefix_reuse"
     cells = (WRITE,)
@@ -134,14 +169,14 @@ class PrefixReuse(Factor):
 
     def check(self, name, context):
         reused = name.removeprefix("restore-")
-        if reused != "prompt" and not re.fullmatch(r"block-[1-9][0-9]*", reused):
+        if reused not in ("prompt", WHOLE) and not re.fullmatch(r"block-[1-9][0-9]*", reused):
             raise FactorError(
                 f"factors.prefix_reuse: unknown level {name!r} — use prompt (the cached prompt), block:N (the"
-                " longest run of whole N-token blocks of the prefix), or on llama.cpp restore:prompt / restore:block:N"
-                " (the same, through a saved and restored sequence)"
+                " longest run of whole N-token blocks of the prefix), whole (the whole context), or on llama.cpp"
+                " restore:prompt / restore:block:N (the same, through a saved and restored sequence)"
             )
         # Every context holds its prompt, so a block no longer than the shortest prompt is reused on every item.
-        if reused != "prompt" and self.value(name) > context.shortest_prompt:
+        if reused.startswith("block-") and self.value(name) > context.shortest_prompt:
             raise FactorError(
                 f"factors.prefix_reuse: a block of {self.value(name)} tokens is longer than the shortest"
                 f" prompt ({context.shortest_prompt} tokens), so a hit could reuse nothing — use block:N with N at most"
@@ -156,8 +191,13 @@ class PrefixReuse(Factor):
     def reference(self, runtime, cpu_capability):
         return "none"  # a miss: everything prefilled in one shot
 
+    def control_of(self, reference):
+        # A hit over the whole context: the one-shot prefill (the reference's computation) goes through the
+        # prefix store and is loaded back, with nothing prefilled on top.
+        return WHOLE
+
     def value(self, name):
-        """A block size for (restore-)block-N; "prompt" for the cached prompt."""
+        """A block size for (restore-)block-N; "prompt" for the cached prompt, "whole" for the whole context."""
         reused = name.removeprefix("restore-")
         return int(reused.removeprefix("block-")) if reused.startswith("block-") else reused
 
@@ -204,15 +244,15 @@ class Threads(Count):
         return max(run_threads, int(name))
 
 
-class Chunk(Count):
+class Chunk(WholeOrCount):
     name = "chunk"
-    what = "a chunk size in tokens such as 4 or 7"
+    what = "a chunk size in tokens such as 4 or 7, or whole"
     cells = (WRITE,)
 
-    def reference(self, runtime, cpu_capability):
-        return "whole"  # one forward over the whole prefix
 
-
+# The kernels control: the worker at the level torch picks on this CPU. Named, not spelled out, because
+# only torch knows its pick (its build may lack a level the CPU has), and the workflow parses without it.
+OWN_KERNELS = "own"
 # torch's ATEN_CPU_CAPABILITY values on x86-64, and the CPU flags each needs (torch's own test).
 KERNEL_LEVELS = {
     "default": (),
@@ -226,8 +266,12 @@ class Kernels(Factor):
     cpu_only = True
 
     def check(self, name, context):
+        if name == OWN_KERNELS:
+            return  # torch's own pick runs on this CPU by construction
         if name not in KERNEL_LEVELS:
-            raise FactorError(f"factors.kernels: unknown level {name!r} — use {', '.join(KERNEL_LEVELS)}")
+            raise FactorError(
+                f"factors.kernels: unknown level {name!r} — use {', '.join(KERNEL_LEVELS)} or {OWN_KERNELS} (torch's pick)"
+            )
         flags = context.cpu_flags
         missing = [flag for flag in KERNEL_LEVELS[name] if flags is not None and flag not in flags]
         if missing:
@@ -240,6 +284,9 @@ class Kernels(Factor):
 
     def reference(self, runtime, cpu_capability):
         return (cpu_capability or "default").lower()
+
+    def control_of(self, reference):
+        return OWN_KERNELS
 
 
 class OnOff(Factor):
@@ -266,13 +313,10 @@ class FlashAttn(OnOff):
         return "on" if runtime.get("flash_attn") else "off"
 
 
-class Ubatch(Count):
+class Ubatch(WholeOrCount):
     name = "ubatch"
-    what = "a micro-batch size in tokens such as 512 or 7"
+    what = "a micro-batch size in tokens such as 512 or 7, or whole"
     cells = (WRITE,)
-
-    def reference(self, runtime, cpu_capability):
-        return "whole"  # the whole prefix in one micro-batch
 
 
 class CacheType(Factor):
@@ -338,6 +382,9 @@ class Level:
 
     factor: str
     name: str  # e.g. "4", "eager", "prompt", "block-16", "avx2"
+    # The factor's A/A control (Factor.control): it must reproduce the reference. Not part of the level's
+    # identity: a user-listed level equal to the control is that control.
+    control: bool = field(default=False, compare=False)
 
     @property
     def of(self) -> Factor:
@@ -360,6 +407,11 @@ def reference_level(factor: str, runtime: dict, cpu_capability: str | None = Non
     return factor_named(factor).reference(runtime, cpu_capability)
 
 
+def is_control(factor: str, level: str, reference: str) -> bool:
+    """Whether a level (as a row names it, with its ``reference_level``) is its factor's A/A control."""
+    return level == factor_named(factor).control_of(reference)
+
+
 def check_levels(
     factors: dict,
     engine: str,
@@ -369,11 +421,17 @@ def check_levels(
     device: str = "cpu",
     precision: str = "",
     flash_attn: bool = False,
+    runtime: dict | None = None,
 ) -> list[Level]:
     """Every configured test level, checked before any job; one line naming the supported values otherwise.
     ``engine``: the name of the engine that runs the primary checkpoint; ``precision`` and ``flash_attn``: the
-    run's (E1's) precision and llama.cpp flash attention."""
+    run's (E1's) precision and llama.cpp flash attention; ``runtime``: the config's runtime block.
+
+    Each configured factor also gets its control level (``Factor.control``) after its listed levels, unless
+    the list names it already (then that level is the control)."""
     context = LevelContext(spec_named(engine), item_count, shortest_prompt, cpu_flags, device, precision, flash_attn)
+    # The run's own settings, as the job's runtime gives them: precision is E1's, flash attention the run's.
+    run = {**(runtime or {}), "flash_attn": flash_attn, **({"precision": precision} if precision else {})}
     levels = []
     for name, given in factors.items():
         factor = factor_named(name)
@@ -392,7 +450,8 @@ def check_levels(
         names = [factor.level_name(value) for value in given]
         if len(set(names)) != len(names):
             raise FactorError(f"factors.{name}: a level is listed twice — list each once")
-        for level in names:
+        control = factor.control(run)
+        for level in names if control in names else [*names, control]:
             factor.check(level, context)
-            levels.append(Level(name, level))
+            levels.append(Level(name, level, control=level == control))
     return levels

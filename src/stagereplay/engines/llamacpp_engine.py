@@ -181,10 +181,10 @@ class LlamaCppEngine(Engine):
         self.generation += 1
 
     def reconfigure(self, **changes) -> None:
-        """Run the next calls with these settings changed (a new context; the model stays loaded)."""
-        settings = dataclasses.replace(self.settings, **changes)
-        if settings != self.settings:
-            self._open(settings)
+        """Run the next calls with these settings changed: a new context, the model stays loaded. A new one
+        even when nothing changes: E6's controls reconfigure to the run's own settings and must go through
+        the same path (a fresh context, its cache allocated anew) as a test level does."""
+        self._open(dataclasses.replace(self.settings, **changes))
 
     @contextlib.contextmanager
     def batch_context(self, size: int):

@@ -6,9 +6,13 @@ The reference setting is the one E2 ran: a one-shot prefill, then greedy decodin
 run's threads and attention. A test level switches a setting around its builds and reads (threads,
 attention; on llama.cpp a new context with flash attention, micro-batch size, cache type or rotation
 changed), builds another way (chunks, a prefix-cache hit), runs in a batch, or runs in a worker
-process of its own (CPU kernels, fixed when torch starts). A cache another setting wrote is converted
+process of its own (CPU kernels, fixed when torch starts: ``kernel_worker``). A cache another setting wrote is converted
 before it is read only where the two store different things (a cache type): ``for_reference`` and
 ``for_test`` say how, and the row records the converted cache.
+
+Each factor's control level (``design.factors.Factor.control``) is the reference setting run by the same
+class as a test level: the switch set to the run's own value, batch 1 through the batched path, one chunk
+of the whole context, the whole context through the prefix store, the worker at torch's own kernel level.
 """
 
 from __future__ import annotations
@@ -25,13 +29,11 @@ from pathlib import Path
 
 import torch
 
-from stagereplay.design.factors import FactorError, Level
+from stagereplay.design.factors import OWN_KERNELS, WHOLE, FactorError, Level
 from stagereplay.engines.base import Engine, ModelError, Runtime
-from stagereplay.engines.registry import load_checkpoint
 from stagereplay.engines.transformers_spec import RUN_ATTENTION
 from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.experiments.decode import Decoded, continue_from, decode_greedy, greedy_choice
-from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore, store_cache
@@ -257,9 +259,10 @@ class Chunk(Setting):
 
     def build(self, prefix):
         context = len(prefix.tokens) - 1
-        chunks = -(-context // self.chunk)
-        state = build_boundary_state(self.engine, list(prefix.tokens), f"chunked:{self.chunk}", prefix.prompt_length)
-        return Built(state, f"{chunks} chunks of at most {self.chunk} over {context} positions")
+        size = self.chunk or context  # 0 (whole, the control): one chunk of the whole context
+        chunks = -(-context // size)
+        state = build_boundary_state(self.engine, list(prefix.tokens), f"chunked:{size}", prefix.prompt_length)
+        return Built(state, f"{chunks} chunks of at most {size} over {context} positions")
 
 
 @runs("prefix_reuse")
@@ -285,6 +288,8 @@ class PrefixReuse(Setting):
         context = len(prefix.tokens) - 1
         if self.level.value == "prompt":
             return min(prefix.prompt_length, context)
+        if self.level.value == WHOLE:
+            return context  # the control: the one-shot prefill itself, through the store
         block = self.level.value
         reused = (context // block) * block
         if reused == 0:
@@ -410,13 +415,15 @@ class Batch(Setting):
 @runs("kernels")
 class Kernels(Setting):
     """torch's CPU kernel level is fixed when torch starts (ATEN_CPU_CAPABILITY), so the test level runs in a
-    worker process of its own (``run_kernel_worker``): it builds each item's cache and continues both that
+    worker process of its own (``kernel_worker.run_kernel_worker``): it builds each item's cache and continues both that
     cache and the reference one. The caches cross between the processes through a scratch object store,
     fingerprint-checked on reading; (t, r) is then continued here, at the reference level."""
 
     def __init__(self, engine, budget, eos, level: Level, scratch: ObjectStore, model_record, runtime: Runtime):
         super().__init__(engine, budget, eos)
         self.level, self.scratch, self.model_record, self.runtime = level, scratch, model_record, runtime
+        # The control (own) runs the worker at the level torch picked in this process, set explicitly.
+        self.capability = engine.environment.cpu_capability.lower() if level.name == OWN_KERNELS else level.name
         self.results: dict[str, dict] = {}
         self.worker_fed = 0  # positions the worker fed for the builds and reads consumed so far
 
@@ -441,7 +448,7 @@ class Kernels(Setting):
         }
         folder = Path(self.scratch.root)
         (folder / "request.json").write_text(json.dumps(request))
-        environment = {**os.environ, "ATEN_CPU_CAPABILITY": self.level.name}
+        environment = {**os.environ, "ATEN_CPU_CAPABILITY": self.capability}
         done = subprocess.run(
             [sys.executable, "-m", "stagereplay", "kernel-worker", str(folder)],
             env=environment,
@@ -451,11 +458,11 @@ class Kernels(Setting):
         )
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ModelError(f"the kernels={self.level.name} worker failed: {last}")
+            raise ModelError(f"the kernels={self.capability} worker failed: {last}")
         answer = json.loads((folder / "answer.json").read_text())
-        if answer["cpu_capability"].lower() != self.level.name:
+        if answer["cpu_capability"].lower() != self.capability:
             raise FactorError(
-                f"factors.kernels: ATEN_CPU_CAPABILITY={self.level.name} gave torch's {answer['cpu_capability']}"
+                f"factors.kernels: ATEN_CPU_CAPABILITY={self.capability} gave torch's {answer['cpu_capability']}"
                 " kernels — this torch build cannot run that level; remove it"
             )
         self.results = answer["items"]
@@ -464,7 +471,7 @@ class Kernels(Setting):
         result = self.results[prefix.item_id]
         self.worker_fed += result["built_positions"]
         state = KVState.from_named_tensors(self.scratch.get(result["built"]))
-        return Built(state, f"built with torch's {self.level.name} CPU kernels (ATEN_CPU_CAPABILITY)")
+        return Built(state, f"built with torch's {self.capability} CPU kernels (ATEN_CPU_CAPABILITY)")
 
     def read(self, prefix, state, built):
         if prefix.ended_by_eos:
@@ -472,39 +479,6 @@ class Kernels(Setting):
         continued = self.results[prefix.item_id]["continued"][fingerprint_cache(to_host(state)).digest]
         self.worker_fed += continued["positions"]
         return Decoded(tuple(continued["tokens"]), tuple(continued["margins"]), continued["stop"])
-
-
-def run_kernel_worker(folder: str | Path) -> None:
-    """The kernels factor's test side, in a process started with ATEN_CPU_CAPABILITY set: for each item,
-    build its cache (stored in the scratch store ``folder``) and continue it and the reference cache."""
-    folder = Path(folder)
-    request = json.loads((folder / "request.json").read_text())
-    record = read_model_record(request["model_record"])
-    runtime = Runtime(**request["runtime"])
-    engine = load_checkpoint(record, runtime)
-    scratch = ObjectStore(folder)
-    setting = Setting(engine, request["budget"], engine.eos_ids)
-    items = {}
-    for entry in request["items"]:
-        prefix = Prefix(entry["item_id"], tuple(entry["tokens"]), entry["prompt_length"], entry["ended_by_eos"])
-        start = engine.fed_positions
-        built = to_host(setting.build(prefix).state)
-        built_positions = engine.fed_positions - start
-        digest = fingerprint_cache(built).digest
-        store_cache(scratch, built, digest, record["fingerprint"], runtime.precision)
-        continued = {}
-        for state in (built, KVState.from_named_tensors(scratch.get(entry["reference"]))):
-            start = engine.fed_positions
-            decoded = setting.read(prefix, state, None)
-            continued[fingerprint_cache(state).digest] = {
-                "tokens": list(decoded.tokens),
-                "margins": list(decoded.margins),
-                "stop": decoded.stop,
-                "positions": engine.fed_positions - start,
-            }
-        items[prefix.item_id] = {"built": digest, "built_positions": built_positions, "continued": continued}
-    answer = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "items": items}
-    (folder / "answer.json").write_text(json.dumps(answer))
 
 
 def level_setting(level: Level, job: LevelJob) -> Setting:

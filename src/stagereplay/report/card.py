@@ -12,8 +12,10 @@ import os
 from pathlib import Path
 
 from stagereplay.atomic import atomic_write_text
+from stagereplay.design.factors import is_control
 from stagereplay.engines.registry import SPECS
 from stagereplay.report.card_provenance import Provenance
+from stagereplay.report.controls import controls_card_row
 from stagereplay.report.factor_view import factor_item_blocks
 from stagereplay.report.figures import NOT_MEASURED, Figure, all_figures, factor_blocks
 from stagereplay.report.item_view import ItemRecord
@@ -131,16 +133,20 @@ def answer_panel(summary: dict) -> list[list[str]]:
     rows += e5_panel(summary.get("E5"), primary)
     e6 = summary.get("E6")
     if e6 is not None:
-        ran = [level for level in e6["levels"] if level["applicable"]]
+        # The controls have their own line: each must reproduce the reference, so none counts as a finding.
+        ran = [level for level in e6["levels"] if level["applicable"] and not _is_control(level)]
         changed = [f"{level['factor']} {level['level']}" for level in ran if level["suffixes_differ"]["count"]]
         rows.append(
             [
                 "E6 factors",
-                "factor levels whose suffixes differ from the reference (per level: the E6 table)",
-                f"{len(changed)} of {len(ran)} levels run" + (f" ({', '.join(changed)})" if changed else ""),
+                "test levels whose suffixes differ from the reference (controls apart; per level: the E6 table)",
+                f"{len(changed)} of {len(ran)} test levels run" + (f" ({', '.join(changed)})" if changed else ""),
                 "beyond the paper",
             ]
         )
+        controls = controls_card_row(e6)
+        if controls:
+            rows.append(controls)
     return rows
 
 
@@ -171,6 +177,10 @@ def e5_panel(e5: dict | None, primary: str) -> list[list[str]]:
                 ["E5 outcome-blind", f"{figure}, at checkpoint {checkpoint}", items, PAPER_FIGURES["E5 outcome-blind"]]
             )
     return rows or [["E5 transplant", figure, "no divergent item to transplant", PAPER_FIGURES["E5"]]]
+
+
+def _is_control(level: dict) -> bool:
+    return is_control(level["factor"], level["level"], level["reference_level"])
 
 
 def grouped_figures(figures: list[Figure]) -> list[tuple]:

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
 from stagereplay.design.cells import CELL_LABELS, VERDICTS, cell_label, differing_cells, item_verdict, pattern_name
-from stagereplay.design.factors import factor_named
+from stagereplay.design.factors import factor_named, is_control
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
 from stagereplay.report.stats import (
     mcnemar_exact,
@@ -422,9 +422,63 @@ def summary(
         result["E5"] = e5_summary(transplants, order[0] if order else None)
     if factors is not None:
         result["E6"] = e6_summary(factors)
+        result["E6"]["controls"] = e6_controls(factors.to_pylist())
     result["environment"] = environment(trajectories)
     return result
 
 
 def write_json(data: dict, path: str | Path) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+# --- E6's A/A controls (report.controls checks them and draws their line) -----------------------------------
+
+
+def e6_controls(rows: list[dict]) -> dict:
+    """Per control level of the factor rows, whether every item reproduced the reference; and the factors
+    that ran without a control (a ledger written before controls existed)."""
+    levels: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        levels[(row["checkpoint"], row["precision"], row["factor"], row["level"])].append(row)
+    controls = [
+        control_figures(group)
+        for _, group in sorted(levels.items())
+        if is_control(group[0]["factor"], group[0]["level"], group[0]["reference_level"])
+    ]
+    return {
+        "paths": len(controls),
+        "identical": sum(control["identical"] for control in controls),
+        "without_control": sorted({row["factor"] for row in rows} - {control["factor"] for control in controls}),
+        "levels": controls,
+    }
+
+
+def control_figures(rows: list[dict]) -> dict:
+    """One control level: the items whose built cache or any cell's suffix differs from the reference, whose
+    verdict is not none, or that did not run at all."""
+    first = rows[0]
+    applicable = [row for row in rows if row["applicable"]]
+    items = sorted({row["item_id"] for row in rows})
+    verdicts = {item: outcome.verdict for item, outcome in item_outcomes(applicable).items()}
+    not_none = sorted(item for item, verdict in verdicts.items() if verdict != "none")
+    caches = sorted(
+        {
+            row["item_id"]
+            for row in applicable
+            if row["build"] == "test" and row["cache_digest"] != row["reference_cache"]
+        }
+    )
+    suffixes = sorted({row["item_id"] for row in applicable if row["suffix_object"] != row["reference_suffix"]})
+    not_run = sorted(set(items) - set(verdicts))
+    return {
+        "factor": first["factor"],
+        "level": first["level"],
+        "reference_level": first["reference_level"],
+        "items": len(items),
+        "identical": bool(items) and not (caches or suffixes or not_none or not_run),
+        "caches_differ": caches,
+        "suffixes_differ": suffixes,
+        "verdict_not_none": not_none,
+        "not_run": not_run,
+        "reason": next((row["reason"] for row in rows if not row["applicable"] and row["item_id"] in not_run), None),
+    }

@@ -1,0 +1,52 @@
+"""The kernels factor's worker process: torch fixes its CPU kernels when it starts (ATEN_CPU_CAPABILITY), so
+the ``Kernels`` setting (``factor_settings``) starts ``stagereplay kernel-worker`` with the level set, and this
+side builds each item's cache at that level and continues it and the reference cache. Requests and answers
+cross as JSON files and caches as a scratch object store, fingerprint-checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from stagereplay.engines.base import Runtime
+from stagereplay.engines.registry import load_checkpoint
+from stagereplay.experiments.factor_settings import Prefix, Setting
+from stagereplay.inputs.checkpoints import read_model_record
+from stagereplay.ledger.fingerprint import fingerprint_cache
+from stagereplay.ledger.kvstate import KVState, to_host
+from stagereplay.ledger.store import ObjectStore, store_cache
+
+
+def run_kernel_worker(folder: str | Path) -> None:
+    """The kernels factor's test side, in a process started with ATEN_CPU_CAPABILITY set: for each item,
+    build its cache (stored in the scratch store ``folder``) and continue it and the reference cache."""
+    folder = Path(folder)
+    request = json.loads((folder / "request.json").read_text())
+    record = read_model_record(request["model_record"])
+    runtime = Runtime(**request["runtime"])
+    engine = load_checkpoint(record, runtime)
+    scratch = ObjectStore(folder)
+    setting = Setting(engine, request["budget"], engine.eos_ids)
+    items = {}
+    for entry in request["items"]:
+        prefix = Prefix(entry["item_id"], tuple(entry["tokens"]), entry["prompt_length"], entry["ended_by_eos"])
+        start = engine.fed_positions
+        built = to_host(setting.build(prefix).state)
+        built_positions = engine.fed_positions - start
+        digest = fingerprint_cache(built).digest
+        store_cache(scratch, built, digest, record["fingerprint"], runtime.precision)
+        continued = {}
+        for state in (built, KVState.from_named_tensors(scratch.get(entry["reference"]))):
+            start = engine.fed_positions
+            decoded = setting.read(prefix, state, None)
+            continued[fingerprint_cache(state).digest] = {
+                "tokens": list(decoded.tokens),
+                "margins": list(decoded.margins),
+                "stop": decoded.stop,
+                "positions": engine.fed_positions - start,
+            }
+        items[prefix.item_id] = {"built": digest, "built_positions": built_positions, "continued": continued}
+    answer = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "items": items}
+    (folder / "answer.json").write_text(json.dumps(answer))
