@@ -8,7 +8,7 @@ a divergence can later be traced to the near-tie that flipped it.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,12 +39,22 @@ class Decoded:
         str  # "eos", "budget", or the caller's stop_reason: "marker" (the stage), "left_both" (a transplant), "stopped"
     )
     readout: Readout | None = None  # when the caller asked for one
+    # The logits the first token was chosen from (float32, on the host): E6 compares a cell's first read of
+    # the boundary cache with the reference's. None where nothing was decoded.
+    first_logits: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    top_logits: tuple[float, ...] = ()  # the top-1 logit at each emitted token (one bf16 step is set by its binade)
 
 
 def greedy_choice(logits: torch.Tensor) -> tuple[int, float]:
     """argmax (lowest index on exact ties, as torch defines it) and its margin over the runner-up."""
+    token, margin, _ = greedy_step(logits)
+    return token, margin
+
+
+def greedy_step(logits: torch.Tensor) -> tuple[int, float, float]:
+    """``greedy_choice`` and the top-1 logit itself."""
     top = torch.topk(logits, k=2)
-    return int(torch.argmax(logits)), float(top.values[0] - top.values[1])
+    return int(torch.argmax(logits)), float(top.values[0] - top.values[1]), float(top.values[0])
 
 
 def decode_greedy(
@@ -76,19 +86,27 @@ def decode_greedy(
 
     tokens: list[int] = []
     margins: list[float] = []
+    tops: list[float] = []
+    # A copy: a batch's row is a view of its batch's logits, and an engine may reuse its logits buffer.
+    first_logits = logits.detach().to("cpu", torch.float32).clone()
+
+    def decoded(stop: str) -> Decoded:
+        return Decoded(tuple(tokens), tuple(margins), stop, first_logits=first_logits, top_logits=tuple(tops))
+
     with torch.inference_mode():
         while True:
-            token, margin = greedy_choice(logits)
+            token, margin, top = greedy_step(logits)
             tokens.append(token)
             margins.append(margin)
+            tops.append(top)
             if on_token is not None:
                 on_token()
             if token in eos_ids:
-                return Decoded(tuple(tokens), tuple(margins), "eos")
+                return decoded("eos")
             if stop_after is not None and stop_after(tokens):
-                return Decoded(tuple(tokens), tuple(margins), stop_reason)
+                return decoded(stop_reason)
             if len(tokens) >= max_new_tokens:
-                return Decoded(tuple(tokens), tuple(margins), "budget")
+                return decoded("budget")
             logits = feed(token)
 
 

@@ -17,6 +17,7 @@ of the whole context, the whole context through the prefix store, the worker at 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -125,6 +126,12 @@ class Setting:
             return Decoded((), (), "eos")
         with self.active():
             return continue_from(self.engine, state, prefix.tokens[-1], self.budget, self.eos)
+
+    def with_budget(self, budget: int) -> Setting:
+        """This setting, decoding at most ``budget`` tokens (E6 replays the reference only as far as it needs)."""
+        shorter = copy.copy(self)
+        shorter.budget = budget
+        return shorter
 
     def for_reference(self, state: KVState) -> KVState:
         """A cache this level built, as the reference setting reads it (as it is, unless it stores another type)."""
@@ -416,8 +423,8 @@ class Batch(Setting):
 class Kernels(Setting):
     """torch's CPU kernel level is fixed when torch starts (ATEN_CPU_CAPABILITY), so the test level runs in a
     worker process of its own (``kernel_worker.run_kernel_worker``): it builds each item's cache and continues both that
-    cache and the reference one. The caches cross between the processes through a scratch object store,
-    fingerprint-checked on reading; (t, r) is then continued here, at the reference level."""
+    cache and the reference one. The caches (and each continuation's first logits) cross between the processes
+    through a scratch object store, fingerprint-checked on reading; (t, r) is then continued here, at the reference level."""
 
     def __init__(self, engine, budget, eos, level: Level, scratch: ObjectStore, model_record, runtime: Runtime):
         super().__init__(engine, budget, eos)
@@ -478,7 +485,14 @@ class Kernels(Setting):
             return Decoded((), (), "eos")
         continued = self.results[prefix.item_id]["continued"][fingerprint_cache(to_host(state)).digest]
         self.worker_fed += continued["positions"]
-        return Decoded(tuple(continued["tokens"]), tuple(continued["margins"]), continued["stop"])
+        first = continued["first_logits"]
+        return Decoded(
+            tuple(continued["tokens"]),
+            tuple(continued["margins"]),
+            continued["stop"],
+            first_logits=None if first is None else self.scratch.get(first)["logits"],
+            top_logits=tuple(continued["top_logits"]),
+        )
 
 
 def level_setting(level: Level, job: LevelJob) -> Setting:

@@ -1,7 +1,7 @@
 """The kernels factor's worker process: torch fixes its CPU kernels when it starts (ATEN_CPU_CAPABILITY), so
 the ``Kernels`` setting (``factor_settings``) starts ``stagereplay kernel-worker`` with the level set, and this
 side builds each item's cache at that level and continues it and the reference cache. Requests and answers
-cross as JSON files and caches as a scratch object store, fingerprint-checked."""
+cross as JSON files; caches and each continuation's first logits as a scratch object store, fingerprint-checked."""
 
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ def run_kernel_worker(folder: str | Path) -> None:
             continued[fingerprint_cache(state).digest] = {
                 "tokens": list(decoded.tokens),
                 "margins": list(decoded.margins),
+                "top_logits": list(decoded.top_logits),
+                # The logits of the first read cross as an object of the scratch store, like the caches.
+                "first_logits": (
+                    None
+                    if decoded.first_logits is None
+                    else scratch.put({"logits": decoded.first_logits}, {"kind": "first_logits"})
+                ),
                 "stop": decoded.stop,
                 "positions": engine.fed_positions - start,
             }
