@@ -24,6 +24,7 @@ from stagereplay.design.cells import (
     item_verdict,
     pattern_name,
 )
+from stagereplay.ledger.tables import FACTOR_LOGIT_COLUMNS
 from stagereplay.report.figures import factor_blocks
 from stagereplay.report.plots import VERDICT_COLOURS
 from stagereplay.report.reading import e6_reading
@@ -131,6 +132,9 @@ def rows_of(factor: str, level: str, items: dict[str, tuple], unbuilt: tuple[str
                     "first_differing_layer": 1 if built and cell_differs else None,
                     "layer_max_abs": [0.5, 0.25] if built else [],
                     "reused_tokens": None,
+                    "converted_digest": None,
+                    "first_divergence": 0 if cell_differs else None,
+                    **dict.fromkeys(FACTOR_LOGIT_COLUMNS),  # no logits recorded: their figures count nothing
                 }
             )
     return rows

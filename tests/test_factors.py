@@ -151,6 +151,39 @@ def test_a_failed_control_stops_the_summary(factor_run, tmp_path):
     assert f"({target['item_id']})" in result.stderr and "the E6 harness is broken" in result.stderr
 
 
+def test_first_reads_and_margins_at_divergence(factor_run):
+    """The controls that switch nothing read the reference's bytes into the reference's first logits, bit for
+    bit (batch 1 is left out: its padding path may round otherwise and still give the reference's tokens); every
+    cell of the kernels worker brought its first logits back; every divergent cell names the reference's margin
+    from its E2 row and a top logit; and summary.json and the card carry them."""
+    ledger, _, rows, _ = factor_run
+    references = _references(ledger)
+    summary = json.loads((ledger / "summary.json").read_text())["E6"]
+    ran = [r for r in rows if r["applicable"] and references[r["item_id"]]["boundary_reason"] != "eos"]
+    for factor, level in (("threads", "1"), ("kernels", "own"), ("attention", "sdpa")):
+        cells = [r for r in ran if (r["factor"], r["level"]) == (factor, level)]
+        assert cells and all(r["first_logits_identical"] and r["first_logits_max_abs"] == 0.0 for r in cells), factor
+        figures = next(f for f in summary["levels"] if (f["factor"], f["level"]) == (factor, level))
+        read = figures["first_read"]
+        assert read["logits_identical"]["count"] == read["argmax_same"]["count"] == read["logits_identical"]["n"] > 0
+        assert read["max_abs_difference"] == 0.0 and read["converted"] is False
+    assert all(r["first_logits_max_abs"] is not None for r in ran if r["factor"] == "kernels")
+    for row in ran:
+        step = row["first_divergence"]
+        margins = [row[c] for c in ("margin_at_divergence", "reference_margin_at_divergence")]
+        if step is None:
+            assert margins == [None, None] and row["reference_top_logit_at_divergence"] is None
+            continue
+        reference_margins = references[row["item_id"]]["suffix_margins"]
+        assert row["reference_margin_at_divergence"] == reference_margins[step]
+        assert row["reference_top_logit_at_divergence"] is not None and row["margin_at_divergence"] is not None
+    assert all(f["first_read"] is None for f in summary["levels"] if f["applicable"] and f["cells"] == ["test-ref"])
+    assert summary["flip_margins"]["flips"] <= sum(
+        f["suffixes_differ"]["count"] for f in summary["levels"] if f["applicable"]
+    )
+    assert "E6 first read (ref-test's first step against the reference's" in (ledger / "results.md").read_text()
+
+
 def test_build_only_factors_have_two_cells(factor_run):
     _, _, rows, _ = factor_run
     for factor in ("chunk", "prefix_reuse"):

@@ -312,9 +312,20 @@ def audit_transplants(saved: pa.Table, audited: pa.Table) -> list[Check]:
     return checks
 
 
+# The factor table's logit columns (ledger.tables.FACTOR_LOGIT_COLUMNS), by the audit artifact that compares them.
+FACTOR_LOGIT_ARTIFACTS = {
+    "factor_first_read": ("first_logits_identical", "first_argmax_same", "first_logits_max_abs"),
+    "factor_margins": ("margin_at_divergence", "reference_margin_at_divergence", "reference_top_logit_at_divergence"),
+}
+
+
+def _values(row: dict, columns: tuple[str, ...]) -> dict:
+    return {column: row[column] for column in columns}
+
+
 def audit_factors(saved: pa.Table, audited: pa.Table) -> list[Check]:
-    """E6: each cell's cache (layer by layer), the converted cache it read (if any) and suffix, and whether a
-    level ran at all."""
+    """E6: each cell's cache (layer by layer), the converted cache it read (if any), suffix, first read and
+    margins at divergence, and whether a level ran at all."""
     pairs, checks = _paired(
         "factor", saved, audited, FACTOR_KEY, lambda row: f"{row['factor']}={row['level']} {row['cell']}"
     )
@@ -341,6 +352,12 @@ def audit_factors(saved: pa.Table, audited: pa.Table) -> list[Check]:
                 new["suffix_tokens"],
                 **extra_fields,
             ),
+        ]
+        # The first read and the margins at divergence are as deterministic as the suffix on the machine and
+        # build that wrote them, so they are compared exactly, like every other recomputed value.
+        checks += [
+            _same("factor", artifact, where, _values(old, columns), _values(new, columns), **extra_fields)
+            for artifact, columns in FACTOR_LOGIT_ARTIFACTS.items()
         ]
         if old["converted_digest"] or new["converted_digest"]:
             # cache_type: the converted cache the cell read (offline quantization, dequantization) is recomputed too.

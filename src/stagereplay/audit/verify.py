@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from stagereplay.audit.faults import RERUN, Fault, Report
 from stagereplay.audit.provenance_check import answer_key, verify_labels, verify_provenance
@@ -63,6 +64,8 @@ from stagereplay.ledger.tables import (
     COMPARISON_SCHEMA,
     FACTOR_KEY,
     FACTOR_SCHEMA,
+    FACTOR_TABLE_BEFORE_LOGITS,
+    MIGRATE_FACTORS,
     PROMPT_SCHEMA,
     TRAJECTORY_KEY,
     TRAJECTORY_SCHEMA,
@@ -70,6 +73,7 @@ from stagereplay.ledger.tables import (
     TRANSPLANT_SCHEMA,
     VOCAB_SCHEMA,
     LedgerError,
+    is_factor_schema_before_logits,
     is_object_id,
     read_table,
     row_key,
@@ -147,6 +151,7 @@ def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject
 
 def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
     tables: dict[str, pa.Table] = {}
+    before_logits: list[str] = []
     for path in LedgerLayout(root).table_files():
         relative = path.relative_to(root)
         schema = table_schema(relative)
@@ -157,6 +162,9 @@ def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
         try:
             table = read_table(path, schema)
         except LedgerError:
+            if schema is FACTOR_SCHEMA and _is_factor_table_before_logits(path):
+                before_logits.append(str(relative))
+                continue
             report.faults.append(
                 Fault(str(relative), "unreadable Parquet, or not the schema of its place in the ledger")
             )
@@ -172,7 +180,18 @@ def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
             continue
         report.rows += table.num_rows
         tables[str(relative)] = table
+    if before_logits:
+        # Every factor table of such a ledger is in that shape: one line for all of them, with the one fix.
+        others = f" and {len(before_logits) - 1} more factor tables" if len(before_logits) > 1 else ""
+        report.faults.append(Fault(f"{before_logits[0]}{others}", FACTOR_TABLE_BEFORE_LOGITS, MIGRATE_FACTORS))
     return tables
+
+
+def _is_factor_table_before_logits(path: Path) -> bool:
+    try:
+        return is_factor_schema_before_logits(pq.read_schema(path))
+    except (pa.ArrowException, OSError):
+        return False
 
 
 def _row_where(relative: str, row: dict) -> str:

@@ -5,7 +5,8 @@ Every item starts from its E2 prefill row at the factor precision (the reference
 tokens, its cache (read from the store, or rebuilt and checked against its fingerprints) and its suffix.
 How each level builds and reads is in ``factors``; the cells and verdicts in ``design.factors``.
 Test-built caches are fingerprinted and compared with the reference layer by layer; their tensors are
-not stored (any of them is rebuilt from the saved tokens and the level).
+not stored (any of them is rebuilt from the saved tokens and the level). Each cell's first logits and its
+margins at divergence are compared with the reference's, read again for them (``cell_logits``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 from stagereplay.design.cells import READ, SERVER, WRITE, cell_label
 from stagereplay.design.factors import Level, reference_level
 from stagereplay.engines.base import Engine
+from stagereplay.experiments.cell_logits import NOT_DECODED, NOT_DIVERGED, first_read, margins_at_divergence
 from stagereplay.experiments.compare import first_divergence
+from stagereplay.experiments.decode import Decoded
 from stagereplay.experiments.difference import cache_difference
 from stagereplay.experiments.factor_settings import Kernels, LevelJob, Prefix, Setting, level_setting
 from stagereplay.experiments.job import JobContext, environment_columns, progress_bar
@@ -183,6 +186,10 @@ def item_cells(settings: LevelSettings, item: ReferenceItem, base: dict) -> list
             f"item {prefix.item_id}: the reference cache rebuilt under {level.factor}={level.name} continued"
             " differently from its E2 row — this environment does not reproduce the ledger; run where it was written"
         )
+    divergences = {
+        cell: first_divergence(list(decoded.tokens), reference_suffix) for cell, (_, _, decoded) in cells.items()
+    }
+    replayed = replay_reference(reference, prefix, reference_state, list(divergences.values()), reference_suffix)
     rows = []
     for cell, (_, fingerprint, decoded) in cells.items():
         tokens = list(decoded.tokens)
@@ -205,12 +212,30 @@ def item_cells(settings: LevelSettings, item: ReferenceItem, base: dict) -> list
                 "layer_max_abs": layer_max_abs if is_test_cache else [0.0] * len(layer_max_abs),
                 "suffix_tokens": tokens,
                 "suffix_stop": decoded.stop,
-                "first_divergence": first_divergence(tokens, reference_suffix),
+                "first_divergence": divergences[cell],
+                **margins_at_divergence(divergences[cell], decoded, reference_row["suffix_margins"], replayed),
+                **first_read(decoded.first_logits, replayed.first_logits),
                 **_conversion(converted.get(cell), test_fingerprint if cell == READ else None),
                 "forward_positions": fed[cell] + (item.fed_positions if cell == wanted[0] else 0),
             }
         )
     return rows
+
+
+def replay_reference(
+    reference: Setting, prefix: Prefix, state: KVState, divergences: list[int | None], reference_suffix: list[int]
+) -> Decoded:
+    """The reference read again, up to the last step where a cell diverges (step 0, its first read, at least):
+    E2's row keeps the reference's tokens and margins, not its logits. The reference cache read by the reference
+    setting is E2's own computation, so its tokens must be E2's. Its positions are no cell's cost."""
+    steps = 1 + max((step for step in divergences if step is not None), default=0)
+    replayed = reference.with_budget(steps).read(prefix, state, None)
+    if list(replayed.tokens) != reference_suffix[: len(replayed.tokens)]:
+        raise LedgerError(
+            f"item {prefix.item_id}: the reference cache read again under the reference setting continued"
+            " differently from its E2 row — this environment does not reproduce the ledger; run where it was written"
+        )
+    return replayed
 
 
 def _conversion(given, test_fingerprint) -> dict:
@@ -268,6 +293,8 @@ def _base_row(level: Level, context: JobContext, row: dict, engine: Engine) -> d
         "suffix_tokens": [],
         "suffix_stop": None,
         "first_divergence": None,
+        **NOT_DIVERGED,
+        **NOT_DECODED,
         "converted_digest": None,
         "converted_equals_test": None,
         "converted_first_differing_layer": None,

@@ -485,14 +485,9 @@ class Kernels(Setting):
             return Decoded((), (), "eos")
         continued = self.results[prefix.item_id]["continued"][fingerprint_cache(to_host(state)).digest]
         self.worker_fed += continued["positions"]
-        first = continued["first_logits"]
-        return Decoded(
-            tuple(continued["tokens"]),
-            tuple(continued["margins"]),
-            continued["stop"],
-            first_logits=None if first is None else self.scratch.get(first)["logits"],
-            top_logits=tuple(continued["top_logits"]),
-        )
+        first = self.scratch.get(continued["first_logits"])["logits"]  # decoded: the stage did not end the answer
+        tokens, margins, tops = (tuple(continued[key]) for key in ("tokens", "margins", "top_logits"))
+        return Decoded(tokens, margins, continued["stop"], first_logits=first, top_logits=tops)
 
 
 def level_setting(level: Level, job: LevelJob) -> Setting:

@@ -192,6 +192,17 @@ FACTOR_SCHEMA = pa.schema(
         ("suffix_tokens", pa.list_(pa.int64())),
         ("suffix_stop", pa.string()),
         ("first_divergence", pa.int32()),  # the first suffix step that differs from the reference's
+        # At that step (null where the cell does not diverge): the top-1 minus top-2 logit of this cell and of
+        # the reference (its E2 row's suffix_margins), and the reference's top-1 logit, whose binade sets one
+        # bf16 step (E2's row does not keep it: the job reads the reference again that far).
+        ("margin_at_divergence", pa.float32()),
+        ("reference_margin_at_divergence", pa.float32()),
+        ("reference_top_logit_at_divergence", pa.float32()),
+        # The first read: the logits this cell chose its first token from, against the reference's for the same
+        # pending token (on ref-test both read the reference cache's bytes). Null where nothing was decoded.
+        ("first_logits_identical", pa.bool_()),  # bit for bit
+        ("first_argmax_same", pa.bool_()),
+        ("first_logits_max_abs", pa.float64()),
         # cache_type: a cell that read a cache of the other type read it converted (design in experiments.factor_settings):
         # that cache's fingerprint; on ref-test (the reference quantized offline) whether it has the native
         # test build's bytes, and from which layer it differs.
@@ -204,6 +215,17 @@ FACTOR_SCHEMA = pa.schema(
         ("model_fingerprint", pa.string()),
         *_ENVIRONMENT_FIELDS,
     ]
+)
+
+# The factor columns added with the first read and the margins at divergence: a factor table without them
+# was written before, and only its factor jobs can compute them (verify names the migration once).
+FACTOR_LOGIT_COLUMNS = (
+    "margin_at_divergence",
+    "reference_margin_at_divergence",
+    "reference_top_logit_at_divergence",
+    "first_logits_identical",
+    "first_argmax_same",
+    "first_logits_max_abs",
 )
 
 # One row per checkpoint and item: the integers every stage (and the audit) starts from.
@@ -305,8 +327,28 @@ def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
     except (pa.ArrowException, OSError) as error:
         raise LedgerError(f"ledger table {path} is unreadable ({error}) — delete it and rerun the workflow") from None
     if schema is not None and not table.schema.equals(schema):
+        if schema is FACTOR_SCHEMA and is_factor_schema_before_logits(table.schema):
+            # The workflow sees no changed input: only a forced rerun of the factor jobs rewrites it.
+            raise LedgerError(f"ledger table {path}: {FACTOR_TABLE_BEFORE_LOGITS} — {MIGRATE_FACTORS}")
         raise LedgerError(f"ledger table {path} does not have the expected schema — rerun the workflow to rebuild it")
     return table
+
+
+FACTOR_TABLE_BEFORE_LOGITS = (
+    "written before E6 recorded the first read and the margins at divergence (no "
+    + ", ".join(FACTOR_LOGIT_COLUMNS)
+    + "): only the factor jobs compute them"
+)
+MIGRATE_FACTORS = (
+    "migrate it: rerun snakemake --forcerun factor (the factor jobs rewrite every E6 row with them; gathering,"
+    " summary.json and the card follow)"
+)
+
+
+def is_factor_schema_before_logits(schema: pa.Schema) -> bool:
+    """A factor table's columns as they were before FACTOR_LOGIT_COLUMNS: today's less exactly those."""
+    wanted = [field for field in FACTOR_SCHEMA.remove_metadata() if field.name not in FACTOR_LOGIT_COLUMNS]
+    return list(schema.remove_metadata()) == wanted
 
 
 def concat_tables(paths: list[str | Path], schema: pa.Schema) -> pa.Table:

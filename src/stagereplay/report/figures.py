@@ -238,6 +238,12 @@ def e6_rows(e6: dict | None) -> list[Figure]:
                 name, f"suffixes differ from the reference as served ({level['served_cell']})", level["suffixes_differ"]
             )
         )
+        read = level.get("first_read")
+        if read:  # the reference cache's bytes read under the level, first step only
+            figures.append(
+                count_row(name, "first read (ref-test step 0): logits bit-identical", read["logits_identical"])
+            )
+            figures.append(count_row(name, "first read (ref-test step 0): argmax the same", read["argmax_same"]))
         for pattern, counted in level["differing_cells"].items():
             figures.append(count_row(name, f"cells whose suffix differs: {pattern}", counted))
         for verdict, counted in level["verdicts"].items():

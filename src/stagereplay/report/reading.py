@@ -312,7 +312,67 @@ def e6_reading(e6: dict | None) -> list[str]:
         full = level["applicable"] and len(level["differing_cells"]) > 2
         if full and level["verdicts"]["none"]["count"] < level["items"]:
             lines.append(e6_pattern_reading(level))
+    read = [
+        level
+        for level in e6["levels"]
+        if level["applicable"] and level.get("first_read") and level["first_read"]["argmax_same"]["n"]
+    ]
+    if read:
+        lines.append(first_read_reading(read))
     return lines
+
+
+def first_read_reading(levels: list[dict]) -> str:
+    """The first read of each level with a ref-test cell: its first logits against the reference's."""
+    parts = []
+    for level in levels:
+        read = level["first_read"]
+        identical, same, n = read["logits_identical"]["count"], read["argmax_same"]["count"], read["argmax_same"]["n"]
+        converted = " (the reference cache converted for its reader: the conversion and the read together)"
+        parts.append(
+            f"{level['factor']} {level['level']}{converted if read['converted'] else ''}: logits bit-identical on"
+            f" {identical}/{n}, argmax the same on {same}/{n}, max |Δ| {read['max_abs_difference']:.3g}"
+        )
+    return (
+        "E6 first read (ref-test's first step against the reference's: the same boundary bytes and the same pending"
+        " token, read under the level and under the reference; ref-test's suffix is the whole continuation decoded"
+        " under the level, not this read alone): " + "; ".join(parts) + "."
+    )
+
+
+def flip_margins_reading(summary: dict) -> list[str]:
+    """How many flips were near-ties: the reference's margin at the first divergent step, in bf16 steps of the
+    top logit (E1 keeps no top logit, so its count is bounded; E6 records the reference's)."""
+    parts = []
+    for checkpoint, e1 in summary["E1"]["checkpoints"].items():
+        margins = e1.get("flip_margins")
+        if not margins or not margins["flips"]:
+            continue
+        n, ties = margins["flips"], margins["tie"]["count"]
+        name = experiment_name("E1", (e1["precision"] or "").upper(), checkpoint, summary)
+        bound = margins["one_bf16_step_at_most"]
+        parts.append(
+            f"{name}, prefill side: {ties}/{n} flips are exact ties"
+            + (
+                f" and at most {bound['count']}/{n} within one bf16 step (a margin of 0 or a power of two; E1 keeps"
+                " no top logit, so the step itself is not known)"
+                if bound is not None
+                else " (its logits are not bf16 values and E1 keeps no top logit: no bf16-step count)"
+            )
+        )
+    e6 = (summary.get("E6") or {}).get("flip_margins")
+    if e6 and e6["flips"]:
+        n = e6["flips"]
+        parts.append(
+            f"E6, the test levels' served divergences: {e6['within_one_bf16_step']['count']}/{n} within one bf16"
+            f" step of the reference's top logit there ({e6['tie']['count']}/{n} exact ties)"
+        )
+    if not parts:
+        return []
+    return [
+        "Margins at the first divergent step (the reference's top-1 minus top-2 logit; one bf16 step is"
+        " 2^(floor(log2|top logit|) - 7)): " + "; ".join(parts) + "."
+    ]
 
 
 def e6_level_name(level: dict) -> str:
@@ -385,5 +445,6 @@ def reading(summary: dict, provenance: Provenance) -> list[str]:
         + e4_reading(summary.get("E4"))
         + e5_reading(summary.get("E5"))
         + e6_reading(summary.get("E6"))
+        + flip_margins_reading(summary)
         + limits_reading(provenance)
     )

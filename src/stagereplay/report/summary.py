@@ -18,6 +18,7 @@ from stagereplay.atomic import atomic_write_text
 from stagereplay.design.cells import CELL_LABELS, VERDICTS, cell_label, differing_cells, item_verdict, pattern_name
 from stagereplay.design.factors import factor_named, is_control
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
+from stagereplay.report.margins import e1_flip_margins, e6_flip_margins, first_read_figures
 from stagereplay.report.stats import (
     mcnemar_exact,
     paired_difference_ci,
@@ -88,6 +89,7 @@ def e1_summary(rows: list[dict]) -> dict:
         # Items whose stage ended at EOS before the boundary: nothing is continued, so their suffixes agree by
         # construction; the card shows them apart from the divergence counts they sit in.
         "stage_ended_at_eos": share(sum(row["boundary_reason"] == "eos" for row in pairs), n),
+        "flip_margins": e1_flip_margins(pairs, pairs[0]["precision"] if pairs else None),
         # Replicas that reproduced their side exactly; n = 0 (one replica) is "not measured", never "all exact".
         "replicas_exact": {
             side: share(sum(replicas.get(side, [])), len(replicas.get(side, []))) for side in ("live", "prefill")
@@ -377,6 +379,8 @@ def e6_level(rows: list[dict]) -> dict:
             # Exactly these cells' suffixes differ from the reference's, the level's other cells' do not.
             "differing_cells": {pattern: share(patterns[pattern], n) for pattern in of.patterns},
             "verdicts": {name: share(verdicts[name], n) for name in VERDICTS},
+            "flip_margins": e6_flip_margins(served),
+            "first_read": first_read_figures(applicable, of.cells),
         }
     )
     reused = [row["reused_tokens"] for row in built if row["reused_tokens"] is not None]
@@ -389,12 +393,21 @@ def e6_summary(factors: pa.Table) -> dict:
     rows = factors.to_pylist()
     levels = _group(rows, lambda r: f"{r['checkpoint']}/{r['precision']}/{r['factor']}/{r['level']}")
     first = rows[0] if rows else {}
+    # Every test level's served flips, pooled (a control's would be the harness's own, and it has none).
+    served = [
+        row
+        for row in rows
+        if row["applicable"]
+        and not is_control(row["factor"], row["level"], row["reference_level"])
+        and row["cell"] == cell_label(factor_named(row["factor"]).served_cell)
+    ]
     return {
         "name": "factors",
         "checkpoint": first.get("checkpoint"),
         "precision": first.get("precision"),
         "reference": "E2's prefill row at this precision (the (ref, ref) cell)",
         "levels": [e6_level(group) for group in levels.values()],
+        "flip_margins": e6_flip_margins(served),
     }
 
 
