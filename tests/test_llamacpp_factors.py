@@ -203,17 +203,20 @@ def test_quantized_run_every_experiment_and_rotation(tmp_path):
     )
     state = KVState.from_named_tensors(stored.get(live["cache_object"]))
     assert state.formats == ("q8_0-h64", "q8_0-h64") and state.keys[0].dtype == torch.uint8
-    rows = pq.read_table(ledger / "tables" / "factors.parquet").to_pylist()
+    # The test level off (the run also holds rotation's control, on through a new context).
+    rows = [row for row in pq.read_table(ledger / "tables" / "factors.parquet").to_pylist() if row["level"] == "off"]
     rotation = [row for row in rows if row["applicable"]]
     assert {row["cell"] for row in rotation} == {"test-test"}
     # Its one-sided cells would re-quantize a cache: recorded, not applicable, with the reason.
     unbuilt = [row for row in rows if not row["applicable"]]
     assert {row["cell"] for row in unbuilt} == {"test-ref", "ref-test"} and len(unbuilt) == 2 * len(rotation)
     assert all("would re-quantize it" in row["reason"] for row in unbuilt)
-    level = next(level for level in summary["E6"]["levels"] if level["factor"] == "rotation")
+    level = next(level for level in summary["E6"]["levels"] if (level["factor"], level["level"]) == ("rotation", "off"))
     assert level["cells"] == ["test-test"] and level["applicable"]
     assert all("rotation=disabled" in row["setting"] and "K stored as q8_0," in row["setting"] for row in rotation)
     assert all("K stored as q8_0-h64" in row["engine_build"] for row in rotation)  # the reference rotates
+    control = next(c for c in summary["E6"]["controls"]["levels"] if c["factor"] == "rotation")
+    assert control["level"] == "on" and control["identical"]  # rotation on, through a new context
     assert all(row["cache_differs"] for row in rotation)  # another basis, other bytes
 
 

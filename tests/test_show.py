@@ -89,11 +89,14 @@ def test_control_characters_are_shown_not_obeyed():
     assert visible("a\x1eb\n\tc\u2028 d") == "a‹U+001E›b↵⇥c‹U+2028› d"
 
 
-# Runs one CLI command in this interpreter, then reports which engine modules the command imported.
+# Runs one CLI command in this interpreter, then reports which engines the command imported: transformers,
+# llama_cpp, or the module of any engine class the registry names (the torch-free specs do not count: the
+# design reads them without loading an engine).
 LOADED_ENGINES = (
     "import json, sys; from stagereplay.cli import main; code = main(sys.argv[1:]);"
-    " engines = sorted(m for m in sys.modules if m in ('transformers', 'llama_cpp')"
-    " or m.startswith('stagereplay.engines.') and m != 'stagereplay.engines.base');"
+    " from stagereplay.engines.registry import SPECS;"
+    " classes = {spec.engine_class_path.split(':')[0] for spec in SPECS.values()};"
+    " engines = sorted(m for m in sys.modules if m in ('transformers', 'llama_cpp') or m in classes);"
     " print(json.dumps({'code': code, 'engines': engines}), file=sys.stderr)"
 )
 
