@@ -40,7 +40,7 @@ _ENVIRONMENT_FIELDS = (
     ("deterministic", pa.bool_()),
     ("torch_version", pa.string()),
     ("transformers_version", pa.string()),
-    # Which engine ran the model ("transformers" or "llamacpp"), its version and its build options.
+    # Which engine ran the model (a name of the engine registry), its version and its build options.
     ("engine", pa.string()),
     ("engine_version", pa.string()),
     ("engine_build", pa.string()),
