@@ -15,7 +15,8 @@ from stagereplay.cli import main
 from stagereplay.design.factors import FACTOR_OBJECTS, Level, LevelContext, check_levels, is_control
 from stagereplay.engines.base import Runtime
 from stagereplay.engines.registry import spec_named
-from stagereplay.experiments.factor_settings import LevelJob, Prefix, Setting, level_setting
+from stagereplay.experiments.factor_settings import Setting, level_setting
+from stagereplay.experiments.level_job import LevelJob, Prefix
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import FACTOR_SCHEMA, write_table

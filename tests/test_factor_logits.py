@@ -21,7 +21,8 @@ from stagereplay.engines.base import Runtime
 from stagereplay.experiments.cell_logits import first_read
 from stagereplay.experiments.decode import Decoded
 from stagereplay.experiments.factor_job import LevelSettings, ReferenceItem, item_cells
-from stagereplay.experiments.factor_settings import Built, LevelJob, Prefix, Setting, level_setting
+from stagereplay.experiments.factor_settings import Setting, level_setting
+from stagereplay.experiments.level_job import Built, LevelJob, Prefix
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore

@@ -180,6 +180,25 @@ def test_eight_pattern_counts_of_a_hand_built_level():
     assert sum(verdicts[name] for name in SERVED_VERDICTS) == figures["suffixes_differ"]["count"]
 
 
+def test_write_against_read_is_an_exact_test_over_served_divergences():
+    # 6 write, 1 read, 2 both, 1 interaction and 3 latent items: only the 10 served divergences count, and
+    # of those only the 7 where exactly one side differs; two-sided binomial of 6 of 7 at 1/2: 16/128.
+    counts = {(True, False, True): 6, (False, True, True): 1, (True, True, True): 2, (False, False, True): 1}
+    items = {f"item-{i:02d}": differs for i, differs in enumerate(d for d, n in counts.items() for _ in range(n))}
+    items |= {f"latent-{i}": (True, True, False) for i in range(3)}
+    figures = e6_level(rows_of("batch", "4", items))
+    assert figures["write_vs_read"] == {
+        "items": 10,
+        "write_only": 6,
+        "read_only": 1,
+        "p_value": pytest.approx(16 / 128),
+        "test": "exact McNemar (two-sided binomial test on the discordant pairs)",
+    }
+    nothing = e6_level(rows_of("batch", "4", {"a": (True, True, False)}))["write_vs_read"]
+    assert nothing["items"] == 0 and nothing["p_value"] is None  # no p-value from no served divergence
+    assert e6_level(rows_of("chunk", "5", {"a": (True, None, None)}))["write_vs_read"] is None  # one side only
+
+
 def test_build_only_and_server_only_levels_have_two_patterns():
     chunk = e6_level(
         rows_of("chunk", "5", {"a": (True, None, None), "b": (False, None, None), "c": (True, None, None)})
@@ -220,7 +239,11 @@ def test_card_and_reading_give_the_patterns_and_latent():
     assert any("chunk 5 (test-ref alone): none 1/2 [" in text for text in sentences)
     attention, patterns, chunk = e6_reading(e6)
     assert "suffixes differ on 4/11 as a server runs it" in attention
-    assert "of the items whose served suffix changes: 1 write, 1 read, 1 both, 1 interaction" in attention
+    assert (
+        "of the items whose served suffix changes: 1 write, 1 read, 1 both, 1 interaction (write only 1 against"
+        in attention
+    )
+    assert "read only 1: exact McNemar p = 1)" in attention
     assert "on 4/11 items a one-sided cell differs but the served suffix does not (latent," in attention
     assert "none 3/11 (Wilson 95% [" in patterns and "test-ref+ref-test 1/11 (" in patterns
     assert "0/" not in patterns  # every pattern was seen once at least

@@ -10,6 +10,7 @@ equal a batch the test feeds through the model itself.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pyarrow as pa
@@ -22,6 +23,7 @@ from workflow_helpers import copy_run, job_counts, snakemake, stagereplay
 
 from stagereplay.audit.rerun import audit_factors
 from stagereplay.design.factors import FactorError, check_levels
+from stagereplay.experiments.kernel_worker import onednn_isa
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.slow
 # The CPU kernel level torch picks on this machine is the kernels factor's reference (it differs between
 # machines, so it is read here, never written down); "default" runs on every x86-64 CPU.
 OWN_KERNELS = torch.backends.cpu.get_cpu_capability().lower()
+MKL = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "unpinned")  # the control leaves MKL as this process has it
 FACTORS = {
     "kernels": ["default"],
     "threads": [1, 2],  # 1 is the reference: a known answer, and this factor's control (listed, so run once)
@@ -117,7 +120,11 @@ def test_every_control_reproduces_the_reference_and_the_card_says_so(factor_run)
     for row in _rows(rows, "prefix_reuse", "whole"):  # the whole context went through the store, none on top
         context = len(store.get_tokens(references[row["item_id"]]["prefix_object"])) - 1
         assert row["reused_tokens"] == context and row["reused_digest"] == row["reference_cache"]
-    assert all(f"torch's {OWN_KERNELS} CPU kernels" in r["setting"] for r in _rows(rows, "kernels", "own", "test-ref"))
+    own_notes = {r["setting"] for r in _rows(rows, "kernels", "own", "test-ref")}
+    assert own_notes == {
+        f"built in the kernels=own worker: ATen {OWN_KERNELS.upper()}, oneDNN {onednn_isa()}, MKL {MKL}"
+        f" (ATEN_CPU_CAPABILITY={OWN_KERNELS})"
+    }
     card = (ledger / "results.md").read_text()
     assert "6/6 paths identical on every item" in card and card.count("E6 controls") == 1
 
@@ -254,7 +261,10 @@ def test_default_kernels_run_in_a_process_of_their_own(factor_run):
     _, _, rows, _ = factor_run
     cells = _rows(rows, "kernels", "default")
     assert cells and all(r["reference_level"] == OWN_KERNELS for r in cells)
-    assert all("torch's default CPU kernels" in r["setting"] for r in cells if r["build"] == "test")
+    pinned = "ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41, MKL_ENABLE_INSTRUCTIONS=SSE4_2"
+    assert {r["setting"] for r in cells if r["build"] == "test"} == {
+        f"built in the kernels=default worker: ATen DEFAULT, oneDNN Intel SSE4.1, MKL SSE4_2 ({pinned})"
+    }
     if OWN_KERNELS != "default":  # scalar kernels reduce in another order than vector ones (seen in every cache)
         assert any(r["cache_differs"] for r in cells if r["build"] == "test")
 

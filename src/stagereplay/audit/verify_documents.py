@@ -25,8 +25,9 @@ REWRITE_SUMMARY = "rerun snakemake --forcerun summary to rewrite it from the tab
 MIGRATE_SUMMARY = (
     "migrate it: rerun snakemake --forcerun summary report (it rewrites summary.json and the card from the tables)"
 )
-# What an E6 level that ran has had since its verdicts are served first (design.cells.item_verdict).
-SERVED_FIRST_KEYS = ("served_cell", "differing_cells")
+# What an E6 level that ran has had since its verdicts are served first (design.cells.item_verdict) and its
+# sides are compared by an exact test (write_vs_read).
+SERVED_FIRST_KEYS = ("served_cell", "differing_cells", "write_vs_read")
 
 
 def read_summary(root: Path, report: Report) -> dict | None:
@@ -115,7 +116,7 @@ def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Re
 
 def counts_e6_one_sided(summary: dict) -> bool:
     """Whether summary.json's E6 is in the old shape: a level that ran lacks the served cell, the patterns of
-    differing cells, or the verdict latent."""
+    differing cells, the exact test of the sides, or the verdict latent."""
     e6 = summary.get("E6")
     levels = e6.get("levels") if isinstance(e6, dict) else None
     return any(

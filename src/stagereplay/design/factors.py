@@ -206,19 +206,43 @@ class PrefixReuse(Factor):
 
 
 class Batch(Count):
+    """B requests decoded together: the item with the next B-1 items (``B``: rows of other lengths, so left
+    padding and a mask), or the item repeated B times (``same:B``: rows of one length, no padding). Beside
+    batch 1 through the same path (the control), the two tell padding and masking apart from batch size."""
+
     name = "batch"
-    what = "a batch size such as 2, 4 or 8"
+    what = "a batch size such as 2, 4 or 8, or same:B (the item repeated B times)"
+
+    def level_name(self, given):
+        return super().level_name(given).replace(":", "-")
 
     def check(self, name, context):
-        size = _positive_int(self.name, name, self.what)
-        if size > context.item_count:
+        size = _positive_int(self.name, name.removeprefix(REPEATED), self.what)
+        if self.repeats_item(name):
+            if size < 2:
+                raise FactorError(
+                    "factors.batch: same:1 is a batch of the item alone, the control batch 1 runs it — use same:B with B"
+                    " of at least 2"
+                )
+        elif size > context.item_count:
             raise FactorError(
                 f"factors.batch: a batch of {size} needs {size} items, the run has {context.item_count} — use at most"
-                f" {context.item_count}"
+                f" {context.item_count}, or same:{size} (the item repeated)"
             )
 
     def reference(self, runtime, cpu_capability):
         return "1"
+
+    def value(self, name):
+        """The batch size (rows decoded together), for either kind of batch."""
+        return int(name.removeprefix(REPEATED))
+
+    def repeats_item(self, name: str) -> bool:
+        """Whether every row of the batch is the item itself (same-B)."""
+        return name.startswith(REPEATED)
+
+
+REPEATED = "same-"  # a batch level of the item repeated: same:B in a config, same-B as a path component
 
 
 class Attention(Factor):
@@ -259,6 +283,14 @@ KERNEL_LEVELS = {
     "avx2": ("avx2", "fma"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
 }
+# ATEN_CPU_CAPABILITY fixes only ATen's own kernels. torch's bf16 matmuls run in oneDNN and its fp32 ones in
+# MKL, each picking its ISA on its own, so a level pins both at the same vector width (oneDNN's ISA names:
+# ONEDNN_MAX_CPU_ISA; MKL's: MKL_ENABLE_INSTRUCTIONS). AVX-512 keeps bf16 instructions and excludes AMX.
+KERNEL_PINS = {
+    "default": {"ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+}
 
 
 class Kernels(Factor):
@@ -287,6 +319,13 @@ class Kernels(Factor):
 
     def control_of(self, reference):
         return OWN_KERNELS
+
+    def environment(self, name: str, own_capability: str) -> dict[str, str]:
+        """The variables the worker process starts with at this level. ``own`` (the control) sets ATen's
+        capability to the one this process picked and leaves oneDNN and MKL as this process has them."""
+        if name == OWN_KERNELS:
+            return {"ATEN_CPU_CAPABILITY": own_capability.lower()}
+        return {"ATEN_CPU_CAPABILITY": name, **KERNEL_PINS[name]}
 
 
 class OnOff(Factor):

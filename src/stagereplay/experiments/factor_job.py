@@ -24,8 +24,9 @@ from stagereplay.experiments.cell_logits import NOT_DECODED, NOT_DIVERGED, first
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.decode import Decoded
 from stagereplay.experiments.difference import cache_difference
-from stagereplay.experiments.factor_settings import Kernels, LevelJob, Prefix, Setting, level_setting
+from stagereplay.experiments.factor_settings import Kernels, Setting, level_setting
 from stagereplay.experiments.job import JobContext, environment_columns, progress_bar
+from stagereplay.experiments.level_job import LevelJob, Prefix
 from stagereplay.experiments.recompute import CacheSource, ModelPool
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host

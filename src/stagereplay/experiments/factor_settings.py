@@ -5,8 +5,9 @@ continues from one (the job that runs them is ``factor_job``; the cells and verd
 The reference setting is the one E2 ran: a one-shot prefill, then greedy decoding at batch 1 with the
 run's threads and attention. A test level switches a setting around its builds and reads (threads,
 attention; on llama.cpp a new context with flash attention, micro-batch size, cache type or rotation
-changed), builds another way (chunks, a prefix-cache hit), runs in a batch, or runs in a worker
-process of its own (CPU kernels, fixed when torch starts: ``kernel_worker``). A cache another setting wrote is converted
+changed), builds another way (chunks, a prefix-cache hit), runs in a batch (of other items, padded, or of
+the item repeated), or runs in a worker process of its own (CPU kernels, fixed when torch starts, with
+oneDNN's and MKL's ISA pinned alike: ``kernel_worker``). A cache another setting wrote is converted
 before it is read only where the two store different things (a cache type): ``for_reference`` and
 ``for_test`` say how, and the row records the converted cache.
 
@@ -25,59 +26,20 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from stagereplay.design.factors import OWN_KERNELS, WHOLE, FactorError, Level
+from stagereplay.design.factors import WHOLE, FactorError, Level, factor_named
 from stagereplay.engines.base import Engine, ModelError, Runtime
 from stagereplay.engines.transformers_spec import RUN_ATTENTION
 from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.experiments.decode import Decoded, continue_from, decode_greedy, greedy_choice
+from stagereplay.experiments.level_job import Built, LevelJob, Prefix
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore, store_cache
 from stagereplay.ledger.tables import LedgerError
-
-
-@dataclass(frozen=True)
-class Prefix:
-    """One item's E1 prefix, as its reference row saved it."""
-
-    item_id: str
-    tokens: tuple[int, ...]  # the last one is pending
-    prompt_length: int
-    ended_by_eos: bool  # the stage ended the answer: nothing is continued, caches are still compared
-
-    @property
-    def context(self) -> list[int]:
-        return list(self.tokens[:-1])
-
-
-@dataclass(frozen=True)
-class Built:
-    state: KVState
-    note: str  # what this build did, in words (reused tokens, chunks, companions)
-    reused_tokens: int | None = None
-    reused_digest: str | None = None
-    companions: tuple[str, ...] = ()
-    companion_states: tuple[KVState, ...] = ()  # a batch's other rows, as the same batched prefill built them
-
-
-@dataclass
-class LevelJob:
-    """What a factor level's setting is made from: the job's engine and runtime, the continuation budget,
-    every item's prefix (a batch's companions come from any shard), a scratch store and the model record."""
-
-    engine: Engine
-    runtime: Runtime
-    budget: int
-    eos: frozenset[int]
-    prefixes: dict[str, Prefix]
-    scratch: ObjectStore
-    record: dict  # the model record, with "path": the model.json it was read from
-
 
 # factor name -> the setting that runs its test levels (each class says which factor it runs)
 SETTINGS: dict[str, type[Setting]] = {}
@@ -369,23 +331,26 @@ class HeldPrefix(PrefixReuse):
 
 @runs("batch")
 class Batch(Setting):
-    """The item in row 0 of a batch of B, with the next B-1 items (by id, wrapping round) as companions:
-    left-padded, with an attention mask and per-row positions. Built in one batched prefill; read by
-    decoding the batch step by step (each row its own greedy token) until the item's row ends."""
+    """The item in row 0 of a batch of B, with B-1 companions: the next B-1 items (by id, wrapping round),
+    left-padded, with an attention mask and per-row positions; or, at same-B, the item itself B-1 more times
+    (rows of one length: no padding). Built in one batched prefill; read by decoding the batch step by step
+    (each row its own greedy token) until the item's row ends."""
 
-    def __init__(self, engine, budget, eos, size: int, prefixes: dict[str, Prefix]):
+    def __init__(self, engine, budget, eos, size: int, prefixes: dict[str, Prefix], repeated: bool = False):
         super().__init__(engine, budget, eos)
-        self.size, self.prefixes = size, prefixes
+        self.size, self.prefixes, self.repeated = size, prefixes, repeated
         self.order = sorted(prefixes)
 
     @classmethod
     def for_level(cls, level, job):
-        return cls(job.engine, job.budget, job.eos, level.value, job.prefixes)
+        return cls(job.engine, job.budget, job.eos, level.value, job.prefixes, level.of.repeats_item(level.name))
 
     def active(self):
         return self.engine.batch_context(self.size)
 
     def companions(self, item_id: str) -> tuple[str, ...]:
+        if self.repeated:
+            return (item_id,) * (self.size - 1)
         start = self.order.index(item_id)
         return tuple(self.order[(start + offset) % len(self.order)] for offset in range(1, self.size))
 
@@ -395,7 +360,10 @@ class Batch(Setting):
         with self.active():
             batch, _ = self.engine.batch_forward(None, rows)
             states = [self.engine.batch_row(batch, row) for row in range(len(rows))]
-        note = f"batch of {self.size}" + (f" with {', '.join(companions)}" if companions else "")
+        if self.repeated:
+            note = f"batch of {self.size}: the item repeated, rows of one length (no padding)"
+        else:
+            note = f"batch of {self.size}" + (f" with {', '.join(companions)}" if companions else "")
         return Built(states[0], note, companions=companions, companion_states=tuple(states[1:]))
 
     def read(self, prefix, state, built):
@@ -421,16 +389,18 @@ class Batch(Setting):
 
 @runs("kernels")
 class Kernels(Setting):
-    """torch's CPU kernel level is fixed when torch starts (ATEN_CPU_CAPABILITY), so the test level runs in a
-    worker process of its own (``kernel_worker.run_kernel_worker``): it builds each item's cache and continues both that
-    cache and the reference one. The caches (and each continuation's first logits) cross between the processes
+    """torch's CPU kernels are fixed when it starts, so the test level runs in a worker process of its own
+    (``run_kernel_worker``), started with ATen's capability and oneDNN's and MKL's ISA pinned (``Kernels.environment``
+    in design.factors): it builds each item's cache and continues both that cache and the reference one. The caches (and each continuation's first logits) cross between the processes
     through a scratch object store, fingerprint-checked on reading; (t, r) is then continued here, at the reference level."""
 
     def __init__(self, engine, budget, eos, level: Level, scratch: ObjectStore, model_record, runtime: Runtime):
         super().__init__(engine, budget, eos)
         self.level, self.scratch, self.model_record, self.runtime = level, scratch, model_record, runtime
         # The control (own) runs the worker at the level torch picked in this process, set explicitly.
-        self.capability = engine.environment.cpu_capability.lower() if level.name == OWN_KERNELS else level.name
+        self.pins = factor_named("kernels").environment(level.name, engine.environment.cpu_capability)
+        self.capability = self.pins["ATEN_CPU_CAPABILITY"]
+        self.reported = ""  # the ISA each library in the worker reports, in words (every row of the level)
         self.results: dict[str, dict] = {}
         self.worker_fed = 0  # positions the worker fed for the builds and reads consumed so far
 
@@ -455,7 +425,7 @@ class Kernels(Setting):
         }
         folder = Path(self.scratch.root)
         (folder / "request.json").write_text(json.dumps(request))
-        environment = {**os.environ, "ATEN_CPU_CAPABILITY": self.capability}
+        environment = {**os.environ, **self.pins}
         done = subprocess.run(
             [sys.executable, "-m", "stagereplay", "kernel-worker", str(folder)],
             env=environment,
@@ -473,12 +443,14 @@ class Kernels(Setting):
                 " kernels — this torch build cannot run that level; remove it"
             )
         self.results = answer["items"]
+        pinned = ", ".join(f"{name}={value}" for name, value in self.pins.items())
+        self.reported = f"ATen {answer['cpu_capability']}, oneDNN {answer['onednn_isa']}, MKL {answer['mkl_instructions']} ({pinned})"
 
     def build(self, prefix):
         result = self.results[prefix.item_id]
         self.worker_fed += result["built_positions"]
         state = KVState.from_named_tensors(self.scratch.get(result["built"]))
-        return Built(state, f"built with torch's {self.capability} CPU kernels (ATEN_CPU_CAPABILITY)")
+        return Built(state, f"built in the kernels={self.level.name} worker: {self.reported}")
 
     def read(self, prefix, state, built):
         if prefix.ended_by_eos:

@@ -1,22 +1,47 @@
-"""The kernels factor's worker process: torch fixes its CPU kernels when it starts (ATEN_CPU_CAPABILITY), so
-the ``Kernels`` setting (``factor_settings``) starts ``stagereplay kernel-worker`` with the level set, and this
-side builds each item's cache at that level and continues it and the reference cache. Requests and answers
-cross as JSON files; caches and each continuation's first logits as a scratch object store, fingerprint-checked."""
+"""The kernels factor: torch fixes its CPU kernels when it starts (ATen's ATEN_CPU_CAPABILITY; oneDNN's and
+MKL's ISA, pinned at the same level: ``design.factors.KERNEL_PINS``), so the ``Kernels`` setting starts
+``stagereplay kernel-worker`` with the level set, and the worker builds each item's cache at that level and
+continues it and the reference cache. Requests and answers cross as JSON files; caches and each continuation's
+first logits as a scratch object store, fingerprint-checked. The worker reports the ISA each library runs."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from stagereplay.engines.base import Runtime
 from stagereplay.engines.registry import load_checkpoint
-from stagereplay.experiments.factor_settings import Prefix, Setting
+from stagereplay.experiments.factor_settings import Setting
+from stagereplay.experiments.level_job import Prefix
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore, store_cache
+
+
+@functools.cache  # oneDNN writes its header once per process
+def onednn_isa() -> str:
+    """The ISA oneDNN reports it runs (its verbose header, written to the process's stdout by C code, so
+    read through the file descriptor), after one oneDNN primitive (a reorder)."""
+    sys.stdout.flush()
+    with tempfile.TemporaryFile(mode="w+") as sink:
+        saved = os.dup(1)
+        os.dup2(sink.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                torch.ones(8, 8).to_mkldnn().to_dense()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        sink.seek(0)
+        lines = [line for line in sink.read().splitlines() if ",isa:" in line]
+    return lines[0].split(",isa:", 1)[1] if lines else "not reported"
 
 
 def run_kernel_worker(folder: str | Path) -> None:
@@ -55,5 +80,10 @@ def run_kernel_worker(folder: str | Path) -> None:
                 "positions": engine.fed_positions - start,
             }
         items[prefix.item_id] = {"built": digest, "built_positions": built_positions, "continued": continued}
-    answer = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "items": items}
+    answer = {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn_isa": onednn_isa(),
+        "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS", "unpinned"),  # MKL reports no ISA
+        "items": items,
+    }
     (folder / "answer.json").write_text(json.dumps(answer))

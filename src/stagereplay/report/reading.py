@@ -417,7 +417,18 @@ def e6_level_reading(level: dict) -> str:
         ((verdict, count),) = changed.items()
         return f"{text}; every item whose served suffix changes ({count}/{n}) {SIDE_WORDS[verdict]}{latent_text}."
     sides = ", ".join(f"{count} {verdict}" for verdict, count in changed.items())
-    return f"{text}; of the items whose served suffix changes: {sides}{latent_text}."
+    return f"{text}; of the items whose served suffix changes: {sides}{_write_vs_read(level)}{latent_text}."
+
+
+def _write_vs_read(level: dict) -> str:
+    """The exact test behind any comparison of the sides (summary's write_vs_read); without one, no comparison."""
+    test = level.get("write_vs_read")
+    if not test or test["p_value"] is None or not (test["write_only"] or test["read_only"]):
+        return ""
+    return (
+        f" (write only {test['write_only']} against read only {test['read_only']}: exact McNemar p ="
+        f" {test['p_value']:.2g})"
+    )
 
 
 def e6_pattern_reading(level: dict) -> str:

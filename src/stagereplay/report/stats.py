@@ -6,6 +6,7 @@ module only adds input validation and edge-case handling.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,6 +122,9 @@ def paired_counts(a: Sequence[bool] | np.ndarray, b: Sequence[bool] | np.ndarray
     )
 
 
+MCNEMAR = "exact McNemar (two-sided binomial test on the discordant pairs)"  # how a summary names it
+
+
 def mcnemar_exact(a: Sequence[bool] | np.ndarray, b: Sequence[bool] | np.ndarray) -> tuple[int, int, float]:
     """Exact (conditional) McNemar test of equal accuracy on paired items.
 
@@ -194,3 +198,11 @@ def share(count: int, n: int) -> dict:
         "wilson95": [low, high],
         "measured": n > 0,
     }
+
+
+def grouped(rows: list[dict], key) -> dict[str, list[dict]]:
+    """Rows grouped by ``key``, in key order."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[key(row)].append(row)
+    return dict(sorted(groups.items()))

@@ -15,11 +15,25 @@ from pathlib import Path
 import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
-from stagereplay.design.cells import CELL_LABELS, VERDICTS, cell_label, differing_cells, item_verdict, pattern_name
+from stagereplay.design.cells import (
+    CELL_LABELS,
+    FULL,
+    READ,
+    SERVED_VERDICTS,
+    VERDICTS,
+    WRITE,
+    cell_label,
+    differing_cells,
+    item_verdict,
+    pattern_name,
+)
 from stagereplay.design.factors import factor_named, is_control
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
+from stagereplay.report.e5_summary import e5_summary
 from stagereplay.report.margins import e1_flip_margins, e6_flip_margins, first_read_figures
 from stagereplay.report.stats import (
+    MCNEMAR,
+    grouped,
     mcnemar_exact,
     paired_difference_ci,
     paired_difference_newcombe,
@@ -27,10 +41,10 @@ from stagereplay.report.stats import (
     share,
 )
 
+WRITE_LABEL, READ_LABEL = cell_label(WRITE), cell_label(READ)
 BOOTSTRAP = {"confidence": 0.95, "n_resamples": 10000, "seed": 0}
 NEWCOMBE = "Newcombe hybrid score 95% (1998, method 10)"
 WALD = "Wald 95% for paired proportions"
-MCNEMAR = "exact McNemar (two-sided binomial test on the discordant pairs)"
 
 
 def _rows(comparisons: pa.Table, experiment: str, relation: str = "construction") -> list[dict]:
@@ -198,121 +212,6 @@ def environment(trajectories: pa.Table) -> list[dict]:
     return [dict(entry) for entry in sorted(unique)]
 
 
-def _is_all_layers(row: dict) -> bool:
-    """Every layer of the row's own model (checkpoints may differ in depth), K and V, every position."""
-    return row["kv"] == "kv" and row["last_positions"] is None and len(row["layers"]) == len(row["layer_k"])
-
-
-def _counted(rows: list[dict], outcome: str) -> dict:
-    return share(sum(row["outcome"] == outcome for row in rows), len(rows))
-
-
-def _follows_donor(rows: list[dict]) -> dict:
-    return _counted(rows, "follows_donor")
-
-
-def _items_following_both_ways(rows: list[dict]) -> dict:
-    """Divergent items whose continuation follows the donor in every direction it was transplanted (live into
-    prefill and back), x/N over items: an item's two directions are one observation, not two."""
-    by_item = _group(rows, lambda r: r["item_id"])
-    return share(
-        sum(all(row["outcome"] == "follows_donor" for row in group) for group in by_item.values()), len(by_item)
-    )
-
-
-def e5_summary(transplants: pa.Table, primary: str | None) -> dict:
-    """Follows-donor counts over divergent items: all layers per selection, the sweep, cross-precision."""
-    every = transplants.to_pylist()
-    rows = [row for row in every if row["divergent"]]
-    figures: dict = {"name": "transplant", "counted": "divergent items only (donor and recipient suffixes differ)"}
-    blind = sorted({row["checkpoint"] for row in every if row["selection"] == "outcome_blind"})
-    if blind:
-        figures["outcome_blind_checkpoint"] = (
-            f"the outcome-blind replication uses the primary checkpoint {primary!r} again (no second checkpoint is"
-            " configured): it repeats the test on a seeded sample, not on a later checkpoint"
-            if blind == [primary]
-            else f"outcome-blind replication on checkpoint {', '.join(map(repr, blind))}"
-        )
-    all_layers: dict[str, dict] = {}
-    for selection in ("selected", "outcome_blind"):
-        for checkpoint in sorted({row["checkpoint"] for row in rows if row["selection"] == selection}):
-            chosen = [
-                row
-                for row in rows
-                if row["selection"] == selection and row["checkpoint"] == checkpoint and _is_all_layers(row)
-            ]
-            all_layers[f"{selection}/{checkpoint}"] = (
-                {"items_follow_donor_both_ways": _items_following_both_ways(chosen)}
-                | {outcome: _counted(chosen, outcome) for outcome in ("follows_donor", "follows_recipient", "neither")}
-                | {
-                    "by_direction": {
-                        direction: _follows_donor(group)
-                        for direction, group in _group(chosen, lambda r: f"{r['donor']} -> {r['recipient']}").items()
-                    }
-                }
-            )
-    figures["all_layers"] = all_layers
-    sweep_rows = [row for row in rows if row["selection"] == "selected"]
-    sweep = []
-    for subset, group in _group(sweep_rows, lambda r: r["subset"]).items():
-        sweep.append(
-            {
-                "subset": subset,
-                "layers": len(group[0]["layers"]),
-                "kv": group[0]["kv"],
-                "positions": group[0]["last_positions"],
-                "follows_donor": _follows_donor(group),
-            }
-        )
-    figures["sweep"] = sweep
-    sufficient = [
-        entry
-        for entry in sweep
-        if entry["follows_donor"]["rate"] == 1.0 and entry["kv"] == "kv" and entry["positions"] is None
-    ]
-    figures["smallest_sufficient_layer_set"] = (
-        min(sufficient, key=lambda e: e["layers"])["subset"] if sufficient else None
-    )
-    figures["cross_precision"] = cross_precision_figures(
-        [row for row in every if row["selection"] == "cross_precision"]
-    )
-    return figures
-
-
-def cross_precision_figures(rows: list[dict]) -> dict:
-    """Two questions, kept apart because they have different causes.
-
-    ``follows_donor``: does a cast cache reproduce its donor's own suffix? The donor's suffix
-    was decoded at the donor's precision, so a "no" mixes the cache with the precision change.
-    ``divergence_survives_cast``: at the recipient's precision, do the continuations from the
-    cast live cache and from the cast prefill cache still differ? Both are decoded at the same
-    precision, so the answer is about the caches alone.
-    """
-    divergent = [row for row in rows if row["divergent"]]
-    survives: dict[str, dict] = {}
-    for precision, group in _group(rows, lambda r: r["precision"]).items():
-        by_item = _group(group, lambda r: r["item_id"])
-        pairs = [sorted(item_rows, key=lambda r: r["donor"]) for item_rows in by_item.values() if len(item_rows) == 2]
-        survives[precision] = {
-            "pair": " vs ".join(f"cast {row['donor']}" for row in pairs[0]) if pairs else None,
-            **share(sum(a["suffix_object"] != b["suffix_object"] for a, b in pairs), len(pairs)),
-        }
-    return {
-        "follows_donor": {
-            direction: _follows_donor(group)
-            for direction, group in _group(divergent, lambda r: f"{r['donor']} -> {r['recipient']}").items()
-        },
-        "divergence_survives_cast": survives,
-    }
-
-
-def _group(rows: list[dict], key) -> dict[str, list[dict]]:
-    grouped: dict[str, list[dict]] = defaultdict(list)
-    for row in rows:
-        grouped[key(row)].append(row)
-    return dict(sorted(grouped.items()))
-
-
 @dataclass(frozen=True)
 class ItemOutcome:
     """One item of one factor level: which cells' suffixes differ from the reference's, and its verdict."""
@@ -339,6 +238,20 @@ def item_outcomes(rows: list[dict]) -> dict[str, ItemOutcome]:
             raise ValueError(f"E6 {first['factor']} {first['level']}, item {item_id}: {error}") from None
         outcomes[item_id] = ItemOutcome(pattern_name(differing_cells(reference, *suffixes)), verdict)
     return outcomes
+
+
+def write_vs_read(outcomes: list[ItemOutcome]) -> dict:
+    """Write side against read side, over the items whose served suffix differs: each such item's write cell
+    (test-ref) and read cell (ref-test) differ or not, so the two are paired, and the exact McNemar test asks
+    whether write-only items (verdict write) and read-only ones (read) are equally likely. Items where both or
+    neither one-sided cell differs say nothing on that question. No p-value from no item."""
+    served = [outcome.pattern.split("+") for outcome in outcomes if outcome.verdict in SERVED_VERDICTS]
+    write_only, read_only, p_value = (
+        mcnemar_exact([WRITE_LABEL in cells for cells in served], [READ_LABEL in cells for cells in served])
+        if served
+        else (0, 0, None)
+    )
+    return {"items": len(served), "write_only": write_only, "read_only": read_only, "p_value": p_value, "test": MCNEMAR}
 
 
 def e6_level(rows: list[dict]) -> dict:
@@ -379,6 +292,7 @@ def e6_level(rows: list[dict]) -> dict:
             # Exactly these cells' suffixes differ from the reference's, the level's other cells' do not.
             "differing_cells": {pattern: share(patterns[pattern], n) for pattern in of.patterns},
             "verdicts": {name: share(verdicts[name], n) for name in VERDICTS},
+            "write_vs_read": write_vs_read(list(outcomes)) if of.cells == FULL else None,
             "flip_margins": e6_flip_margins(served),
             "first_read": first_read_figures(applicable, of.cells),
         }
@@ -391,7 +305,7 @@ def e6_level(rows: list[dict]) -> dict:
 
 def e6_summary(factors: pa.Table) -> dict:
     rows = factors.to_pylist()
-    levels = _group(rows, lambda r: f"{r['checkpoint']}/{r['precision']}/{r['factor']}/{r['level']}")
+    levels = grouped(rows, lambda r: f"{r['checkpoint']}/{r['precision']}/{r['factor']}/{r['level']}")
     first = rows[0] if rows else {}
     # Every test level's served flips, pooled (a control's would be the harness's own, and it has none).
     served = [
