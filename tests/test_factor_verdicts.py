@@ -27,7 +27,7 @@ from stagereplay.design.cells import (
 from stagereplay.ledger.tables import FACTOR_LOGIT_COLUMNS
 from stagereplay.report.figures import factor_blocks
 from stagereplay.report.plots import VERDICT_COLOURS
-from stagereplay.report.reading import e6_reading
+from stagereplay.report.reading import e6_level_reading, e6_reading
 from stagereplay.report.stats import share
 from stagereplay.report.summary import e6_level
 
@@ -109,8 +109,11 @@ def test_the_plot_stacks_every_verdict_in_order():
     assert set(VERDICTS) - set(SERVED_VERDICTS) == {"none", "latent"}
 
 
-def rows_of(factor: str, level: str, items: dict[str, tuple], unbuilt: tuple[str, ...] = ()) -> list[dict]:
-    """A factor table's rows for one level, by hand: per item, which cells differ (None: the factor lacks it)."""
+def rows_of(
+    factor: str, level: str, items: dict[str, tuple], unbuilt: tuple[str, ...] = (), converted: bool = False
+) -> list[dict]:
+    """A factor table's rows for one level, by hand: per item, which cells differ (None: the factor lacks it);
+    ``converted``: the one-sided cells read a cache converted to the other type (as cache_type's do)."""
     rows = []
     for item_id, differs in items.items():
         for label, cell_differs in zip(CELL_LABELS, differs):
@@ -132,7 +135,7 @@ def rows_of(factor: str, level: str, items: dict[str, tuple], unbuilt: tuple[str
                     "first_differing_layer": 1 if built and cell_differs else None,
                     "layer_max_abs": [0.5, 0.25] if built else [],
                     "reused_tokens": None,
-                    "converted_digest": None,
+                    "converted_digest": f"C-{label}-{item_id}" if converted and label != "test-test" else None,
                     "first_divergence": 0 if cell_differs else None,
                     **dict.fromkeys(FACTOR_LOGIT_COLUMNS),  # no logits recorded: their figures count nothing
                 }
@@ -197,6 +200,23 @@ def test_write_against_read_is_an_exact_test_over_served_divergences():
     nothing = e6_level(rows_of("batch", "4", {"a": (True, True, False)}))["write_vs_read"]
     assert nothing["items"] == 0 and nothing["p_value"] is None  # no p-value from no served divergence
     assert e6_level(rows_of("chunk", "5", {"a": (True, None, None)}))["write_vs_read"] is None  # one side only
+
+
+def test_cells_that_read_converted_caches_name_cells_not_sides():
+    # The same outcomes read as sides on a level whose cells read the caches as built, as cells on one whose
+    # one-sided cells read converted caches (cache_type), where no comparison of the sides is stated.
+    items = {"a": (True, False, True), "b": (True, False, True), "c": (True, True, True), "d": (False, True, True)}
+    plain = e6_level(rows_of("batch", "2", items))
+    converted = e6_level(rows_of("cache_type", "q8_0", items, converted=True))
+    assert (plain["converted_cells"], converted["converted_cells"]) == (False, True)
+    plain_text = e6_level_reading(plain)
+    converted_text = e6_level_reading(converted)
+    assert "2 write, 1 read, 1 both (write only 2 against read only 1: exact McNemar p = 1)" in plain_text
+    assert (
+        "2 write, 1 read, 1 both (by the cells that differ: each one-sided cell reads a converted cache"
+        in converted_text
+    )
+    assert "McNemar" not in converted_text
 
 
 def test_build_only_and_server_only_levels_have_two_patterns():

@@ -26,8 +26,8 @@ MIGRATE_SUMMARY = (
     "migrate it: rerun snakemake --forcerun summary report (it rewrites summary.json and the card from the tables)"
 )
 # What an E6 level that ran has had since its verdicts are served first (design.cells.item_verdict) and its
-# sides are compared by an exact test (write_vs_read).
-SERVED_FIRST_KEYS = ("served_cell", "differing_cells", "write_vs_read")
+# sides are compared by an exact test (write_vs_read), unless its cells read converted caches (converted_cells).
+SERVED_FIRST_KEYS = ("served_cell", "differing_cells", "write_vs_read", "converted_cells")
 
 
 def read_summary(root: Path, report: Report) -> dict | None:

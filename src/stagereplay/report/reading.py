@@ -413,6 +413,16 @@ def e6_level_reading(level: dict) -> str:
     changed = {verdict: verdicts[verdict]["count"] for verdict in SIDE_WORDS if verdicts[verdict]["count"]}
     if not changed:
         return f"{text}; no served suffix changes{latent_text}."
+    if level.get("converted_cells"):
+        # Each one-sided cell reads a cache converted to the other type (cache_type): test-ref the level's
+        # cache dequantized for the reference reader, ref-test the reference's quantized offline. Both
+        # cells then change something by construction, so the counts name cells, never a side.
+        cells = ", ".join(f"{count} {verdict}" for verdict, count in changed.items())
+        return (
+            f"{text}; of the items whose served suffix changes: {cells} (by the cells that differ: each"
+            f" one-sided cell reads a converted cache, so these do not say on which side the divergence"
+            f" enters){latent_text}."
+        )
     if len(changed) == 1:
         ((verdict, count),) = changed.items()
         return f"{text}; every item whose served suffix changes ({count}/{n}) {SIDE_WORDS[verdict]}{latent_text}."

@@ -292,6 +292,9 @@ def e6_level(rows: list[dict]) -> dict:
             # Exactly these cells' suffixes differ from the reference's, the level's other cells' do not.
             "differing_cells": {pattern: share(patterns[pattern], n) for pattern in of.patterns},
             "verdicts": {name: share(verdicts[name], n) for name in VERDICTS},
+            # cache_type: each one-sided cell reads a cache converted to the other type, so its verdicts name
+            # the cells that differ, not a side (and write_vs_read compares two conversions).
+            "converted_cells": any(row["converted_digest"] is not None for row in applicable),
             "write_vs_read": write_vs_read(list(outcomes)) if of.cells == FULL else None,
             "flip_margins": e6_flip_margins(served),
             "first_read": first_read_figures(applicable, of.cells),
