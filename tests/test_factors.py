@@ -304,6 +304,18 @@ def test_show_prints_the_items_cells(factor_run):
     assert "E6 factors (item arith-000)" in result.stdout
     for level in ran:
         assert f"  {level}: " in result.stdout
+    # Each level's first read and each divergent cell's margins, as the rows recorded them.
+    mine = [r for r in rows if r["applicable"] and r["item_id"] == "arith-000"]
+    for row in mine:
+        if row["cell"] == "ref-test" and row["first_logits_identical"] is not None:
+            first = "logits bit-identical" if row["first_logits_identical"] else "max |Δlogit| "
+            assert f"  {row['factor']} {row['level']}: " in result.stdout
+            assert any(
+                line.startswith(f"  {row['factor']} {row['level']}: ") and f"first read: {first}" in line
+                for line in result.stdout.splitlines()
+            )
+    margins = [r for r in mine if r["margin_at_divergence"] is not None]
+    assert all(f"cell {r['margin_at_divergence']:.3g})" in result.stdout for r in margins)
 
 
 def test_verify_recomputes_e6_from_the_tables(factor_run, tmp_path):

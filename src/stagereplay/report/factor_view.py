@@ -1,5 +1,6 @@
-"""E6 per item: each item's cells for each factor level, which of them differ, their verdict, and where each
-cell's suffix parts from the reference's.
+"""E6 per item: each item's cells for each factor level, which of them differ, their verdict, the first read
+of the reference cache under the level, and where each cell's suffix parts from the reference's, with the
+top-1 minus top-2 margins there.
 
 Read from the ledger tables (the factor rows, the E2 prefill rows they start from) and the checkpoint's
 vocabulary table; the pattern and the verdict are summary.item_outcomes', so the per-item view and the counts
@@ -23,11 +24,12 @@ COLUMNS = [
     "Cells that differ",
     "Verdict",
     "Built cache",
+    "First read",
     "test-ref (write)",
     "ref-test (read)",
     "test-test",
 ]
-CELL_COLUMNS = 5  # the columns from here on are the cells, in CELL_LABELS' order
+CELL_COLUMNS = 6  # the columns from here on are the cells, in CELL_LABELS' order
 
 
 def part_text(tokens: list[int], reference: list[int], vocabulary: dict[int, str]) -> str:
@@ -40,6 +42,24 @@ def part_text(tokens: list[int], reference: list[int], vocabulary: dict[int, str
         return f"'{visible(spell(vocabulary, [token_ids[step]])[0])}'" if step < len(token_ids) else "(ended)"
 
     return f"parts at step {step}: {token_at(reference)} → {token_at(tokens)}"
+
+
+def margin_text(row: dict) -> str:
+    """The top-1 minus top-2 logit margins at a cell's first divergent step (none recorded: nothing)."""
+    if row["reference_margin_at_divergence"] is None or row["margin_at_divergence"] is None:
+        return ""
+    return f" (margin: reference {row['reference_margin_at_divergence']:.3g}, cell {row['margin_at_divergence']:.3g})"
+
+
+def first_read_text(read: dict | None) -> str:
+    """ref-test's first logits (the reference cache read under the level) against the reference's."""
+    if read is None or read["first_logits_identical"] is None:
+        return "—"
+    if read["first_logits_identical"]:
+        return "logits bit-identical"
+    argmax = "argmax the same" if read["first_argmax_same"] else "argmax differs"
+    converted = "; cache converted for the read" if read["converted_digest"] is not None else ""
+    return f"max |Δlogit| {read['first_logits_max_abs']:.3g}, {argmax}{converted}"
 
 
 def factor_item_rows(
@@ -70,11 +90,14 @@ def factor_item_rows(
             if built["reused_tokens"] is not None:
                 cache += f"; {built['reused_tokens']} positions reused"
             parts = [
-                part_text(list(cells[cell]["suffix_tokens"]), reference, vocabulary) if cell in cells else "—"
+                part_text(list(cells[cell]["suffix_tokens"]), reference, vocabulary) + margin_text(cells[cell])
+                if cell in cells
+                else "—"
                 for cell in CELL_LABELS
             ]
             outcome = outcomes[item_id]
-            rows.append([item_id, f"{factor} {level}", outcome.pattern, outcome.verdict, cache, *parts])
+            first = first_read_text(cells.get("ref-test"))
+            rows.append([item_id, f"{factor} {level}", outcome.pattern, outcome.verdict, cache, first, *parts])
     return rows
 
 
@@ -106,10 +129,10 @@ def ledger_factor_text(root: str | Path, item_id: str) -> str | None:
     vocabularies = read_vocabularies({name: ledger.vocab(name) for name in checkpoints})
     rows = factor_item_rows(factors, read_table(ledger.table("trajectories"), TRAJECTORY_SCHEMA), vocabularies)
     lines = [
-        f"E6 factors (item {item_id}): verdict; the cells whose suffix differs; built cache; each cell's suffix"
-        " against the reference"
+        f"E6 factors (item {item_id}): verdict; the cells whose suffix differs; built cache; first read; each"
+        " cell's suffix against the reference, with the margins where it parts"
     ]
-    for _, level, pattern, verdict, cache, *cells in rows:
-        lines.append(f"  {level}: {verdict}; cells that differ: {pattern}; built cache: {cache}")
+    for _, level, pattern, verdict, cache, first, *cells in rows:
+        lines.append(f"  {level}: {verdict}; cells that differ: {pattern}; built cache: {cache}; first read: {first}")
         lines += [f"    {cell}: {text}" for cell, text in zip(COLUMNS[CELL_COLUMNS:], cells) if text != "—"]
     return "\n".join(lines)
