@@ -44,6 +44,17 @@ same = found.get("llama_cpp_python") == version and found.get("cmake_flags") == 
 sys.exit(0 if same and os.access(binary, os.X_OK) else 1)
 EOF
 
+# A built server is kept outside the checkout, keyed by what decides its bytes (binding version, flags, CPU
+# features), so a fresh clone (CI) installs it in a second instead of compiling for ten minutes.
+key=$(printf '%s\n' "$version" "${flags[*]}" "$features" | sha256sum | cut -c1-16)
+cache="${LLAMA_SERVER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/stagereplay/llama-server}/$version-$key"
+if [ -x "$cache/llama-server" ] && [ -f "$cache/llama-server.json" ]; then
+  install -m 755 "$cache/llama-server" "$binary.tmp" && mv "$binary.tmp" "$binary"
+  cp "$cache/llama-server.json" "$record.tmp" && mv "$record.tmp" "$record"
+  echo "llama-server for llama-cpp-python $version installed from the build cache: $cache"
+  exit 0
+fi
+
 start=$(date +%s)
 mkdir -p "$work"
 "$python" -m pip download --quiet --disable-pip-version-check --no-binary :all: --no-deps \
@@ -86,4 +97,7 @@ with open(record + ".tmp", "w") as handle:
     handle.write("\n")
 os.replace(record + ".tmp", record)
 EOF
+mkdir -p "$cache"
+install -m 755 "$binary" "$cache/llama-server.tmp" && mv "$cache/llama-server.tmp" "$cache/llama-server"
+cp "$record" "$cache/llama-server.json.tmp" && mv "$cache/llama-server.json.tmp" "$cache/llama-server.json"
 echo "llama-server built for llama-cpp-python $version ($commit) in $(($(date +%s) - start)) s: $binary"
