@@ -41,6 +41,21 @@ def rows_by_key(ledger: Path, table: str, key: tuple[str, ...]) -> dict[tuple, d
     return {tuple(row[name] for name in key): row for row in pq.read_table(path).to_pylist()}
 
 
+def margin_drift(a: dict[tuple, dict], b: dict[tuple, dict], keys: list[tuple]) -> float | None:
+    """The largest difference of two engines' per-token margins (and readout margins) where both chose the same
+    tokens: the server's are log-probability differences, the binding's float32 logit differences."""
+    largest = None
+    for key in keys:
+        if "suffix_margins" not in a[key] or a[key]["suffix_tokens"] != b[key]["suffix_tokens"]:
+            continue
+        pairs = list(zip(a[key]["suffix_margins"], b[key]["suffix_margins"]))
+        if a[key]["readout_answer"] == b[key]["readout_answer"]:
+            pairs.append((a[key]["readout_margin"], b[key]["readout_margin"]))
+        for x, y in pairs:
+            largest = max(largest or 0.0, abs(x - y))
+    return largest
+
+
 def compare(a: dict[tuple, dict], b: dict[tuple, dict], fields: dict[str, str], group: int) -> tuple[list[str], bool]:
     """Lines per group (the key's ``group``-th part: the construction or the selection) and whether all agree."""
     lines, agree = [], True
@@ -60,6 +75,9 @@ def compare(a: dict[tuple, dict], b: dict[tuple, dict], fields: dict[str, str], 
             marks = " ".join(f"{label} {'=' if equal else 'DIFF'}" for label, equal in same.items())
             lines.append(f"    {' '.join(str(part) for part in key)}: {marks}")
         summary = ", ".join(f"{label} {totals[label]}/{len(keys)}" for label in fields)
+        drift = margin_drift(a, b, keys)
+        if drift is not None:
+            summary += f"; largest |margin difference| where the tokens agree {drift:.3g}"
         lines.insert(len(lines) - len(keys), f"  {name}: {summary}")
         agree &= all(count == len(keys) for count in totals.values())
     return lines, agree
