@@ -185,3 +185,16 @@ def test_the_spec_takes_the_bindings_precisions_and_refuses_every_factor():
     with pytest.raises(FactorError, match=r"^factors.threads: not supported on the llamaserver engine") as error:
         check_levels({"threads": [2]}, "llamaserver", 8, 20)
     assert "\n" not in str(error.value)
+
+
+def test_a_stage_marker_stops_both_engines_at_the_same_token(engines):
+    server, binding = engines
+    plain = build_live(binding, PROMPT, StageBoundary(10), binding.eos_ids, binding.tokenizer)
+    # The marker is the sixth generated token's text: the stage must end there, decoded step-wise on the server.
+    marker = binding.tokenizer.decode([plain.reasoning.tokens[5]], skip_special_tokens=False)
+    boundary = StageBoundary(10, marker=marker)
+    lives = [build_live(engine, PROMPT, boundary, engine.eos_ids, engine.tokenizer) for engine in (server, binding)]
+    assert lives[0].prefix == lives[1].prefix and lives[0].reasoning.stop == lives[1].reasoning.stop == "marker"
+    assert lives[0].marker_match == lives[1].marker_match
+    assert _same(lives[0].state, lives[1].state)
+    assert max(abs(a - b) for a, b in zip(lives[0].reasoning.margins, lives[1].reasoning.margins)) <= MARGIN_TOLERANCE
