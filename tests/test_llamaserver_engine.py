@@ -149,6 +149,7 @@ def test_the_jobs_server_is_gone_after_the_job(engines, tiny_gguf):
     assert not _alive(pid) and not slots.exists()
 
 
+@pytest.mark.slow
 def test_a_tiny_workflow_runs_on_the_server(built, tmp_path):
     ledger = tmp_path / "ledger"
     config = write_config(
