@@ -199,3 +199,28 @@ def test_a_stage_marker_stops_both_engines_at_the_same_token(engines):
     assert lives[0].marker_match == lives[1].marker_match
     assert _same(lives[0].state, lives[1].state)
     assert max(abs(a - b) for a, b in zip(lives[0].reasoning.margins, lives[1].reasoning.margins)) <= MARGIN_TOLERANCE
+
+
+@pytest.mark.parametrize(("precision", "flash_attn"), [("q8_0-fp16", False), ("q8_0", True)])
+def test_a_quantized_cache_is_the_bindings_blocks_with_the_rotation_from_the_server_log(
+    built, tmp_path, precision, flash_attn
+):
+    from stagereplay.engines.llamaserver_engine import load_llamaserver
+
+    # Heads of 64 values (hidden 256, 4 heads): whole q8_0 blocks, and llama.cpp rotates them.
+    folder = build_random_qwen2(tmp_path / "model", seed=3, layers=2, hidden=256)
+    wide = write_qwen2_gguf(folder, tmp_path / "wide.gguf")
+    runtime = Runtime(precision, "cpu", 1, flash_attn=flash_attn)
+    server, binding = load_llamaserver(wide, runtime), load_llamacpp(wide, runtime)
+    try:
+        assert server.formats == binding.formats and "h64" in server.formats[0]
+        lives = [
+            build_live(engine, PROMPT, StageBoundary(8), engine.eos_ids, engine.tokenizer)
+            for engine in (server, binding)
+        ]
+        assert lives[0].prefix == lives[1].prefix and _same(lives[0].state, lives[1].state)
+        suffixes = [continue_from(e, lives[1].state, lives[1].prefix[-1], 8, e.eos_ids) for e in (server, binding)]
+        assert suffixes[0].tokens == suffixes[1].tokens
+    finally:
+        server.close()
+        binding.close()

@@ -119,7 +119,7 @@ class LlamaServerEngine(Engine):
             f"{server_build().describe()}; server: -c {s.ctx_size} -b {s.batch} -ub {s.ubatch} -np {s.parallel}"
             f" {'--kv-unified' if s.kv_unified else '--no-kv-unified'} -fa {'on' if s.flash_attn else 'off'}"
             f" cache={s.cache_type} -t {s.threads} -tb {s.threads_batch or s.threads}"
-            f" {'--repack' if s.repack else '--no-repack'} --cache-ram {s.cache_ram_mib} {' '.join(EXTRA_OPTIONS)}"
+            f" {'--repack' if s.repack else '--no-repack'} --cache-ram {s.cache_ram_mib} {' '.join(s.extra)}"
             f" --no-warmup; K stored as {k_format or 'values'}, V as {v_format or 'values'}; weights as in the GGUF;"
             " logits read as log-probabilities (n_probs: logits less a constant per position)"
         )
@@ -362,7 +362,9 @@ def load_llamaserver(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
         kv_unified=False,
         repack=False,
         cache_ram_mib=0,
-        extra=EXTRA_OPTIONS,
+        # llama.cpp's own log lines (the cache's rotation among them) reach the server's log only at verbosity 4:
+        # a quantized cache's stored format depends on it (``chosen_rotation``).
+        extra=EXTRA_OPTIONS + (("--log-verbosity", "4") if cache_types(runtime.precision).quantized else ()),
     )
     engine = LlamaServerEngine(gguf, settings)
     engine.environment = environment_of(engine, runtime)
