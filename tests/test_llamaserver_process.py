@@ -21,16 +21,14 @@ import pytest
 from workflow_helpers import skip_unless_required
 
 from stagereplay.engines.llamacpp_state import LlamaStateError
-from stagereplay.engines.llamaserver_process import (
+from stagereplay.engines.llamaserver_build import (
     LlamaServerError,
-    ServerProcess,
-    ServerSettings,
-    gguf_geometry,
     installed_binding_version,
-    read_slot_file,
     server_binary,
     server_build,
 )
+from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
+from stagereplay.engines.llamaserver_slots import gguf_geometry, read_slot_file
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 

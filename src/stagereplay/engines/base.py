@@ -3,14 +3,16 @@
 An engine runs one checkpoint at one runtime (precision, device, threads, kernels). The experiments
 only ever ask it to load a checkpoint at a runtime, start an empty cache, feed tokens into a cache (getting the last position's
 float32 logits back), export the cache as a ``KVState`` and import one, and read its tokenizer,
-its end-of-generation ids, its layer count and its environment record. Two engines implement it:
-transformers (``transformers_engine``) and llama.cpp (``llamacpp_engine``); ``registry`` picks one
+its end-of-generation ids, its layer count and its environment record. Three engines implement it:
+transformers (``transformers_engine``), llama.cpp's binding (``llamacpp_engine``) and llama.cpp's own
+HTTP server (``llamaserver_engine``); ``registry`` picks one
 from a model record. Nothing outside this package asks which engine it holds.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -97,6 +99,27 @@ class Engine(ABC):
     @abstractmethod
     def to_cache(self, state: KVState) -> object:
         """A fresh cache holding a copy of ``state`` (decoding from it leaves ``state`` intact)."""
+
+    def feed(self, tokens: list[int], cache: object) -> None:
+        """``forward`` without its logits, for a construction that only builds a cache. An engine whose logits
+        cost a transfer (a server sends a whole row as text) skips it; the others just forward."""
+        self.forward(tokens, cache)
+
+    def generate(
+        self,
+        cache: object,
+        tokens: list[int],
+        max_new_tokens: int,
+        eos_ids: Collection[int],
+        *,
+        stop_after: Callable[[list[int]], bool] | None = None,
+    ) -> tuple[list[int], list[float], str] | None:
+        """Feed ``tokens`` and decode greedily in the engine's own loop, as ``decode.decode_greedy`` does after a
+        forward (same stops, the last token never fed): the generated ids, each one's top-1 minus top-2 logit
+        margin, and "eos", "budget" or "stopped" (``stop_after`` said so). None, the default: the engine has no
+        loop of its own and the caller feeds one token per ``forward``. A server has one: a token per
+        ``forward`` would be a request per token, each sending back a whole vocabulary of logits."""
+        return None
 
     def placed(self, state: KVState) -> KVState:
         """``state`` on this engine's device (as it is when it is there already: same tensors, same bytes)."""

@@ -13,6 +13,7 @@ from stagereplay.engines.cache_types import (
     check_cache_precision,
     rotation_size,
 )
+from stagereplay.engines.llamaserver_spec import DECLARED as LLAMASERVER_DECLARED
 from stagereplay.engines.spec import SHARED_ENVIRONMENT, EngineSpec, SpecError
 from stagereplay.ledger.block_format import BlockFormat
 
@@ -88,4 +89,14 @@ LLAMACPP = LlamaCppSpec(
     keeps_sequences=True,
     precision_note="its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped (not"
     " converted), so its fp16/fp32 rows are not a transformers fp16/fp32 run",
+)
+
+# llama.cpp's own server on the same GGUFs and cache types (its declarations: llamaserver_spec).
+LLAMASERVER = LlamaCppSpec(
+    precisions=LLAMACPP.precisions,
+    precision_pattern=LLAMACPP.precision_pattern,
+    precision_kind=LLAMACPP.precision_kind,
+    checkpoint_sources=LLAMACPP.checkpoint_sources,
+    environment_fields=LLAMACPP.environment_fields,
+    **LLAMASERVER_DECLARED,
 )

@@ -1,22 +1,17 @@
 """llama.cpp's own HTTP server (``llama-server``) as a child process that never outlives its job.
 
-The server binary is built from the llama.cpp tree vendored in the pinned llama-cpp-python sdist
-(``envs/build_llama_server.sh``, run by ``SPEC=envs/llamaserver.txt bash envs/setup.sh``), so its slot
-files hold the same sequence state format as the one ``llamacpp_state`` parses. The build writes a record
-beside the binary (``llama-server.json``: the binding version, the vendored commit, the CMake flags and
-the CPU features); ``server_binary`` refuses a binary that is missing or was built for another version,
-and ``server_build`` gives the record every row of a server run names.
+``ServerProcess`` starts the server (the binary ``llamaserver_build`` checks) for one GGUF on 127.0.0.1 and
+a free port, waits for ``/health``, and stops it on leaving its ``with`` block, on an error too. The child
+cannot be orphaned: a SIGTERM or SIGHUP to this process stops every live server before this process exits,
+an exit stops them (atexit), and on Linux the kernel kills the server when the thread that started it dies
+(PR_SET_PDEATHSIG), so a SIGKILL of this process takes the server with it. Every failure is one line
+(``LlamaServerError``, a ``ModelError``): a server that does not start (its log's first error and last
+line), a port in use, a request that errors or times out (the endpoint and the server's message), a server
+that died (its exit status). A slot is saved under a partial name and renamed, so no half-written slot file
+is left. The server's environment has every ``LLAMA_ARG_*`` variable removed: each would fill an option
+left off the command line, so only ``ServerSettings`` decides how the server runs.
 
-``ServerProcess`` starts the server for one GGUF on 127.0.0.1 and a free port, waits for ``/health``,
-and stops it on leaving its ``with`` block, on an error too. The child cannot be orphaned: a SIGTERM or
-SIGHUP to this process stops every live server before this process exits, an exit stops them (atexit),
-and on Linux the kernel kills the server when the thread that started it dies (PR_SET_PDEATHSIG), so a
-SIGKILL of this process takes the server with it. Every failure is one line (``LlamaServerError``, a
-``ModelError``): a server that does not start (its log's first error and last line), a port in use, a
-request that errors or times out (the endpoint and the server's message), a server that died (its exit
-status). A slot is saved under a partial name and renamed, so no half-written slot file is left.
-
-No torch here: the slot-file reader imports the state parser only when it is called.
+No torch here.
 """
 
 from __future__ import annotations
@@ -29,97 +24,18 @@ import os
 import re
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from stagereplay.engines.cache_types import CACHE_TYPES, CacheTypeError, cache_types
-from stagereplay.engines.spec import ModelError
+from stagereplay.engines.llamaserver_build import LlamaServerError, server_binary
 
-if TYPE_CHECKING:
-    from stagereplay.engines.llamacpp_state import Geometry, SeqState
-
-BINARY = "llama-server"
-SETUP = "SPEC=envs/llamaserver.txt bash envs/setup.sh"
 HOST = "127.0.0.1"
-
-
-class LlamaServerError(ModelError):
-    """One line: what the server (or its binary) did wrong, and the fix where there is one."""
-
-
-# The binary and its build record.
-
-
-def binary_path() -> Path:
-    """Where the set-up installs the server: beside this environment's Python."""
-    return Path(sys.prefix) / "bin" / BINARY
-
-
-@dataclass(frozen=True)
-class ServerBuild:
-    """The build record ``envs/build_llama_server.sh`` wrote beside the binary."""
-
-    llama_cpp_python: str  # the binding whose vendored llama.cpp tree was built
-    llama_cpp_commit: str  # that tree's commit, as the sdist's changelog names it ("unknown" if it does not)
-    cmake_flags: tuple[str, ...]
-    march_native: str  # what the compiler's -march=native resolved to on the build machine
-    cpu_features: tuple[str, ...]  # the instruction sets the kernels were compiled for
-    version_output: str  # what ``llama-server --version`` printed
-
-    def describe(self) -> str:
-        """The build in one line, for a row's environment."""
-        return (
-            f"llama-server of llama-cpp-python {self.llama_cpp_python} (llama.cpp {self.llama_cpp_commit});"
-            f" {' '.join(self.cmake_flags)}; -march=native={self.march_native}; {' '.join(self.cpu_features)}"
-        )
-
-
-def server_build(binary: Path | None = None) -> ServerBuild:
-    """The build record of ``binary`` (the installed server by default); one line if it has none."""
-    binary = binary or binary_path()
-    record = binary.with_name(binary.name + ".json")
-    try:
-        data = json.loads(record.read_text())
-        return ServerBuild(
-            llama_cpp_python=str(data["llama_cpp_python"]),
-            llama_cpp_commit=str(data["llama_cpp_commit"]),
-            cmake_flags=tuple(data["cmake_flags"]),
-            march_native=str(data["march_native"]),
-            cpu_features=tuple(data["cpu_features"]),
-            version_output=str(data["version_output"]),
-        )
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        problem = "has no build record" if isinstance(error, OSError) else f"has an unreadable build record ({error!r})"
-        raise LlamaServerError(f"{binary} {problem} ({record}) — run {SETUP}") from None
-
-
-def installed_binding_version() -> str | None:
-    try:
-        return metadata.version("llama-cpp-python")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def server_binary(binary: Path | None = None) -> Path:
-    """The installed server (or ``binary``), checked: present, executable, built from the installed binding's tree."""
-    binary = Path(binary) if binary is not None else binary_path()
-    if not (binary.is_file() and os.access(binary, os.X_OK)):
-        raise LlamaServerError(f"llama-server is not built ({binary} is missing) — run {SETUP}")
-    built_for = server_build(binary).llama_cpp_python
-    installed = installed_binding_version()
-    if built_for != installed:
-        raise LlamaServerError(
-            f"llama-server at {binary} was built from llama-cpp-python {built_for}, the installed one is {installed or 'none'} — run {SETUP}"
-        )
-    return binary
 
 
 # The settings a server starts with.
@@ -237,6 +153,16 @@ def _death_signal_setter():
 # The process.
 
 
+def server_environment() -> dict[str, str]:
+    """This process's environment less what changes the server's numerics unasked: every ``LLAMA_ARG_*`` (an
+    option's default) and ``LLAMA_ATTN_ROT_DISABLE`` (read when the cache is made)."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("LLAMA_ARG_") and key != "LLAMA_ATTN_ROT_DISABLE"
+    }
+
+
 def free_port() -> int:
     """A port nothing listens on now; another process may take it before the server does (then it says so)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -349,6 +275,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env=server_environment(),
                 preexec_fn=_death_signal_setter(),
             )
         self.port = port
@@ -471,6 +398,10 @@ class ServerProcess:
             return f"{lines[-1]} (log {self.log_path})"
         return f"{first} … {lines[-1]} (log {self.log_path})"
 
+    def log_text(self) -> str:
+        """What this start of the server logged so far (its context settings, the cache's types and rotation)."""
+        return self._log_tail(1 << 22)
+
     # Conveniences for the server's endpoints.
 
     def props(self) -> dict:
@@ -535,68 +466,3 @@ def _error_message(answer: dict) -> str:
     if isinstance(error, dict):
         return str(error.get("message", error))
     return str(error or answer)[:300]
-
-
-# Slot files.
-
-SLOT_FILE_MAGIC = 0x67677371  # "ggsq": llama_state_seq_save_file's header
-SLOT_FILE_VERSION = 3
-TOKENS_STATE_VERSION = 1  # the server's packed token list (server_tokens::serialize)
-
-
-def read_slot_file(path: str | Path, geometry: Geometry, slot: int = 0, rotation=(0, 0)) -> tuple[list[int], SeqState]:
-    """The tokens and the parsed cache of a slot file the server saved (``/slots/N?action=save``).
-
-    The file is llama_state_seq_save_file's: "ggsq", version 3, a count of 32-bit words and the words (the
-    server's packed tokens: -1, version 1, the token count and ids, a count of media chunks), then the
-    sequence state without its in-memory header; that header (magic and the slot's sequence id) is put
-    back and the state goes through the project's parser, whose one-line error a damaged file gets.
-    """
-    from stagereplay.engines.llamacpp_state import MAGIC, LlamaStateError, parse_seq_state
-
-    data = Path(path).read_bytes()
-
-    def refuse(problem: str) -> LlamaStateError:
-        return LlamaStateError(f"llama-server slot file {path}: {problem} — save the slot again with this llama-server")
-
-    if len(data) < 12:
-        raise refuse(f"ends at byte {len(data)} inside its header")
-    magic, version, words = struct.unpack_from("<III", data)
-    if magic != SLOT_FILE_MAGIC or version != SLOT_FILE_VERSION:
-        raise refuse(f"header {magic:#010x} version {version}, not {SLOT_FILE_MAGIC:#010x} version {SLOT_FILE_VERSION}")
-    end = 12 + 4 * words
-    if len(data) < end:
-        raise refuse(f"ends at byte {len(data)} inside its {words} token words")
-    packed = list(struct.unpack_from(f"<{words}i", data, 12))
-    if packed and packed[0] == -1:
-        if len(packed) < 3 or packed[1] != TOKENS_STATE_VERSION or len(packed) < 3 + packed[2] + 1:
-            raise refuse(f"its packed tokens are not version {TOKENS_STATE_VERSION} of the server's token list")
-        tokens = packed[3 : 3 + packed[2]]
-        if packed[3 + packed[2]] != 0:
-            raise refuse("it holds media chunks, which stagereplay does not read")
-    else:
-        tokens = packed  # a plain token list, as older servers wrote
-    state = parse_seq_state(struct.pack("<Ii", MAGIC, slot) + data[end:], geometry, rotation)
-    return tokens, state
-
-
-def gguf_geometry(path: str | Path) -> Geometry:
-    """What a GGUF's metadata says its sequence states hold, for ``read_slot_file`` (no llama.cpp needed)."""
-    from gguf import GGUFReader
-
-    from stagereplay.engines.llamacpp_state import Geometry
-
-    fields = GGUFReader(path).fields
-
-    def value(key: str):
-        return fields[key].contents() if key in fields else None
-
-    arch = value("general.architecture")
-    heads = int(value(f"{arch}.attention.head_count"))
-    width = int(value(f"{arch}.embedding_length"))
-    return Geometry(
-        n_layer=int(value(f"{arch}.block_count")),
-        n_head_kv=int(value(f"{arch}.attention.head_count_kv") or heads),
-        head_dim_k=int(value(f"{arch}.attention.key_length") or width // heads),
-        head_dim_v=int(value(f"{arch}.attention.value_length") or width // heads),
-    )

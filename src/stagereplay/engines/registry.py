@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 
-from stagereplay.engines.llamacpp_spec import LLAMACPP
+from stagereplay.engines.llamacpp_spec import LLAMACPP, LLAMASERVER
 from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
 from stagereplay.engines.transformers_spec import TRANSFORMERS
 
-SPECS: dict[str, EngineSpec] = {spec.name: spec for spec in (TRANSFORMERS, LLAMACPP)}
+SPECS: dict[str, EngineSpec] = {spec.name: spec for spec in (TRANSFORMERS, LLAMACPP, LLAMASERVER)}
 DEFAULT_ENGINE = TRANSFORMERS.name
 ENGINES = tuple(SPECS)
 # Every precision some engine takes, as one regular expression (the workflow's precision wildcard).

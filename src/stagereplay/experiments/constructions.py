@@ -23,7 +23,7 @@ import torch
 
 from stagereplay.design.names import ConstructionError, parse_construction
 from stagereplay.engines.base import Engine
-from stagereplay.experiments.decode import Decoded, decode_greedy
+from stagereplay.experiments.decode import Decoded, generate_greedy
 from stagereplay.ledger.kvstate import KVState
 
 
@@ -89,12 +89,10 @@ def build_live(
 ) -> LiveRun:
     """Generate from the prompt to the stage boundary, keeping the live cache."""
     cache = engine.empty_cache()
-    with torch.inference_mode():
-        logits = engine.forward(prompt, cache)
     matcher = MarkerMatcher.for_tokenizer(boundary.marker, tokenizer) if boundary.marker else None
     stop_at_marker = (lambda tokens: matcher.match(tokens) is not None) if matcher else None
-    reasoning = decode_greedy(
-        engine, cache, logits, boundary.max_new_tokens, eos_ids, stop_after=stop_at_marker, on_token=on_token
+    reasoning = generate_greedy(
+        engine, cache, prompt, boundary.max_new_tokens, eos_ids, stop_after=stop_at_marker, on_token=on_token
     )
     # Asked again rather than remembered from the loop: match is a pure function of the tokens.
     marker_match = matcher.match(list(reasoning.tokens)) if reasoning.stop == "marker" else None
@@ -125,5 +123,5 @@ def build_boundary_state(engine: Engine, prefix: list[int], construction: str, p
     cache = engine.empty_cache()
     with torch.inference_mode():
         for piece in pieces:
-            engine.forward(piece, cache)
+            engine.feed(piece, cache)
     return engine.snapshot(cache)

@@ -110,6 +110,41 @@ def decode_greedy(
             logits = feed(token)
 
 
+def generate_greedy(
+    engine: Engine,
+    cache,
+    tokens: list[int],
+    max_new_tokens: int,
+    eos_ids: Collection[int],
+    *,
+    stop_after: Callable[[list[int]], bool] | None = None,
+    stop_reason: str = "marker",
+    on_token: Callable[[], None] | None = None,
+) -> Decoded:
+    """Feed ``tokens`` into ``cache``, then ``decode_greedy``: in one call of the engine's own loop where it has
+    one (``Engine.generate``: a server's single request; no first logits nor top-1 logits come back then),
+    else a forward and a forward per token."""
+    generated = engine.generate(cache, tokens, max_new_tokens, eos_ids, stop_after=stop_after)
+    if generated is None:
+        with torch.inference_mode():
+            logits = engine.forward(tokens, cache)
+        return decode_greedy(
+            engine,
+            cache,
+            logits,
+            max_new_tokens,
+            eos_ids,
+            stop_after=stop_after,
+            stop_reason=stop_reason,
+            on_token=on_token,
+        )
+    chosen, margins, stop = generated
+    for _ in chosen:
+        if on_token is not None:
+            on_token()
+    return Decoded(tuple(chosen), tuple(margins), stop_reason if stop == "stopped" else stop)
+
+
 def read_out(engine: Engine, cache, pending: int, cue: ReadoutCue) -> Readout:
     """Feed the unfed last token and the cue in one forward; the choice letter with the highest logit.
 
@@ -143,12 +178,10 @@ def continue_from(
     """The suffix: feed the pending token on a copy of the boundary cache, then decode greedily;
     with ``readout``, read the forced choice from the state the suffix ends in."""
     cache = engine.to_cache(state)
-    with torch.inference_mode():
-        logits = engine.forward([pending], cache)
-    decoded = decode_greedy(
+    decoded = generate_greedy(
         engine,
         cache,
-        logits,
+        [pending],
         max_new_tokens,
         eos_ids,
         stop_after=stop_after,

@@ -1,0 +1,107 @@
+"""Do two engines agree on the same design, item by item? For the llama-server ledger beside the binding's.
+
+Both ledgers must come from the same design on the same GGUF (config/llamaserver.yaml and config/llamacpp.yaml
+differ in the engine and the names only). Rows are matched by (precision, construction, replica, item), across
+the checkpoint names; for each construction it prints, item by item and as totals, whether the two agree on:
+
+- cache bytes: the boundary cache's fingerprint (``cache_object``, xxh3-128 of every layer's K and V);
+- prefix tokens: the prompt and stage tokens (``prefix_object``);
+- suffix tokens: the continuation (``suffix_object``), and the readout's answer;
+
+then the same for E5's transplants (matched by selection, item, donor, recipient, precision and subset: the
+transplanted cache's digest and the suffix). Exit status 0 when everything agrees.
+
+    python bench/server_vs_binding.py ledger/llamaserver ledger/llamacpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+TRAJECTORY_KEY = ("precision", "construction", "replica", "item_id")
+TRAJECTORY_FIELDS = {
+    "cache": "cache_object",
+    "prefix": "prefix_object",
+    "suffix": "suffix_object",
+    "readout": "readout_answer",
+}
+TRANSPLANT_KEY = ("selection", "item_id", "donor", "recipient", "precision", "subset")
+TRANSPLANT_FIELDS = {"cache": "cache_digest", "suffix": "suffix_object"}
+
+
+def rows_by_key(ledger: Path, table: str, key: tuple[str, ...]) -> dict[tuple, dict]:
+    path = ledger / "tables" / f"{table}.parquet"
+    if not path.is_file():
+        return {}
+    return {tuple(row[name] for name in key): row for row in pq.read_table(path).to_pylist()}
+
+
+def margin_drift(a: dict[tuple, dict], b: dict[tuple, dict], keys: list[tuple]) -> float | None:
+    """The largest difference of two engines' per-token margins (and readout margins) where both chose the same
+    tokens: the server's are log-probability differences, the binding's float32 logit differences."""
+    largest = None
+    for key in keys:
+        if "suffix_margins" not in a[key] or a[key]["suffix_tokens"] != b[key]["suffix_tokens"]:
+            continue
+        pairs = list(zip(a[key]["suffix_margins"], b[key]["suffix_margins"]))
+        if a[key]["readout_answer"] == b[key]["readout_answer"]:
+            pairs.append((a[key]["readout_margin"], b[key]["readout_margin"]))
+        for x, y in pairs:
+            largest = max(largest or 0.0, abs(x - y))
+    return largest
+
+
+def compare(a: dict[tuple, dict], b: dict[tuple, dict], fields: dict[str, str], group: int) -> tuple[list[str], bool]:
+    """Lines per group (the key's ``group``-th part: the construction or the selection) and whether all agree."""
+    lines, agree = [], True
+    only = sorted(set(a) ^ set(b), key=str)
+    if only:
+        agree = False
+        lines.append(f"  rows in one ledger only: {len(only)} (first: {only[0]})")
+    groups: dict[str, list[tuple]] = defaultdict(list)
+    for key in sorted(set(a) & set(b), key=str):
+        groups[str(key[group])].append(key)
+    for name, keys in groups.items():
+        totals = dict.fromkeys(fields, 0)
+        for key in keys:
+            same = {label: a[key][column] == b[key][column] for label, column in fields.items()}
+            for label, equal in same.items():
+                totals[label] += equal
+            marks = " ".join(f"{label} {'=' if equal else 'DIFF'}" for label, equal in same.items())
+            lines.append(f"    {' '.join(str(part) for part in key)}: {marks}")
+        summary = ", ".join(f"{label} {totals[label]}/{len(keys)}" for label in fields)
+        drift = margin_drift(a, b, keys)
+        if drift is not None:
+            summary += f"; largest |margin difference| where the tokens agree {drift:.3g}"
+        lines.insert(len(lines) - len(keys), f"  {name}: {summary}")
+        agree &= all(count == len(keys) for count in totals.values())
+    return lines, agree
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ledger_a", type=Path)
+    parser.add_argument("ledger_b", type=Path)
+    args = parser.parse_args()
+    agree = True
+    print(f"A = {args.ledger_a}, B = {args.ledger_b}")
+    for title, table, key, fields, group in (
+        ("trajectories (E1-E3), per construction", "trajectories", TRAJECTORY_KEY, TRAJECTORY_FIELDS, 1),
+        ("transplants (E5), per selection", "transplants", TRANSPLANT_KEY, TRANSPLANT_FIELDS, 0),
+    ):
+        a, b = rows_by_key(args.ledger_a, table, key), rows_by_key(args.ledger_b, table, key)
+        print(f"{title}: {len(a)} rows in A, {len(b)} in B")
+        lines, same = compare(a, b, fields, group)
+        print("\n".join(lines))
+        agree &= same
+    print("verdict:", "the two ledgers agree on every compared item" if agree else "the two ledgers differ (above)")
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""The llama-server engine: a GGUF run by llama.cpp's own HTTP server, one server process per job.
+
+The server is built from the llama.cpp tree the binding vendors (``llamaserver_build``), and started with
+every setting the numbers depend on given on its command line, as the binding engine's reference context
+has it: ``-c``, ``-b`` and ``-ub`` all ``LLAMACPP_N_CTX`` (a prefix is one decode call and one
+micro-batch), one slot without a unified cache, flash attention from ``runtime.flash_attn``, the cache
+types from the precision, ``runtime.threads`` for both thread counts, no weight repacking, no host-memory
+prompt cache, no context shift, no warm-up, a fixed seed; its environment has every ``LLAMA_ARG_*``
+removed (``llamaserver_process``). The server's stop at the job's end goes with the job's process.
+
+The engine's cache is the server's slot 0, named by the token list the slot holds (``ServerCache``).
+Every request sends token ids only and is greedy (``GREEDY``), with the slot's tokens as the start of its
+prompt, so the server keeps them (its prompt cache) and decodes only the new tokens: each answer's
+``timings`` are checked to say exactly that (``cache_n`` kept, ``prompt_n`` decoded), so a recomputed prefix
+can never pass unseen. After a request the slot holds its prompt and every generated token but the last,
+which the server sampled and never decoded: the protocol's boundary state (cache over ``prefix[:-1]``,
+the last token pending). ``snapshot`` saves the slot to a file and parses it with the binding's state
+parser (``llamaserver_slots``); ``to_cache`` writes a state as a slot file and restores it into the
+erased slot.
+
+Logits: the server returns log-probabilities of the top ``n_probs`` tokens, computed from the raw float32
+logits of that position before any sampler. ``forward`` asks for the whole vocabulary and returns that
+row: the logits less one constant (their log-sum-exp), in float32, with tokens whose probability
+underflows at ``-3.4028235e38``. Argmax, ties and differences of logits (margins, the readout's letter
+margin) hold up to float32 rounding of exp, sum and log; absolute logits do not. ``generate`` (the
+protocol's optional one-request decoding) takes each margin from the top two log-probabilities.
+
+Tokenizer, chat template, end-of-generation ids, geometry and vocabulary size are the binding's, read
+from the same GGUF through a small context (the binding is installed with the server).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Collection
+from pathlib import Path
+
+import torch
+
+from stagereplay.cpuinfo import cpu_model
+from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
+from stagereplay.engines.cache_types import CacheTypeError, cache_types, check_cache_precision
+from stagereplay.engines.llamacpp_binding import PINNED_VERSION
+from stagereplay.engines.llamacpp_engine import LlamaCppEngine, gguf_tokenizer
+from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, chosen_rotation
+from stagereplay.engines.llamacpp_state import SeqState, part_format
+from stagereplay.engines.llamaserver_build import LlamaServerError, server_build
+from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
+from stagereplay.engines.llamaserver_slots import read_slot_file, write_slot_file
+from stagereplay.ledger.kvstate import KVState
+
+SLOT = 0
+# Options besides ServerSettings' own: no GPU layers and no memory fitting (a CPU build; --fit could change
+# an unset option), no context shift, no idle-slot caching, a fixed seed (greedy draws nothing, but the
+# sampler is seeded all the same).
+EXTRA_OPTIONS = ("--n-gpu-layers", "0", "--fit", "off", "--no-context-shift", "--no-cache-idle-slots", "--seed", "0")
+# A JSON logprob of a token whose probability underflowed to 0 (the server's -FLT_MAX for JSON's lack of -inf).
+UNDERFLOW = -3.4028234663852886e38
+
+
+class ServerCache:
+    """Slot 0 of the engine's server, holding ``tokens`` (cells 0..n-1); stale once another cache starts."""
+
+    def __init__(self, engine: LlamaServerEngine, generation: int, tokens: list[int]):
+        self.engine, self.generation, self.tokens = engine, generation, tokens
+
+
+class LlamaServerEngine(Engine):
+    """A GGUF served by one llama-server child process with one slot."""
+
+    @classmethod
+    def checkpoint_tokenizer(cls, record: dict, trust_remote_code: bool = False) -> tuple[object, int]:
+        return gguf_tokenizer(record["gguf"])
+
+    @classmethod
+    def load(cls, record: dict, runtime: Runtime) -> LlamaServerEngine:
+        return load_llamaserver(record["gguf"], runtime)
+
+    def __init__(self, gguf_path: str | Path, settings: ServerSettings):
+        gguf_path = Path(gguf_path)
+        # The binding's vocabulary, template and geometry (a tiny context: no cache work happens there).
+        self.binding = LlamaCppEngine(gguf_path, EngineSettings("fp16", 1, 1, 8))
+        self.tokenizer = self.binding.tokenizer
+        self.geometry = self.binding.geometry
+        self.n_vocab = self.binding.n_vocab
+        self.settings = settings
+        # Two tokens that are one ASCII character each: a sampled token whose text is whole (``_forced``).
+        self.plain_tokens = [self.tokenizer.encode(text, add_special_tokens=False)[0] for text in ("a", "b")]
+        self.slot_dir = Path(tempfile.mkdtemp(prefix="stagereplay-slots-"))
+        self.server = ServerProcess(gguf_path, settings, slot_dir=self.slot_dir)
+        self.environment: Environment | None = None
+        self.generation = 0
+        self.saved = 0
+        try:
+            self.server.start()
+            self.rotation = chosen_rotation([self.server.log_text()], cache_types(settings.cache_type), self.geometry)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.binding.eos_ids
+
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.n_layer
+
+    @property
+    def formats(self) -> tuple[str, str]:
+        types = cache_types(self.settings.cache_type)
+        return part_format(types.k, self.rotation[0]), part_format(types.v, self.rotation[1])
+
+    def build_description(self) -> str:
+        s = self.settings
+        k_format, v_format = self.formats
+        return (
+            f"{server_build().describe()}; server: -c {s.ctx_size} -b {s.batch} -ub {s.ubatch} -np {s.parallel}"
+            f" {'--kv-unified' if s.kv_unified else '--no-kv-unified'} -fa {'on' if s.flash_attn else 'off'}"
+            f" cache={s.cache_type} -t {s.threads} -tb {s.threads_batch or s.threads}"
+            f" {'--repack' if s.repack else '--no-repack'} --cache-ram {s.cache_ram_mib} {' '.join(s.extra)}"
+            f" --no-warmup; K stored as {k_format or 'values'}, V as {v_format or 'values'}; weights as in the GGUF;"
+            " logits read as log-probabilities (n_probs: logits less a constant per position)"
+        )
+
+    # The engine protocol (base.Engine).
+
+    def empty_cache(self) -> ServerCache:
+        self.server.erase_slot(SLOT)
+        self.generation += 1
+        return ServerCache(self, self.generation, [])
+
+    def forward(self, tokens: list[int], cache: ServerCache) -> torch.Tensor:
+        """The tokens decoded after the slot's in one request; the last position's log-probability row."""
+        # The sampled token forced to a one-character one: a token ending inside a multi-byte character would
+        # come back without probabilities (``_step``); they are read before any sampler, so the bias is not in them.
+        answer = self._request(cache, tokens, n_predict=1, n_probs=self.n_vocab, logit_bias=self._forced(-1))
+        row = torch.full((self.n_vocab,), UNDERFLOW, dtype=torch.float32)
+        top = answer["completion_probabilities"][0]["top_logprobs"]
+        if len(top) != self.n_vocab:
+            raise LlamaServerError(f"llama-server returned {len(top)} log-probabilities, not the {self.n_vocab} asked")
+        row[torch.tensor([entry["id"] for entry in top])] = torch.tensor(
+            [entry["logprob"] for entry in top], dtype=torch.float32
+        )
+        return row
+
+    def feed(self, tokens: list[int], cache: ServerCache) -> None:
+        """The tokens decoded after the slot's, no log-probabilities sent back (the whole row is megabytes)."""
+        self._request(cache, tokens, n_predict=1, n_probs=0)
+
+    def generate(
+        self,
+        cache: ServerCache,
+        tokens: list[int],
+        max_new_tokens: int,
+        eos_ids: Collection[int],
+        *,
+        stop_after: Callable[[list[int]], bool] | None = None,
+    ) -> tuple[list[int], list[float], str]:
+        """Greedy decoding in the server's own loop (see ``base.Engine.generate``): one request for the whole
+        budget; or one request per token (each decodes the previous token alone, as the one-request loop does)
+        with ``stop_after`` (a Python condition the server cannot evaluate), or where the one request came back
+        without some token's probabilities (``_step``): then the slot is first put back as it was."""
+        held = len(cache.tokens)
+        if stop_after is None:
+            answer = self._request(cache, tokens, n_predict=max_new_tokens, n_probs=2)
+            generated = list(answer["tokens"])
+            if len(answer.get("completion_probabilities", [])) == len(generated):
+                stop = self._stop_of(generated, max_new_tokens, eos_ids)
+                return (
+                    generated,
+                    [self._margin(token, step) for token, step in zip(generated, answer["completion_probabilities"])],
+                    stop,
+                )
+            self._rewind(cache, held, tokens[0])
+        generated, margins = [], []
+        pending = list(tokens)
+        while True:
+            token, margin = self._step(cache, pending)
+            generated.append(token)
+            margins.append(margin)
+            if token in eos_ids:
+                return generated, margins, "eos"
+            if stop_after is not None and stop_after(generated):
+                return generated, margins, "stopped"
+            if len(generated) >= max_new_tokens:
+                return generated, margins, "budget"
+            pending = [token]
+
+    def _step(self, cache: ServerCache, tokens: list[int]) -> tuple[int, float]:
+        """One greedy token after ``tokens`` and its margin. The server reports a token's probabilities only once
+        the text generated so far is whole UTF-8: a token ending inside a multi-byte character comes back
+        without them. Then the same request runs again on the slot as it was (``_rewind``: the same decode
+        call at the same cells), its sampled token forced to a one-character one, which does not change the
+        probabilities: they are read from the logits before any sampler. They must name the same token."""
+        held = len(cache.tokens)
+        answer = self._request(cache, tokens, n_predict=1, n_probs=2)
+        token = answer["tokens"][0]
+        if answer.get("completion_probabilities"):
+            return token, self._margin(token, answer["completion_probabilities"][0])
+        self._rewind(cache, held, tokens[0])
+        answer = self._request(cache, tokens, n_predict=1, n_probs=2, logit_bias=self._forced(tokens[0]))
+        return token, self._margin(token, answer["completion_probabilities"][0])
+
+    def _forced(self, avoid: int) -> list[list[float]]:
+        """A logit bias that makes the server sample a one-character token (other than ``avoid``)."""
+        forced = self.plain_tokens[0] if self.plain_tokens[0] != avoid else self.plain_tokens[1]
+        return [[forced, 1.0e6]]
+
+    def _rewind(self, cache: ServerCache, held: int, avoid: int) -> None:
+        """Make the next request on the slot keep exactly its first ``held`` cells and decode the rest anew: a
+        one-token request puts another token at position ``held`` (so the slot's tokens part from the next
+        prompt there), and the next request drops that cell before it decodes (the server's prompt cache)."""
+        kept = cache.tokens[:held]
+        cache.tokens = kept
+        self._request(cache, [self._forced(avoid)[0][0]], n_predict=1, n_probs=0)
+        cache.tokens = kept
+
+    def _margin(self, token: int, step: dict) -> float:
+        """Top-1 minus top-2 log-probability (the logits' difference), checked to name the greedy token."""
+        top = step["top_logprobs"]
+        if top[0]["id"] != token:
+            raise LlamaServerError(
+                f"llama-server chose token {token}, its highest logit is token {top[0]['id']}: not greedy"
+            )
+        return float(top[0]["logprob"] - top[1]["logprob"])
+
+    def snapshot(self, cache: ServerCache) -> KVState:
+        self._check(cache)
+        self.saved += 1
+        name = f"snapshot-{self.saved}.bin"
+        answer = self.server.save_slot(SLOT, name)
+        try:
+            if answer.get("n_saved") != len(cache.tokens):
+                raise LlamaServerError(
+                    f"llama-server saved {answer.get('n_saved')} tokens, the slot holds {len(cache.tokens)}"
+                )
+            tokens, parsed = read_slot_file(self.slot_dir / name, self.geometry, SLOT, self.rotation)
+        finally:
+            (self.slot_dir / name).unlink(missing_ok=True)
+        if (
+            tokens != cache.tokens
+            or parsed.kv.num_positions != len(cache.tokens)
+            or parsed.cache_type != self.settings.cache_type
+        ):
+            raise LlamaServerError(
+                f"llama-server's slot file holds {parsed.kv.num_positions} {parsed.cache_type} cells over other tokens than"
+                f" the {len(cache.tokens)} {self.settings.cache_type} cells the engine decoded"
+            )
+        return parsed.kv
+
+    def to_cache(self, state: KVState) -> ServerCache:
+        """A slot restored from ``state``, written as a slot file. The file's token list is the slot's record of
+        what its cells hold, used only to match the next prompt: placeholders (token 0) stand for the unknown
+        tokens of a stored state, and every later prompt starts with them."""
+        state = self.placed(state)
+        if state.formats != self.formats:
+            raise LlamaServerError(
+                f"a cache stored as {state.formats} cannot go into this {self.settings.cache_type} server (stores"
+                f" {self.formats}) unconverted"
+            )
+        if state.num_layers != self.geometry.n_layer:
+            raise LlamaServerError(
+                f"a cache of {state.num_layers} layers cannot feed a model of {self.geometry.n_layer} layers — continue a"
+                " state only on the model that built it"
+            )
+        cache = self.empty_cache()
+        tokens = [0] * state.num_positions
+        seq = SeqState(kv=state, seq_id=SLOT, v_trans=not self.settings.flash_attn, cache_type=self.settings.cache_type)
+        self.saved += 1
+        name = f"restore-{self.saved}.bin"
+        write_slot_file(self.slot_dir / name, seq, tokens)
+        try:
+            answer = self.server.restore_slot(SLOT, name)
+        finally:
+            (self.slot_dir / name).unlink(missing_ok=True)
+        if answer.get("n_restored") != len(tokens):
+            raise LlamaServerError(f"llama-server restored {answer.get('n_restored')} tokens of {len(tokens)}")
+        cache.tokens = tokens
+        return cache
+
+    # Requests.
+
+    def _request(self, cache: ServerCache, tokens: list[int], *, n_predict: int, n_probs: int, **extra) -> dict:
+        """One completion on the slot: ``tokens`` after what it holds, then ``n_predict`` greedy tokens; checked to
+        have kept exactly the slot's tokens and decoded exactly the new ones (then the generated but the last)."""
+        self._check(cache)
+        if not tokens:
+            raise LlamaServerError("a request must feed at least one token after the slot's")
+        if len(cache.tokens) + len(tokens) + n_predict > self.settings.ctx_size:
+            raise LlamaServerError(
+                f"{len(cache.tokens) + len(tokens) + n_predict} positions exceed the server's context of {self.settings.ctx_size}"
+            )
+        prompt = cache.tokens + list(tokens)
+        answer = self.server.complete(
+            prompt, n_predict, slot=SLOT, cache_prompt=True, n_probs=n_probs, post_sampling_probs=False, **extra
+        )
+        timings = answer.get("timings", {})
+        if timings.get("cache_n") != len(cache.tokens) or timings.get("prompt_n") != len(tokens):
+            raise LlamaServerError(
+                f"llama-server kept {timings.get('cache_n')} and decoded {timings.get('prompt_n')} prompt tokens, not the"
+                f" slot's {len(cache.tokens)} and the {len(tokens)} new ones"
+            )
+        if answer.get("truncated"):
+            raise LlamaServerError("llama-server truncated the prompt — raise the context")
+        generated = list(answer.get("tokens", []))
+        if not generated:
+            raise LlamaServerError("llama-server generated no token")
+        cache.tokens = prompt + generated[:-1]
+        self.fed_positions += len(tokens) + len(generated) - 1
+        if answer.get("tokens_cached", len(cache.tokens)) != len(cache.tokens):
+            raise LlamaServerError(
+                f"llama-server's slot holds {answer['tokens_cached']} tokens, not {len(cache.tokens)}"
+            )
+        return answer
+
+    @staticmethod
+    def _stop_of(generated: list[int], max_new_tokens: int, eos_ids: Collection[int]) -> str:
+        """Why a one-request generation ended, as ``decode_greedy`` decides it; the server's stop must agree."""
+        if any(token in eos_ids for token in generated[:-1]):
+            raise LlamaServerError("llama-server generated past an end-of-generation token")
+        if generated[-1] in eos_ids:
+            return "eos"
+        if len(generated) != max_new_tokens:
+            raise LlamaServerError(
+                f"llama-server stopped after {len(generated)} of {max_new_tokens} tokens on no end token"
+            )
+        return "budget"
+
+    def _check(self, cache: ServerCache) -> None:
+        if cache.engine is not self or cache.generation != self.generation:
+            raise LlamaServerError("a llama-server cache was used after its engine started another one")
+
+    def close(self) -> None:
+        self.server.stop()
+        shutil.rmtree(self.slot_dir, ignore_errors=True)
+        if self.binding is not None:
+            self.binding.close()
+            self.binding = None
+
+
+def load_llamaserver(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
+    """A server for the GGUF at ``runtime`` (the precision is the cache type), with its environment record."""
+    try:
+        check_cache_precision(runtime.precision, runtime.flash_attn)
+    except CacheTypeError as error:
+        raise ModelError(f"{error} (a llamaserver checkpoint's precision is its KV cache type)") from None
+    if runtime.device != "cpu":
+        raise ModelError(f"the llama-server engine runs on cpu only (asked for {runtime.device}) — set device: cpu")
+    if runtime.threads < 1:
+        raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")
+    settings = ServerSettings(
+        threads=runtime.threads,
+        threads_batch=runtime.threads,
+        flash_attn=runtime.flash_attn,
+        cache_type=runtime.precision,
+        ctx_size=LLAMACPP_N_CTX,
+        batch=LLAMACPP_N_CTX,
+        ubatch=LLAMACPP_N_CTX,
+        parallel=1,
+        kv_unified=False,
+        repack=False,
+        cache_ram_mib=0,
+        # llama.cpp's own log lines (the cache's rotation among them) reach the server's log only at verbosity 4:
+        # a quantized cache's stored format depends on it (``chosen_rotation``).
+        extra=EXTRA_OPTIONS + (("--log-verbosity", "4") if cache_types(runtime.precision).quantized else ()),
+    )
+    engine = LlamaServerEngine(gguf, settings)
+    engine.environment = environment_of(engine, runtime)
+    return engine
+
+
+def environment_of(engine: LlamaServerEngine, runtime: Runtime) -> Environment:
+    import transformers
+
+    build = server_build()
+    return Environment(
+        device="cpu",
+        device_name=cpu_model(),
+        cpu_capability=" ".join(build.cpu_features),
+        precision=runtime.precision,
+        threads=engine.settings.threads,
+        attn_implementation=f"llamaserver:flash_attn={'on' if engine.settings.flash_attn else 'off'}",
+        tf32=False,
+        bf16_reduced_precision_reduction=False,
+        fp16_reduced_precision_reduction=False,
+        sdpa_backends="none",
+        float32_matmul_precision="n/a",
+        deterministic=False,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        engine="llamaserver",
+        engine_version=f"llama-server {build.version_output} (llama.cpp {build.llama_cpp_commit} of llama-cpp-python {PINNED_VERSION})",
+        engine_build=engine.build_description(),
+    )

@@ -1,0 +1,28 @@
+"""llama.cpp's HTTP server (``llama-server``) as the rest of stagereplay sees it before loading it (no torch).
+
+The same GGUFs, precisions (KV-cache types) and byte counts as the binding's engine: the server is built from
+the llama.cpp tree the binding vendors, so its caches are the same bytes. What differs is how the engine
+reaches the model: through HTTP requests on one slot of its own server process. No E6 factor runs on it yet
+(a ``factors:`` block naming this engine is refused at parse time).
+
+What it declares beyond the binding's spec is here, as plain values; ``llamacpp_spec`` makes the spec object
+(``LLAMASERVER``) with the binding's spec class. That keeps the registry one import level above the specs
+(tests/test_architecture.py's depth limit): a spec module importing another would add a level.
+"""
+
+from __future__ import annotations
+
+DECLARED = {
+    "name": "llamaserver",
+    "summary": "a GGUF through llama.cpp's own HTTP server",
+    "record_kind": "gguf",
+    "factors": frozenset(),
+    # The server is no Python distribution: its build (vendored commit, CMake flags, CPU features) is in every
+    # row's engine_build; the binding it was built from, whose tokenizer the engine uses, is versioned here.
+    "libraries": ("llama_cpp_python",),
+    "engine_class_path": "stagereplay.engines.llamaserver_engine:LlamaServerEngine",
+    "keeps_sequences": False,
+    "precision_note": "its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped, run by"
+    " llama-server built from the binding's vendored llama.cpp; its logits are read as log-probabilities"
+    " (logits less a constant per position): margins and argmax hold, absolute logits do not",
+}
