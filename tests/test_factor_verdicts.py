@@ -217,6 +217,10 @@ def test_cells_that_read_converted_caches_name_cells_not_sides():
         in converted_text
     )
     assert "McNemar" not in converted_text
+    assert "its caches are another type" in converted_text
+    # The control (the run's own type through the conversion path) has the reference's bytes, not another type.
+    control = e6_level_reading(e6_level(rows_of("cache_type", "ref", {"a": (False, False, False)}, converted=True)))
+    assert "bit-identical to the reference on all 1 items" in control and "another type" not in control
 
 
 def test_build_only_and_server_only_levels_have_two_patterns():

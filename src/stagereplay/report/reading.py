@@ -390,7 +390,7 @@ def e6_level_reading(level: dict) -> str:
         if caches["count"]
         else f"the caches it builds are bit-identical to the reference on all {n} items"
     )
-    if level["factor"] == "cache_type":
+    if level["factor"] == "cache_type" and level["level"] != level["reference_level"]:
         # Another cache type never has the reference's bytes: what says something is how far its values are.
         cache_text = (
             f"its caches are another type (max |Δ| of their values from the reference's"
