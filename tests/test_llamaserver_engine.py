@@ -176,16 +176,13 @@ def test_a_tiny_workflow_runs_on_the_server(built, tmp_path):
     assert (bridge["count"], bridge["n"]) == (2, 2)  # token by token through the slot: the live cache, bit for bit
 
 
-def test_the_spec_takes_the_bindings_precisions_and_refuses_every_factor():
-    from stagereplay.design.factors import FactorError, check_levels
+def test_the_spec_takes_the_bindings_precisions():
     from stagereplay.engines.registry import spec_named
 
     server, binding = spec_named("llamaserver"), spec_named("llamacpp")
-    assert server.precisions == binding.precisions and server.record_kind == "gguf" and not server.factors
+    assert server.precisions == binding.precisions and server.record_kind == "gguf"
+    assert server.factors == {"threads", "flash_attn", "ubatch", "cache_type"}  # tests/test_llamaserver_factors.py
     assert server.head_bytes("q8_0", "k", 64) == binding.head_bytes("q8_0", "k", 64)
-    with pytest.raises(FactorError, match=r"^factors.threads: not supported on the llamaserver engine") as error:
-        check_levels({"threads": [2]}, "llamaserver", 8, 20)
-    assert "\n" not in str(error.value)
 
 
 def test_a_stage_marker_stops_both_engines_at_the_same_token(engines):

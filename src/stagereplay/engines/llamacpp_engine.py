@@ -51,12 +51,13 @@ from stagereplay.engines.llamacpp_state import (
     FORMAT,
     Geometry,
     SeqState,
+    converted_state,
     parse_seq_state,
     part_format,
     write_seq_state,
 )
 from stagereplay.engines.llamacpp_tokenizer import LlamaCppTokenizer
-from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of
+from stagereplay.ledger.kvstate import KVState
 
 # Architectures whose every layer is full attention over every position, with one-position cells:
 # the sequence state then holds exactly the boundary cache the parser reads.
@@ -196,31 +197,8 @@ class LlamaCppEngine(Engine):
             self.reconfigure(n_seq_max=1)
 
     def converted(self, state: KVState) -> KVState:
-        """``state`` in this context's cache type: values quantized offline (rotated first where this context
-        rotates) by gguf's reference quantizer, or blocks dequantized (un-rotated) and rounded to fp16/fp32."""
-        state = self.placed(state)  # the quantizer and dequantizer read CPU memory (numpy)
-        types = cache_types(self.settings.cache_type)
-        dtypes = (state.keys[0].dtype, state.values[0].dtype)
-        if state.formats == self.formats and dtypes == (self._plain_dtype(types.k), self._plain_dtype(types.v)):
-            return state
-        numeric = state.numeric()
-
-        def part(tensors, cache_type, block_format):
-            if block_format:
-                return tuple(blocks_of(tensor, BlockFormat.parse(block_format)).contiguous() for tensor in tensors)
-            return tuple(tensor.to(self._plain_dtype(cache_type)) for tensor in tensors)
-
-        key_format, value_format = self.formats
-        return KVState(
-            part(numeric.keys, types.k, key_format),
-            part(numeric.values, types.v, value_format),
-            key_format,
-            value_format,
-        )
-
-    @staticmethod
-    def _plain_dtype(cache_type: str) -> torch.dtype:
-        return {"fp16": torch.float16, "fp32": torch.float32}.get(cache_type, torch.uint8)
+        """``state`` in this context's cache type (``llamacpp_state.converted_state``)."""
+        return converted_state(self.placed(state), self.settings.cache_type, self.formats)
 
     def build_description(self) -> str:
         """The context as it runs now, in words: every setting the numbers depend on, and how the cache is stored."""

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from stagereplay.engines.cache_types import CACHE_TYPES, QUANTIZED, cache_types
-from stagereplay.ledger.kvstate import BlockFormat, KVState
+from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of
 
 FORMAT = "llama-cpp-python 0.3.36"
 CACHE_TYPE_IDS = {name: type_id for name, (type_id, _, _, _) in CACHE_TYPES.items()}
@@ -241,3 +241,33 @@ def write_seq_state(state: SeqState) -> bytes:
             np.ascontiguousarray(columns).tobytes(),
         ]
     return b"".join(parts)
+
+
+def plain_dtype(cache_type: str) -> torch.dtype:
+    """The torch dtype of a cache type's values (uint8: a block format's bytes)."""
+    return {"fp16": torch.float16, "fp32": torch.float32}.get(cache_type, torch.uint8)
+
+
+def converted_state(state: KVState, cache_type: str, formats: tuple[str, str]) -> KVState:
+    """``state`` (in CPU memory) as a cache of ``cache_type`` stored as ``formats`` (K's, V's) keeps it: values
+    quantized offline (rotated first where the format rotates) by gguf's reference quantizer, or blocks
+    dequantized (un-rotated) and rounded to fp16/fp32; as it is where it is stored so already. The binding's
+    and the server's engines both convert through here."""
+    types = cache_types(cache_type)
+    dtypes = (state.keys[0].dtype, state.values[0].dtype)
+    if state.formats == formats and dtypes == (plain_dtype(types.k), plain_dtype(types.v)):
+        return state
+    numeric = state.numeric()
+
+    def part(tensors, part_type, block_format):
+        if block_format:
+            return tuple(blocks_of(tensor, BlockFormat.parse(block_format)).contiguous() for tensor in tensors)
+        return tuple(tensor.to(plain_dtype(part_type)) for tensor in tensors)
+
+    key_format, value_format = formats
+    return KVState(
+        part(numeric.keys, types.k, key_format),
+        part(numeric.values, types.v, value_format),
+        key_format,
+        value_format,
+    )

@@ -31,6 +31,7 @@ from the same GGUF through a small context (the binding is installed with the se
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import Callable, Collection
@@ -44,7 +45,7 @@ from stagereplay.engines.cache_types import CacheTypeError, cache_types, check_c
 from stagereplay.engines.llamacpp_binding import PINNED_VERSION
 from stagereplay.engines.llamacpp_engine import LlamaCppEngine, gguf_tokenizer
 from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, chosen_rotation
-from stagereplay.engines.llamacpp_state import SeqState, part_format
+from stagereplay.engines.llamacpp_state import SeqState, converted_state, part_format
 from stagereplay.engines.llamaserver_build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
 from stagereplay.engines.llamaserver_slots import read_slot_file, write_slot_file
@@ -57,6 +58,15 @@ SLOT = 0
 EXTRA_OPTIONS = ("--n-gpu-layers", "0", "--fit", "off", "--no-context-shift", "--no-cache-idle-slots", "--seed", "0")
 # A JSON logprob of a token whose probability underflowed to 0 (the server's -FLT_MAX for JSON's lack of -inf).
 UNDERFLOW = -3.4028234663852886e38
+# The binding's ``reconfigure`` names the engine takes, each a restart with the matching option changed.
+SETTING_NAMES = ("flash_attn", "n_ubatch", "cache_type", "n_threads")
+
+
+def server_extra(cache_type: str) -> tuple[str, ...]:
+    """The options besides ServerSettings' own for a cache type: llama.cpp's own log lines (the cache's rotation
+    among them) reach the server's log only at verbosity 4, and a quantized cache's stored format depends on
+    them (``chosen_rotation``)."""
+    return EXTRA_OPTIONS + (("--log-verbosity", "4") if cache_types(cache_type).quantized else ())
 
 
 class ServerCache:
@@ -87,17 +97,65 @@ class LlamaServerEngine(Engine):
         self.settings = settings
         # Two tokens that are one ASCII character each: a sampled token whose text is whole (``_forced``).
         self.plain_tokens = [self.tokenizer.encode(text, add_special_tokens=False)[0] for text in ("a", "b")]
+        self.gguf_path = gguf_path
         self.slot_dir = Path(tempfile.mkdtemp(prefix="stagereplay-slots-"))
         self.server = ServerProcess(gguf_path, settings, slot_dir=self.slot_dir)
         self.environment: Environment | None = None
         self.generation = 0
         self.saved = 0
         try:
-            self.server.start()
-            self.rotation = chosen_rotation([self.server.log_text()], cache_types(settings.cache_type), self.geometry)
+            self._start()
         except BaseException:
             self.close()
             raise
+
+    def _start(self) -> None:
+        """Start ``self.server`` and read the cache's rotation from its log; every earlier cache goes stale."""
+        self.server.start()
+        self.rotation = chosen_rotation([self.server.log_text()], cache_types(self.settings.cache_type), self.geometry)
+        self.generation += 1
+
+    # --- E6: settings a server takes only on its command line, so each change is a restart ---
+
+    def reconfigure(self, **changes) -> None:
+        """Run the next requests on a new server with these settings changed (the binding's ``reconfigure``
+        names: ``flash_attn``, ``n_ubatch`` (0: the whole context), ``cache_type``, ``n_threads``). A restart
+        even when nothing changes, as the binding opens a new context then: a control goes through the same
+        path (a new process, its cache allocated anew) as its test level. Every cache of the old server is
+        stale after it (``generation``); a saved state goes into the new one through ``to_cache``."""
+        unknown = set(changes) - set(SETTING_NAMES)
+        if unknown:
+            raise ModelError(
+                f"the llamaserver engine cannot change {', '.join(sorted(unknown))} by a restart — it changes"
+                f" {', '.join(SETTING_NAMES)}"
+            )
+        fields = {}
+        for name, value in changes.items():
+            if name == "n_ubatch":
+                fields["ubatch"] = value or self.settings.ctx_size
+            elif name == "n_threads":
+                fields["threads"] = fields["threads_batch"] = value
+            else:
+                fields[name] = value
+        settings = dataclasses.replace(self.settings, **fields)
+        settings = dataclasses.replace(settings, extra=server_extra(settings.cache_type))
+        try:
+            for head_dim in {self.geometry.head_dim_k, self.geometry.head_dim_v}:
+                check_cache_precision(settings.cache_type, settings.flash_attn, head_dim)
+        except CacheTypeError as error:
+            raise LlamaServerError(str(error)) from None
+        self.server.stop()
+        self.settings = settings
+        self.server = ServerProcess(self.gguf_path, settings, slot_dir=self.slot_dir)
+        self._start()
+
+    def use_threads(self, threads: int) -> None:
+        """The next requests on a new server with ``-t threads -tb threads`` (the server sets them only at start)."""
+        self.reconfigure(n_threads=threads)
+
+    def converted(self, state: KVState) -> KVState:
+        """``state`` in this server's cache type, converted as the binding's engine converts it."""
+        return converted_state(self.placed(state), self.settings.cache_type, self.formats)
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -362,9 +420,7 @@ def load_llamaserver(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
         kv_unified=False,
         repack=False,
         cache_ram_mib=0,
-        # llama.cpp's own log lines (the cache's rotation among them) reach the server's log only at verbosity 4:
-        # a quantized cache's stored format depends on it (``chosen_rotation``).
-        extra=EXTRA_OPTIONS + (("--log-verbosity", "4") if cache_types(runtime.precision).quantized else ()),
+        extra=server_extra(runtime.precision),
     )
     engine = LlamaServerEngine(gguf, settings)
     engine.environment = environment_of(engine, runtime)

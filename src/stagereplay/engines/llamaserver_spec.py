@@ -2,8 +2,10 @@
 
 The same GGUFs, precisions (KV-cache types) and byte counts as the binding's engine: the server is built from
 the llama.cpp tree the binding vendors, so its caches are the same bytes. What differs is how the engine
-reaches the model: through HTTP requests on one slot of its own server process. No E6 factor runs on it yet
-(a ``factors:`` block naming this engine is refused at parse time).
+reaches the model: through HTTP requests on one slot of its own server process. E6 runs on it the factors
+that are the server's per-process options (``-t/-tb``, ``-fa``, ``-ub``, ``-ctk/-ctv``): each level is a
+restart with the option changed, as the binding's is a new context; any other factor in a ``factors:``
+block naming this engine is refused at parse time.
 
 What it declares beyond the binding's spec is here, as plain values; ``llamacpp_spec`` makes the spec object
 (``LLAMASERVER``) with the binding's spec class. That keeps the registry one import level above the specs
@@ -16,7 +18,7 @@ DECLARED = {
     "name": "llamaserver",
     "summary": "a GGUF through llama.cpp's own HTTP server",
     "record_kind": "gguf",
-    "factors": frozenset(),
+    "factors": frozenset({"threads", "flash_attn", "ubatch", "cache_type"}),
     # The server is no Python distribution: its build (vendored commit, CMake flags, CPU features) is in every
     # row's engine_build; the binding it was built from, whose tokenizer the engine uses, is versioned here.
     "libraries": ("llama_cpp_python",),

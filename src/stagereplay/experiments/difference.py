@@ -43,8 +43,10 @@ def cache_difference(a: KVState, b: KVState) -> tuple[tuple[LayerDifference, ...
     """Per-layer differences of keys and of values between two boundary caches."""
     if a.num_layers != b.num_layers:
         raise ValueError(f"cannot compare caches of {a.num_layers} and {b.num_layers} layers")
-    if any(a.formats) or any(b.formats):
-        # Raw blocks differ by what they encode: compare the values (float32 holds fp16 and dequantized exactly).
+    plain_types = {(s.keys[0].dtype, s.values[0].dtype) for s in (a, b) if s.num_layers}
+    if any(a.formats) or any(b.formats) or len(plain_types) > 1:
+        # Raw blocks differ by what they encode, an fp16 and an fp32 cache by their width: compare the values
+        # (float32 holds fp16 and dequantized values exactly).
         a, b = _float32(a.numeric()), _float32(b.numeric())
     return (
         tuple(tensor_difference(x, y) for x, y in zip(a.keys, b.keys)),

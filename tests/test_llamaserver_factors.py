@@ -1,0 +1,156 @@
+"""E6 on the llamaserver engine: the per-process factors (threads, flash_attn, ubatch, cache_type) run by the
+binding's setting classes, each level a server restart; checked against the reference and the binding.
+
+Real llama-server and the tiny GGUF as tests/test_llamaserver_engine.py makes them; skipped without the server
+unless STAGEREPLAY_REQUIRE_LLAMASERVER=1.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from test_llamaserver_engine import _same, built, tiny_gguf  # noqa: F401 - fixtures
+from test_llamaserver_process import PROMPT
+from workflow_helpers import snakemake, write_config
+
+from stagereplay.engines.llamacpp_engine import load_llamacpp
+from stagereplay.engines.runtime import Runtime
+from stagereplay.experiments.constructions import StageBoundary, build_live
+from stagereplay.experiments.factor_settings import CacheType, FlashAttn, Setting, Threads, Ubatch
+from stagereplay.experiments.level_job import Prefix
+
+BUDGET = 8
+RUNTIME = Runtime("fp16", "cpu", 1)  # flash attention off, one thread: the reference
+
+
+@pytest.fixture(scope="module")
+def engines(built, tiny_gguf):  # noqa: F811
+    from stagereplay.engines.llamaserver_engine import load_llamaserver
+
+    server, binding = load_llamaserver(tiny_gguf, RUNTIME), load_llamacpp(tiny_gguf, RUNTIME)
+    yield server, binding
+    server.close()
+    binding.close()
+
+
+@pytest.fixture(scope="module")
+def prefix(engines):
+    server, _ = engines
+    live = build_live(server, PROMPT, StageBoundary(10), server.eos_ids, server.tokenizer)
+    return Prefix("item", tuple(live.prefix), len(PROMPT), False)
+
+
+def _setting(engine, factor: str, value):
+    eos = engine.eos_ids
+    if factor == "threads":
+        return Threads(engine, BUDGET, eos, engine.use_threads, value, RUNTIME.threads)
+    kind = {"flash_attn": FlashAttn, "ubatch": Ubatch, "cache_type": CacheType}[factor]
+    return kind(engine, BUDGET, eos, kind.key, value, kind.reference_value_of(RUNTIME))
+
+
+def _cells(engine, factor, value, prefix):
+    """The reference build and read, and the level's three cells, as factor_job runs them."""
+    reference, setting = Setting(engine, BUDGET, engine.eos_ids), _setting(engine, factor, value)
+    ref_state = reference.build(prefix).state
+    test_state = setting.build(prefix).state
+    return {
+        "ref": (ref_state, reference.read(prefix, ref_state, None)),
+        "test-ref": (test_state, reference.read(prefix, setting.for_reference(test_state), None)),
+        "ref-test": (ref_state, setting.read(prefix, setting.for_test(ref_state), None)),
+        "test-test": (test_state, setting.read(prefix, test_state, None)),
+    }
+
+
+# The run's own value of each factor (the control) and a test level.
+CONTROLS = {"threads": 1, "flash_attn": False, "ubatch": 0, "cache_type": "fp16"}
+LEVELS = {"threads": 2, "flash_attn": True, "ubatch": 7, "cache_type": "fp32"}
+
+
+@pytest.mark.parametrize("factor", sorted(CONTROLS))
+def test_each_control_reproduces_the_reference_through_a_restart(engines, prefix, factor):
+    server, _ = engines
+    pid = server.server.pid
+    cells = _cells(server, factor, CONTROLS[factor], prefix)
+    assert server.server.pid != pid  # the control went through a restart, as a test level does
+    ref_state, ref_read = cells["ref"]
+    for cell, (state, read) in cells.items():
+        assert _same(state, ref_state), cell
+        assert (read.tokens, read.stop) == (ref_read.tokens, ref_read.stop), cell
+    assert "-ub 2048" in server.build_description() and "-t 1 -tb 1" in server.build_description()
+
+
+@pytest.mark.parametrize("factor", sorted(LEVELS))
+def test_each_test_level_runs_its_cells_and_matches_the_binding(engines, prefix, factor):
+    """The server's cells at a level are the binding's at the same level on the same item, byte for byte
+    (caches) and token for token (suffixes)."""
+    server, binding = engines
+    served = _cells(server, factor, LEVELS[factor], prefix)
+    bound = _cells(binding, factor, LEVELS[factor], prefix)
+    for cell in served:
+        assert _same(served[cell][0], bound[cell][0]), cell
+        assert served[cell][1].tokens == bound[cell][1].tokens and served[cell][1].stop == bound[cell][1].stop, cell
+    if factor in ("flash_attn", "cache_type"):
+        assert not _same(served["test-test"][0], served["ref"][0])  # the level changes the cache
+    # Back at the reference after each level: the reference's own options again.
+    assert "-fa off" in server.build_description() and "cache=fp16" in server.build_description()
+
+
+def test_reconfigure_refuses_what_a_restart_cannot_change(engines):
+    server, _ = engines
+    from stagereplay.engines.base import ModelError
+
+    with pytest.raises(ModelError, match="cannot change n_seq_max"):
+        server.reconfigure(n_seq_max=2)
+
+
+def test_a_cache_from_before_a_restart_is_stale_and_its_state_restores(engines, prefix):
+    from stagereplay.engines.llamaserver_build import LlamaServerError
+
+    server, _ = engines
+    cache = server.empty_cache()
+    server.feed(list(prefix.context), cache)
+    state = server.snapshot(cache)
+    server.use_threads(1)
+    with pytest.raises(LlamaServerError, match="after its engine started another one"):
+        server.snapshot(cache)
+    assert _same(server.snapshot(server.to_cache(state)), state)
+
+
+def test_the_spec_lists_the_restart_factors_only():
+    from stagereplay.design.factors import FactorError, check_levels
+
+    check_levels({"threads": [2], "flash_attn": ["on"], "ubatch": [7], "cache_type": ["fp32"]}, "llamaserver", 8, 20)
+    for factor, levels in (("batch", [2]), ("prefix_reuse", ["prompt"]), ("chunk", [4])):
+        with pytest.raises(FactorError, match=rf"^factors.{factor}: not supported on the llamaserver engine"):
+            check_levels({factor: levels}, "llamaserver", 8, 20)
+
+
+FACTORS = {"ubatch": [7], "flash_attn": ["on"], "threads": [2], "cache_type": ["fp32"]}
+
+
+@pytest.mark.slow
+def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path):  # noqa: F811
+    ledger = tmp_path / "ledger"
+    config = write_config(
+        tmp_path / "config.yaml",
+        ledger_dir=str(ledger),
+        checkpoints={"tiny-server": {"engine": "llamaserver", "random_qwen2": {"seed": 2, "layers": 2, "hidden": 64}}},
+        items={"limit": 2},
+        shard_size=2,
+        matched={"precision": "fp16"},
+        fixed_prefix={"precisions": ["fp16"]},
+        transplant={"enabled": False},
+        factors=FACTORS,
+    )
+    result = snakemake(tmp_path, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = pq.read_table(ledger / "tables" / "factors.parquet").to_pylist()
+    assert rows and all(row["applicable"] and row["engine"] == "llamaserver" for row in rows)
+    for factor, levels in FACTORS.items():
+        cells = {row["cell"] for row in rows if (row["factor"], row["level"]) == (factor, str(levels[0]))}
+        assert cells == ({"test-ref"} if factor == "ubatch" else {"test-ref", "ref-test", "test-test"}), factor
+    assert all("-ub 7 " in row["setting"] for row in rows if row["factor"] == "ubatch" and row["level"] == "7")
+    controls = json.loads((ledger / "summary.json").read_text())["E6"]["controls"]
+    assert controls["paths"] == controls["identical"] == len(FACTORS) and controls["without_control"] == []
