@@ -42,17 +42,17 @@ def prefix(engines):
     return Prefix("item", tuple(live.prefix), len(PROMPT), False)
 
 
-def _setting(engine, factor: str, value):
+def _setting(engine, factor: str, value, runtime: Runtime = RUNTIME):
     eos = engine.eos_ids
     if factor == "threads":
-        return Threads(engine, BUDGET, eos, engine.use_threads, value, RUNTIME.threads)
+        return Threads(engine, BUDGET, eos, engine.use_threads, value, runtime.threads)
     kind = {"flash_attn": FlashAttn, "ubatch": Ubatch, "cache_type": CacheType}[factor]
-    return kind(engine, BUDGET, eos, kind.key, value, kind.reference_value_of(RUNTIME))
+    return kind(engine, BUDGET, eos, kind.key, value, kind.reference_value_of(runtime))
 
 
-def _cells(engine, factor, value, prefix):
+def _cells(engine, factor, value, prefix, runtime: Runtime = RUNTIME):
     """The reference build and read, and the level's three cells, as factor_job runs them."""
-    reference, setting = Setting(engine, BUDGET, engine.eos_ids), _setting(engine, factor, value)
+    reference, setting = Setting(engine, BUDGET, engine.eos_ids), _setting(engine, factor, value, runtime)
     ref_state = reference.build(prefix).state
     test_state = setting.build(prefix).state
     return {
@@ -154,3 +154,30 @@ def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path)
     assert all("-ub 7 " in row["setting"] for row in rows if row["factor"] == "ubatch" and row["level"] == "7")
     controls = json.loads((ledger / "summary.json").read_text())["E6"]["controls"]
     assert controls["paths"] == controls["identical"] == len(FACTORS) and controls["without_control"] == []
+
+
+@pytest.mark.parametrize(("level", "flash_attn"), [("q8_0-fp16", False), ("q8_0", True)])
+def test_a_quantized_cache_type_level_is_the_bindings_through_the_shared_conversion(built, tmp_path, level, flash_attn):  # noqa: F811
+    """Heads of 64 values (whole q8_0 blocks, rotated): the fp16 reference quantized offline for the level
+    (ref-test) and the level's cache dequantized for the reference (test-ref), on both engines alike."""
+    from stagereplay.engines.llamaserver_engine import load_llamaserver
+    from stagereplay.inputs.checkpoints import build_random_qwen2
+    from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
+
+    folder = build_random_qwen2(tmp_path / "model", seed=3, layers=2, hidden=256)
+    wide = write_qwen2_gguf(folder, tmp_path / "wide.gguf")
+    runtime = Runtime("fp16", "cpu", 1, flash_attn=flash_attn)
+    server, binding = load_llamaserver(wide, runtime), load_llamacpp(wide, runtime)
+    try:
+        live = build_live(server, PROMPT, StageBoundary(8), server.eos_ids, server.tokenizer)
+        prefix = Prefix("item", tuple(live.prefix), len(PROMPT), False)
+        served = _cells(server, "cache_type", level, prefix, runtime)
+        bound = _cells(binding, "cache_type", level, prefix, runtime)
+        for cell in served:
+            assert _same(served[cell][0], bound[cell][0]), cell
+            assert served[cell][1].tokens == bound[cell][1].tokens, cell
+        assert "q8_0-h64" in served["test-test"][0].formats[0]
+        assert server.formats == ("", "")  # back at the fp16 reference
+    finally:
+        server.close()
+        binding.close()
