@@ -152,6 +152,9 @@ def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path)
         cells = {row["cell"] for row in rows if (row["factor"], row["level"]) == (factor, str(levels[0]))}
         assert cells == ({"test-ref"} if factor == "ubatch" else {"test-ref", "ref-test", "test-test"}), factor
     assert all("-ub 7 " in row["setting"] for row in rows if row["factor"] == "ubatch" and row["level"] == "7")
+    # Reads decode in the server's own loop: no absolute logits, so no first-read nor top-1-logit columns.
+    assert all(row["first_logits_identical"] is None and row["first_logits_max_abs"] is None for row in rows)
+    assert all(row["reference_top_logit_at_divergence"] is None for row in rows)
     controls = json.loads((ledger / "summary.json").read_text())["E6"]["controls"]
     assert controls["paths"] == controls["identical"] == len(FACTORS) and controls["without_control"] == []
 

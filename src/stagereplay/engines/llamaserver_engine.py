@@ -25,6 +25,11 @@ underflows at ``-3.4028235e38``. Argmax, ties and differences of logits (margins
 margin) hold up to float32 rounding of exp, sum and log; absolute logits do not. ``generate`` (the
 protocol's optional one-request decoding) takes each margin from the top two log-probabilities.
 
+E6: the server takes flash attention, the micro-batch size, the cache types and the thread counts only on its
+command line, so ``reconfigure`` and ``use_threads`` restart it with them changed (a new context, as the
+binding's ``reconfigure`` opens one; every earlier cache goes stale) and ``converted`` is the binding's
+conversion (``llamacpp_state.converted_state``).
+
 Tokenizer, chat template, end-of-generation ids, geometry and vocabulary size are the binding's, read
 from the same GGUF through a small context (the binding is installed with the server).
 """
