@@ -181,7 +181,13 @@ def test_the_spec_takes_the_bindings_precisions():
 
     server, binding = spec_named("llamaserver"), spec_named("llamacpp")
     assert server.precisions == binding.precisions and server.record_kind == "gguf"
-    assert server.factors == {"threads", "flash_attn", "ubatch", "cache_type"}  # tests/test_llamaserver_factors.py
+    assert server.factors == {
+        "threads",
+        "flash_attn",
+        "ubatch",
+        "cache_type",
+        "prefix_reuse",
+    }  # tests/test_llamaserver_factors.py
     assert server.head_bytes("q8_0", "k", 64) == binding.head_bytes("q8_0", "k", 64)
 
 

@@ -15,11 +15,13 @@ from test_llamaserver_engine import _same, built, tiny_gguf  # noqa: F401 - fixt
 from test_llamaserver_process import PROMPT
 from workflow_helpers import snakemake, write_config
 
+from stagereplay.design.factors import Level
 from stagereplay.engines.llamacpp_engine import load_llamacpp
 from stagereplay.engines.runtime import Runtime
 from stagereplay.experiments.constructions import StageBoundary, build_live
-from stagereplay.experiments.factor_settings import CacheType, FlashAttn, Setting, Threads, Ubatch
+from stagereplay.experiments.factor_settings import CacheType, FlashAttn, HeldPrefix, Setting, Threads, Ubatch
 from stagereplay.experiments.level_job import Prefix
+from stagereplay.ledger.store import ObjectStore
 
 BUDGET = 8
 RUNTIME = Runtime("fp16", "cpu", 1)  # flash attention off, one thread: the reference
@@ -118,16 +120,23 @@ def test_a_cache_from_before_a_restart_is_stale_and_its_state_restores(engines, 
     assert _same(server.snapshot(server.to_cache(state)), state)
 
 
-def test_the_spec_lists_the_restart_factors_only():
+def test_the_spec_lists_the_restart_factors_and_prefix_reuse_only():
     from stagereplay.design.factors import FactorError, check_levels
 
     check_levels({"threads": [2], "flash_attn": ["on"], "ubatch": [7], "cache_type": ["fp32"]}, "llamaserver", 8, 20)
-    for factor, levels in (("batch", [2]), ("prefix_reuse", ["prompt"]), ("chunk", [4])):
+    check_levels({"prefix_reuse": ["prompt", "block:4", "restore:prompt"]}, "llamaserver", 8, 20)
+    for factor, levels in (("batch", [2]), ("chunk", [4]), ("rotation", ["off"])):
         with pytest.raises(FactorError, match=rf"^factors.{factor}: not supported on the llamaserver engine"):
             check_levels({factor: levels}, "llamaserver", 8, 20)
 
 
-FACTORS = {"ubatch": [7], "flash_attn": ["on"], "threads": [2], "cache_type": ["fp32"]}
+FACTORS = {
+    "ubatch": [7],
+    "flash_attn": ["on"],
+    "threads": [2],
+    "cache_type": ["fp32"],
+    "prefix_reuse": ["prompt", "restore:prompt"],
+}
 
 
 @pytest.mark.slow
@@ -149,8 +158,13 @@ def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path)
     rows = pq.read_table(ledger / "tables" / "factors.parquet").to_pylist()
     assert rows and all(row["applicable"] and row["engine"] == "llamaserver" for row in rows)
     for factor, levels in FACTORS.items():
-        cells = {row["cell"] for row in rows if (row["factor"], row["level"]) == (factor, str(levels[0]))}
-        assert cells == ({"test-ref"} if factor == "ubatch" else {"test-ref", "ref-test", "test-test"}), factor
+        for level in levels:
+            name = str(level).replace(":", "-")
+            cells = {row["cell"] for row in rows if (row["factor"], row["level"]) == (factor, name)}
+            build_only = factor in ("ubatch", "prefix_reuse")
+            assert cells == ({"test-ref"} if build_only else {"test-ref", "ref-test", "test-test"}), (factor, level)
+    reuse = [row for row in rows if row["factor"] == "prefix_reuse" and row["level"] != "whole"]
+    assert reuse and all(0 < row["reused_tokens"] for row in reuse)
     assert all("-ub 7 " in row["setting"] for row in rows if row["factor"] == "ubatch" and row["level"] == "7")
     # Reads decode in the server's own loop: no absolute logits, so no first-read nor top-1-logit columns.
     assert all(row["first_logits_identical"] is None and row["first_logits_max_abs"] is None for row in rows)
@@ -184,3 +198,30 @@ def test_a_quantized_cache_type_level_is_the_bindings_through_the_shared_convers
     finally:
         server.close()
         binding.close()
+
+
+@pytest.mark.parametrize("level", ["whole", "prompt", "block-4", "restore-prompt", "restore-block-4"])
+def test_prefix_reuse_through_the_slot_is_the_bindings(engines, prefix, tmp_path, level):
+    """The slot's own prompt cache (prompt / block:N: the server keeps the common prefix of the slot's tokens and
+    the new prompt) and its save and restore: the same kept length, reused cells and built cache as the
+    binding's ``llama_memory_seq_rm`` and ``llama_state_seq_save_file``/``load_file``; whole (the control) is
+    the reference's bytes."""
+    server, binding = engines
+    builds, reads = [], []
+    for engine in (server, binding):
+        (tmp_path / engine.__class__.__name__).mkdir()
+        scratch = ObjectStore(tmp_path / engine.__class__.__name__)
+        setting = HeldPrefix(
+            engine, BUDGET, engine.eos_ids, Level("prefix_reuse", level), scratch, "model", RUNTIME.precision
+        )
+        builds.append(setting.build(prefix))
+        reads.append(setting.read(prefix, builds[-1].state, None))
+    served, bound = builds
+    assert (served.reused_tokens, served.reused_digest) == (bound.reused_tokens, bound.reused_digest)
+    assert _same(served.state, bound.state) and reads[0].tokens == reads[1].tokens
+    assert served.note.split(" from a ")[0] == bound.note.split(" from a ")[0]  # slot files: other token headers
+    if level.endswith("prompt"):  # the prompt alone, or with the earlier request's generated token
+        assert len(PROMPT) <= served.reused_tokens <= len(PROMPT) + 1 < len(prefix.context)
+    if level == "whole":
+        reference = Setting(server, BUDGET, server.eos_ids).build(prefix)
+        assert _same(served.state, reference.state)

@@ -53,10 +53,10 @@ from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings
 from stagereplay.engines.llamacpp_state import SeqState, converted_state, part_format
 from stagereplay.engines.llamaserver_build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
+from stagereplay.engines.llamaserver_sequences import SLOT, SlotSequences, kept_positions
 from stagereplay.engines.llamaserver_slots import read_slot_file, write_slot_file
 from stagereplay.ledger.kvstate import KVState
 
-SLOT = 0
 # Options besides ServerSettings' own: no GPU layers and no memory fitting (a CPU build; --fit could change
 # an unset option), no context shift, no idle-slot caching, a fixed seed (greedy draws nothing, but the
 # sampler is seeded all the same).
@@ -79,9 +79,11 @@ class ServerCache:
 
     def __init__(self, engine: LlamaServerEngine, generation: int, tokens: list[int]):
         self.engine, self.generation, self.tokens = engine, generation, tokens
+        # What the slot really holds while a ``truncate`` waits for the next request (None: ``tokens``).
+        self.slot_tokens: list[int] | None = None
 
 
-class LlamaServerEngine(Engine):
+class LlamaServerEngine(SlotSequences, Engine):
     """A GGUF served by one llama-server child process with one slot."""
 
     @classmethod
@@ -293,25 +295,20 @@ class LlamaServerEngine(Engine):
         self._check(cache)
         self.saved += 1
         name = f"snapshot-{self.saved}.bin"
+        held = cache.tokens if cache.slot_tokens is None else cache.slot_tokens  # a truncation still pending
         answer = self.server.save_slot(SLOT, name)
         try:
-            if answer.get("n_saved") != len(cache.tokens):
-                raise LlamaServerError(
-                    f"llama-server saved {answer.get('n_saved')} tokens, the slot holds {len(cache.tokens)}"
-                )
+            if answer.get("n_saved") != len(held):
+                raise LlamaServerError(f"llama-server saved {answer.get('n_saved')} tokens, the slot holds {len(held)}")
             tokens, parsed = read_slot_file(self.slot_dir / name, self.geometry, SLOT, self.rotation)
         finally:
             (self.slot_dir / name).unlink(missing_ok=True)
-        if (
-            tokens != cache.tokens
-            or parsed.kv.num_positions != len(cache.tokens)
-            or parsed.cache_type != self.settings.cache_type
-        ):
+        if tokens != held or parsed.kv.num_positions != len(held) or parsed.cache_type != self.settings.cache_type:
             raise LlamaServerError(
                 f"llama-server's slot file holds {parsed.kv.num_positions} {parsed.cache_type} cells over other tokens than"
-                f" the {len(cache.tokens)} {self.settings.cache_type} cells the engine decoded"
+                f" the {len(held)} {self.settings.cache_type} cells the engine decoded"
             )
-        return parsed.kv
+        return parsed.kv if len(held) == len(cache.tokens) else kept_positions(parsed.kv, len(cache.tokens))
 
     def to_cache(self, state: KVState) -> ServerCache:
         """A slot restored from ``state``, written as a slot file. The file's token list is the slot's record of
@@ -371,6 +368,7 @@ class LlamaServerEngine(Engine):
         if not generated:
             raise LlamaServerError("llama-server generated no token")
         cache.tokens = prompt + generated[:-1]
+        cache.slot_tokens = None
         self.fed_positions += len(tokens) + len(generated) - 1
         if answer.get("tokens_cached", len(cache.tokens)) != len(cache.tokens):
             raise LlamaServerError(

@@ -18,12 +18,12 @@ DECLARED = {
     "name": "llamaserver",
     "summary": "a GGUF through llama.cpp's own HTTP server",
     "record_kind": "gguf",
-    "factors": frozenset({"threads", "flash_attn", "ubatch", "cache_type"}),
+    "factors": frozenset({"threads", "flash_attn", "ubatch", "cache_type", "prefix_reuse"}),
     # The server is no Python distribution: its build (vendored commit, CMake flags, CPU features) is in every
     # row's engine_build; the binding it was built from, whose tokenizer the engine uses, is versioned here.
     "libraries": ("llama_cpp_python",),
     "engine_class_path": "stagereplay.engines.llamaserver_engine:LlamaServerEngine",
-    "keeps_sequences": False,
+    "keeps_sequences": True,  # its slot: prompt-cache reuse, save and restore (llamaserver_sequences)
     "precision_note": "its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped, run by"
     " llama-server built from the binding's vendored llama.cpp; its logits are read as log-probabilities"
     " (logits less a constant per position): margins and argmax hold, absolute logits do not",
