@@ -9,7 +9,9 @@ the checkpoint names; for each construction it prints, item by item and as total
 - suffix tokens: the continuation (``suffix_object``), and the readout's answer;
 
 then the same for E5's transplants (matched by selection, item, donor, recipient, precision and subset: the
-transplanted cache's digest and the suffix). Exit status 0 when everything agrees.
+transplanted cache's digest and the suffix), and E6's factor cells (matched by precision, factor, level, cell
+and item: the built cache's digest, the suffix, the reused and the converted cache's digests; first-read
+logits are not compared, the server records none). Exit status 0 when everything agrees.
 
     python bench/server_vs_binding.py ledger/llamaserver ledger/llamacpp
 """
@@ -32,6 +34,13 @@ TRAJECTORY_FIELDS = {
 }
 TRANSPLANT_KEY = ("selection", "item_id", "donor", "recipient", "precision", "subset")
 TRANSPLANT_FIELDS = {"cache": "cache_digest", "suffix": "suffix_object"}
+FACTOR_KEY = ("precision", "factor", "level", "cell", "item_id")
+FACTOR_FIELDS = {
+    "cache": "cache_digest",
+    "suffix": "suffix_object",
+    "reused": "reused_digest",
+    "converted": "converted_digest",
+}
 
 
 def rows_by_key(ledger: Path, table: str, key: tuple[str, ...]) -> dict[tuple, dict]:
@@ -93,6 +102,7 @@ def main() -> int:
     for title, table, key, fields, group in (
         ("trajectories (E1-E3), per construction", "trajectories", TRAJECTORY_KEY, TRAJECTORY_FIELDS, 1),
         ("transplants (E5), per selection", "transplants", TRANSPLANT_KEY, TRANSPLANT_FIELDS, 0),
+        ("factor cells (E6), per factor", "factors", FACTOR_KEY, FACTOR_FIELDS, 1),
     ):
         a, b = rows_by_key(args.ledger_a, table, key), rows_by_key(args.ledger_b, table, key)
         print(f"{title}: {len(a)} rows in A, {len(b)} in B")
