@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from stagereplay.cpuinfo import cpu_model
-from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
+from stagereplay.engines.base import Engine, Environment, Runtime
 from stagereplay.engines.cache_types import (
     CacheTypeError,
     cache_types,
@@ -45,7 +45,7 @@ from stagereplay.engines.llamacpp_binding import (
     captured_log,
     last_error,
 )
-from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, chosen_rotation
+from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
 from stagereplay.engines.llamacpp_state import (
     CACHE_TYPE_IDS,
     FORMAT,
@@ -430,14 +430,7 @@ class LlamaCppBatch:
 
 def load_llamacpp(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:
     """A GGUF loaded at ``runtime`` (the precision is the cache type), with its environment record."""
-    try:
-        check_cache_precision(runtime.precision, runtime.flash_attn)
-    except CacheTypeError as error:
-        raise ModelError(f"{error} (a llamacpp checkpoint's precision is its KV cache type)") from None
-    if runtime.device != "cpu":
-        raise ModelError(f"the llama.cpp engine runs on cpu only (asked for {runtime.device}) — set device: cpu")
-    if runtime.threads < 1:
-        raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")
+    check_runtime(runtime, "llamacpp", "the llama.cpp engine")
     settings = EngineSettings(
         cache_type=runtime.precision,
         n_threads=runtime.threads,

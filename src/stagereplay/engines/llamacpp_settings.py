@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from stagereplay.engines.cache_types import rotation_size
+from stagereplay.engines.base import ModelError, Runtime
+from stagereplay.engines.cache_types import CacheTypeError, check_cache_precision, rotation_size
 from stagereplay.engines.llamacpp_binding import PINNED_VERSION, LlamaCppError
 from stagereplay.engines.llamacpp_state import Geometry
 
@@ -53,3 +54,17 @@ def chosen_rotation(log: list[str], types, geometry: Geometry) -> tuple[int, int
 
 # One context size for every llama.cpp job: a prefix is one micro-batch of at most this many tokens.
 LLAMACPP_N_CTX = 2048
+
+
+def check_runtime(runtime: Runtime, checkpoint_engine: str, engine_words: str) -> None:
+    """Refuse, in one line, a runtime no llama.cpp context can run (the binding's and the server's alike):
+    a cache type the build cannot store, a device other than the CPU, no thread. ``checkpoint_engine`` and
+    ``engine_words`` name the engine in the message."""
+    try:
+        check_cache_precision(runtime.precision, runtime.flash_attn)
+    except CacheTypeError as error:
+        raise ModelError(f"{error} (a {checkpoint_engine} checkpoint's precision is its KV cache type)") from None
+    if runtime.device != "cpu":
+        raise ModelError(f"{engine_words} runs on cpu only (asked for {runtime.device}) — set device: cpu")
+    if runtime.threads < 1:
+        raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")

@@ -49,7 +49,7 @@ from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
 from stagereplay.engines.cache_types import CacheTypeError, cache_types, check_cache_precision
 from stagereplay.engines.llamacpp_binding import PINNED_VERSION
 from stagereplay.engines.llamacpp_engine import LlamaCppEngine, gguf_tokenizer
-from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, chosen_rotation
+from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
 from stagereplay.engines.llamacpp_state import SeqState, converted_state, part_format
 from stagereplay.engines.llamaserver_build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
@@ -403,14 +403,7 @@ class LlamaServerEngine(SlotSequences, Engine):
 
 def load_llamaserver(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
     """A server for the GGUF at ``runtime`` (the precision is the cache type), with its environment record."""
-    try:
-        check_cache_precision(runtime.precision, runtime.flash_attn)
-    except CacheTypeError as error:
-        raise ModelError(f"{error} (a llamaserver checkpoint's precision is its KV cache type)") from None
-    if runtime.device != "cpu":
-        raise ModelError(f"the llama-server engine runs on cpu only (asked for {runtime.device}) — set device: cpu")
-    if runtime.threads < 1:
-        raise ModelError(f"threads must be >= 1, got {runtime.threads} — set threads in the config")
+    check_runtime(runtime, "llamaserver", "the llama-server engine")
     settings = ServerSettings(
         threads=runtime.threads,
         threads_batch=runtime.threads,
