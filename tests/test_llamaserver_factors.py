@@ -120,12 +120,13 @@ def test_a_cache_from_before_a_restart_is_stale_and_its_state_restores(engines, 
     assert _same(server.snapshot(server.to_cache(state)), state)
 
 
-def test_the_spec_lists_the_restart_factors_and_prefix_reuse_only():
+def test_the_spec_lists_the_restart_factors_prefix_reuse_and_load_only():
     from stagereplay.design.factors import FactorError, check_levels
 
     check_levels({"threads": [2], "flash_attn": ["on"], "ubatch": [7], "cache_type": ["fp32"]}, "llamaserver", 8, 20)
     check_levels({"prefix_reuse": ["prompt", "block:4", "restore:prompt"]}, "llamaserver", 8, 20)
-    for factor, levels in (("batch", [2]), ("chunk", [4]), ("rotation", ["off"])):
+    check_levels({"batch": [2, "same:4"]}, "llamaserver", 8, 20)
+    for factor, levels in (("chunk", [4]), ("rotation", ["off"])):
         with pytest.raises(FactorError, match=rf"^factors.{factor}: not supported on the llamaserver engine"):
             check_levels({factor: levels}, "llamaserver", 8, 20)
 
@@ -136,6 +137,7 @@ FACTORS = {
     "threads": [2],
     "cache_type": ["fp32"],
     "prefix_reuse": ["prompt", "restore:prompt"],
+    "batch": [2],
 }
 
 
@@ -166,6 +168,9 @@ def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path)
     reuse = [row for row in rows if row["factor"] == "prefix_reuse" and row["level"] != "whole"]
     assert reuse and all(0 < row["reused_tokens"] for row in reuse)
     assert all("-ub 7 " in row["setting"] for row in rows if row["factor"] == "ubatch" and row["level"] == "7")
+    loaded = [row for row in rows if row["factor"] == "batch" and row["level"] == "2" and row["cell"] != "ref-test"]
+    assert loaded and all("built with 1 other request generating on slot 1" in row["setting"] for row in loaded)
+    assert all(len(row["companions"]) == 1 for row in loaded)
     # Reads decode in the server's own loop: no absolute logits, so no first-read nor top-1-logit columns.
     assert all(row["first_logits_identical"] is None and row["first_logits_max_abs"] is None for row in rows)
     assert all(row["reference_top_logit_at_divergence"] is None for row in rows)

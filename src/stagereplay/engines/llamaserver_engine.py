@@ -25,10 +25,12 @@ underflows at ``-3.4028235e38``. Argmax, ties and differences of logits (margins
 margin) hold up to float32 rounding of exp, sum and log; absolute logits do not. ``generate`` (the
 protocol's optional one-request decoding) takes each margin from the top two log-probabilities.
 
-E6: the server takes flash attention, the micro-batch size, the cache types and the thread counts only on its
-command line, so ``reconfigure`` and ``use_threads`` restart it with them changed (a new context, as the
-binding's ``reconfigure`` opens one; every earlier cache goes stale) and ``converted`` is the binding's
-conversion (``llamacpp_state.converted_state``).
+E6: the server takes flash attention, the micro-batch size, the cache types, the thread counts and its slot count
+only on its command line, so ``reconfigure`` and ``use_threads`` restart it with them changed (a new context, as
+the binding's ``reconfigure`` opens one; every earlier cache goes stale) and ``converted`` is the binding's
+conversion (``llamacpp_state.converted_state``). Its ``batch`` is concurrent load: a server of B slots with one
+unified cache (``load_slots``), B-1 other requests generating on slots 1.. while the engine's run on slot 0
+(``in_flight``, ``llamaserver_load``).
 
 Tokenizer, chat template, end-of-generation ids, geometry and vocabulary size are the binding's, read
 from the same GGUF through a small context (the binding is installed with the server).
@@ -52,6 +54,7 @@ from stagereplay.engines.llamacpp_engine import LlamaCppEngine, gguf_tokenizer
 from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
 from stagereplay.engines.llamacpp_state import SeqState, converted_state, part_format
 from stagereplay.engines.llamaserver_build import LlamaServerError, server_build
+from stagereplay.engines.llamaserver_load import companions_in_flight
 from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
 from stagereplay.engines.llamaserver_sequences import SLOT, SlotSequences, kept_positions
 from stagereplay.engines.llamaserver_slots import read_slot_file, write_slot_file
@@ -64,7 +67,7 @@ EXTRA_OPTIONS = ("--n-gpu-layers", "0", "--fit", "off", "--no-context-shift", "-
 # A JSON logprob of a token whose probability underflowed to 0 (the server's -FLT_MAX for JSON's lack of -inf).
 UNDERFLOW = -3.4028234663852886e38
 # The binding's ``reconfigure`` names the engine takes, each a restart with the matching option changed.
-SETTING_NAMES = ("flash_attn", "n_ubatch", "cache_type", "n_threads")
+SETTING_NAMES = ("flash_attn", "n_ubatch", "cache_type", "n_threads", "load_slots")
 
 
 def server_extra(cache_type: str) -> tuple[str, ...]:
@@ -84,7 +87,9 @@ class ServerCache:
 
 
 class LlamaServerEngine(SlotSequences, Engine):
-    """A GGUF served by one llama-server child process with one slot."""
+    """A GGUF served by one llama-server child process; its requests go to slot 0."""
+
+    serves_concurrent_requests = True
 
     @classmethod
     def checkpoint_tokenizer(cls, record: dict, trust_remote_code: bool = False) -> tuple[object, int]:
@@ -126,7 +131,8 @@ class LlamaServerEngine(SlotSequences, Engine):
 
     def reconfigure(self, **changes) -> None:
         """Run the next requests on a new server with these settings changed (the binding's ``reconfigure``
-        names: ``flash_attn``, ``n_ubatch`` (0: the whole context), ``cache_type``, ``n_threads``). A restart
+        names: ``flash_attn``, ``n_ubatch`` (0: the whole context), ``cache_type``, ``n_threads``; and ``load_slots``:
+        B slots sharing one unified cache of B contexts, for concurrent load, 0 the reference's one slot). A restart
         even when nothing changes, as the binding opens a new context then: a control goes through the same
         path (a new process, its cache allocated anew) as its test level. Every cache of the old server is
         stale after it (``generation``); a saved state goes into the new one through ``to_cache``."""
@@ -139,9 +145,13 @@ class LlamaServerEngine(SlotSequences, Engine):
         fields = {}
         for name, value in changes.items():
             if name == "n_ubatch":
-                fields["ubatch"] = value or self.settings.ctx_size
+                fields["ubatch"] = value or LLAMACPP_N_CTX
             elif name == "n_threads":
                 fields["threads"] = fields["threads_batch"] = value
+            elif name == "load_slots":
+                # Each slot may hold a whole context, so companions never crowd the cache (no batch retries).
+                slots = max(value, 1)
+                fields.update(parallel=slots, kv_unified=value > 0, ctx_size=LLAMACPP_N_CTX * slots)
             else:
                 fields[name] = value
         settings = dataclasses.replace(self.settings, **fields)
@@ -159,6 +169,10 @@ class LlamaServerEngine(SlotSequences, Engine):
     def use_threads(self, threads: int) -> None:
         """The next requests on a new server with ``-t threads -tb threads`` (the server sets them only at start)."""
         self.reconfigure(n_threads=threads)
+
+    def in_flight(self, prompts: list[list[int]]):
+        """A block with greedy requests for ``prompts`` generating on slots 1.. (``llamaserver_load``)."""
+        return companions_in_flight(self.server, prompts)
 
     def converted(self, state: KVState) -> KVState:
         """``state`` in this server's cache type, converted as the binding's engine converts it."""

@@ -343,7 +343,8 @@ class Batch(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        return cls(job.engine, job.budget, job.eos, level.value, job.prefixes, level.of.repeats_item(level.name))
+        kind = ConcurrentLoad if job.engine.serves_concurrent_requests else Batch
+        return kind(job.engine, job.budget, job.eos, level.value, job.prefixes, level.of.repeats_item(level.name))
 
     def active(self):
         return self.engine.batch_context(self.size)
@@ -385,6 +386,41 @@ class Batch(Setting):
             return logits[0]
 
         return decode_greedy(self.engine, None, feed(prefix.tokens[-1]), self.budget, self.eos, feed=feed)
+
+
+class ConcurrentLoad(Batch):
+    """Batch B on a server: the item's requests on slot 0 of a server with B slots sharing one unified cache,
+    while B-1 other requests (the same companions as ``Batch``: the next items, or the item repeated) generate
+    on the other slots, so every decode call the server makes carries their tokens beside the item's
+    (``llamaserver_load``). Built and read each in a block of such load, on a server restarted with B slots;
+    the reference runs on the one-slot server, as E2 did. Batch 1 (the control) is the same path: the restart
+    into a unified cache, and a block without companions. What each build's companions had decoded when it
+    began and ended is in the row's note."""
+
+    @contextmanager
+    def loaded(self, companions: tuple[str, ...]):
+        prompts = [list(self.prefixes[name].context) for name in companions]
+        self.engine.reconfigure(load_slots=self.size)
+        try:
+            with self.engine.in_flight(prompts) as load:
+                yield load
+        finally:
+            self.engine.reconfigure(load_slots=0)
+
+    def build(self, prefix):
+        companions = self.companions(prefix.item_id)
+        with self.loaded(companions) as load:
+            state = build_boundary_state(self.engine, list(prefix.tokens), "prefill", prefix.prompt_length)
+        note = f"{self.size} slot{'s' if self.size != 1 else ''}, one unified cache; built with {load.describe()}"
+        if companions:
+            note += f": {'the item repeated' if self.repeated else ', '.join(companions)}"
+        return Built(state, note, companions=companions)
+
+    def read(self, prefix, state, built):
+        if prefix.ended_by_eos:
+            return Decoded((), (), "eos")
+        with self.loaded(built.companions):
+            return continue_from(self.engine, state, prefix.tokens[-1], self.budget, self.eos)
 
 
 @runs("kernels")

@@ -1,0 +1,122 @@
+"""E6's batch on the llamaserver engine: concurrent load, other requests generating on the server's other slots
+while the item's requests run on slot 0 (``llamaserver_load``, ``factor_settings.ConcurrentLoad``).
+
+Real llama-server and the tiny GGUF as tests/test_llamaserver_engine.py makes them; skipped without the server
+unless STAGEREPLAY_REQUIRE_LLAMASERVER=1.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_llamaserver_engine import _same, built, tiny_gguf  # noqa: F401 - fixtures
+from test_llamaserver_process import PROMPT
+
+from stagereplay.design.factors import Level
+from stagereplay.engines.runtime import Runtime
+from stagereplay.experiments.constructions import StageBoundary, build_live
+from stagereplay.experiments.decode import continue_from
+from stagereplay.experiments.factor_settings import ConcurrentLoad, Setting, level_setting
+from stagereplay.experiments.level_job import LevelJob, Prefix
+from stagereplay.ledger.store import ObjectStore
+
+BUDGET = 8
+RUNTIME = Runtime("fp16", "cpu", 1)
+
+
+@pytest.fixture(scope="module")
+def server(built, tiny_gguf):  # noqa: F811
+    from stagereplay.engines.llamaserver_engine import load_llamaserver
+
+    engine = load_llamaserver(tiny_gguf, RUNTIME)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prefixes(server):
+    """Three items: the prompt, and two others made from it, each with its live stage."""
+    made = {}
+    for index, prompt in enumerate((PROMPT, PROMPT[1:] + PROMPT[:1], PROMPT[::-1])):
+        live = build_live(server, list(prompt), StageBoundary(10), server.eos_ids, server.tokenizer)
+        made[f"item-{index}"] = Prefix(f"item-{index}", tuple(live.prefix), len(prompt), False)
+    return made
+
+
+def _load(server, name: str, prefixes, tmp_path) -> ConcurrentLoad:
+    level = Level("batch", name, control=name == "1")
+    job = LevelJob(server, RUNTIME, BUDGET, server.eos_ids, prefixes, ObjectStore(tmp_path), {})
+    setting = level_setting(level, job)
+    assert isinstance(setting, ConcurrentLoad)  # the server's batch is load, not a batch the engine composes
+    return setting
+
+
+def test_companions_generate_through_every_decode_call_of_a_read(server, prefixes):
+    """While the item's request decodes its suffix, each companion decodes at least one token per step: the
+    server put one of its tokens into every decode call, and cleaned its slot afterwards."""
+    item = prefixes["item-0"]
+    reference_state = Setting(server, BUDGET, server.eos_ids).build(item).state
+    server.reconfigure(load_slots=3)
+    try:
+        assert "-np 3 --kv-unified" in server.build_description()
+        with server.in_flight([list(prefixes["item-1"].context), list(prefixes["item-2"].context)]) as load:
+            decoded = continue_from(server, reference_state, item.tokens[-1], BUDGET, server.eos_ids)
+        steps = len(decoded.tokens)
+        assert load.slots == (1, 2) and min(load.started) >= 1
+        assert all(end - start >= steps for start, end in zip(load.started, load.ended)), (load, steps)
+        slots = {state["id"]: state for state in server.server.request("/slots")}
+        assert not slots[1]["is_processing"] and not slots[2]["is_processing"]
+    finally:
+        server.reconfigure(load_slots=0)
+    assert "-np 1 --no-kv-unified" in server.build_description()
+
+
+def test_the_control_is_the_reference_through_the_load_path(server, prefixes, tmp_path):
+    """Batch 1 on the server: a restart into a one-slot unified cache and a block with no companion; every cell
+    is the reference's cache and suffix."""
+    item = prefixes["item-0"]
+    reference = Setting(server, BUDGET, server.eos_ids)
+    ref_state = reference.build(item).state
+    ref_read = reference.read(item, ref_state, None)
+    control = _load(server, "1", prefixes, tmp_path)
+    pid = server.server.pid
+    made = control.build(item)
+    assert server.server.pid != pid and made.companions == ()
+    assert "1 slot, one unified cache; built with no other request in flight" == made.note
+    assert _same(made.state, ref_state)
+    for state in (made.state, ref_state):
+        read = control.read(item, state, made)
+        assert (read.tokens, read.stop) == (ref_read.tokens, ref_read.stop)
+
+
+@pytest.mark.parametrize("name", ["2", "same-2"])
+def test_a_load_level_runs_its_cells_and_records_its_companions(server, prefixes, tmp_path, name):
+    item = prefixes["item-0"]
+    setting = _load(server, name, prefixes, tmp_path)
+    made = setting.build(item)
+    expected = ("item-0",) if name.startswith("same") else ("item-1",)
+    assert made.companions == expected
+    assert made.note.startswith("2 slots, one unified cache; built with 1 other request generating on slot 1 (")
+    assert made.state.num_positions == len(item.context)
+    read = setting.read(item, made.state, made)
+    assert 1 <= len(read.tokens) <= BUDGET and read.stop in ("eos", "budget")
+    assert "-np 1 --no-kv-unified" in server.build_description()  # back at the reference between cells
+
+
+def test_a_companion_that_stops_before_the_block_ends_fails_it(server, prefixes, monkeypatch):
+    from stagereplay.engines import llamaserver_load
+    from stagereplay.engines.llamaserver_build import LlamaServerError
+
+    monkeypatch.setattr(llamaserver_load, "COMPANION_TOKENS", 2)
+    item = prefixes["item-0"]
+    state = Setting(server, BUDGET, server.eos_ids).build(item).state
+    server.reconfigure(load_slots=2)
+    try:
+        with pytest.raises(
+            LlamaServerError, match=r"^the companions? on slots? \[?1\]? (finished its 2 tokens|were not generating)"
+        ):
+            with server.in_flight([list(prefixes["item-1"].context)]):
+                continue_from(server, state, item.tokens[-1], BUDGET, server.eos_ids)
+        slots = {slot["id"]: slot for slot in server.server.request("/slots")}
+        assert not slots[1]["is_processing"]
+    finally:
+        server.reconfigure(load_slots=0)
