@@ -13,7 +13,15 @@ transplanted cache's digest and the suffix), and E6's factor cells (matched by p
 and item: the built cache's digest, the suffix, the reused and the converted cache's digests; first-read
 logits are not compared, the server records none). Exit status 0 when everything agrees.
 
+Then, per E6 level, the engines' verdicts item by item (``design.cells.item_verdict``, from each ledger's own
+cells): how many items each serves differently, on how many the two verdicts agree, and each disagreement
+(A's verdict → B's). Where B is the binding's imitation of a server setting (its batch of sequences in one
+decode call, its context kept in place of the slot's prompt cache), this says where the imitation is
+faithful and where it is not. ``--items-in-both`` compares only the items both ledgers have (a 32-item server
+sweep beside the binding's 96).
+
     python bench/server_vs_binding.py ledger/llamaserver ledger/llamacpp
+    python bench/server_vs_binding.py --items-in-both ledger/factors-llamaserver ledger/factors-llamacpp
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
+from stagereplay.design.cells import CELL_LABELS, item_verdict
 
 TRAJECTORY_KEY = ("precision", "construction", "replica", "item_id")
 TRAJECTORY_FIELDS = {
@@ -92,10 +102,58 @@ def compare(a: dict[tuple, dict], b: dict[tuple, dict], fields: dict[str, str], 
     return lines, agree
 
 
+def level_verdicts(rows: dict[tuple, dict]) -> dict[tuple, dict[str, str]]:
+    """Per (precision, factor, level): each item's verdict from its applicable cells' suffixes."""
+    cells: dict[tuple, dict[str, dict]] = defaultdict(lambda: defaultdict(dict))
+    for (precision, factor, level, cell, item_id), row in rows.items():
+        if row["applicable"]:
+            cells[(precision, factor, level)][item_id][cell] = row
+    verdicts: dict[tuple, dict[str, str]] = {}
+    for level, items in cells.items():
+        verdicts[level] = {}
+        for item_id, by_cell in items.items():
+            reference = next(iter(by_cell.values()))["reference_suffix"]
+            suffixes = [by_cell[label]["suffix_object"] if label in by_cell else None for label in CELL_LABELS]
+            verdicts[level][item_id] = item_verdict(reference, *suffixes)
+    return verdicts
+
+
+def compare_verdicts(a: dict[tuple, dict], b: dict[tuple, dict]) -> list[str]:
+    """Per level both ledgers ran: items served differently in each, verdicts that agree, and each disagreement."""
+    va, vb = level_verdicts(a), level_verdicts(b)
+    lines = []
+    for level in sorted(set(va) & set(vb)):
+        items = sorted(set(va[level]) & set(vb[level]))
+        if not items:
+            continue
+        served_a = sum(va[level][item] not in ("none", "latent") for item in items)
+        served_b = sum(vb[level][item] not in ("none", "latent") for item in items)
+        same = sum(va[level][item] == vb[level][item] for item in items)
+        moves: dict[str, int] = defaultdict(int)
+        for item in items:
+            if va[level][item] != vb[level][item]:
+                moves[f"{va[level][item]} → {vb[level][item]}"] += 1
+        line = (
+            f"  {level[1]} {level[2]} ({level[0]}): served differently A {served_a}/{len(items)}, B {served_b}/{len(items)};"
+            f" verdicts agree on {same}/{len(items)}"
+        )
+        if moves:
+            line += " (" + ", ".join(f"{move} {count}" for move, count in sorted(moves.items())) + ")"
+        lines.append(line)
+    return lines
+
+
+def in_both(a: dict[tuple, dict], b: dict[tuple, dict]) -> tuple[dict, dict]:
+    """The rows of the items both ledgers have (the item id is each key's last part)."""
+    items = {key[-1] for key in a} & {key[-1] for key in b}
+    return {k: v for k, v in a.items() if k[-1] in items}, {k: v for k, v in b.items() if k[-1] in items}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ledger_a", type=Path)
     parser.add_argument("ledger_b", type=Path)
+    parser.add_argument("--items-in-both", action="store_true", help="compare only the items both ledgers have")
     args = parser.parse_args()
     agree = True
     print(f"A = {args.ledger_a}, B = {args.ledger_b}")
@@ -105,10 +163,15 @@ def main() -> int:
         ("factor cells (E6), per factor", "factors", FACTOR_KEY, FACTOR_FIELDS, 1),
     ):
         a, b = rows_by_key(args.ledger_a, table, key), rows_by_key(args.ledger_b, table, key)
+        if args.items_in_both:
+            a, b = in_both(a, b)
         print(f"{title}: {len(a)} rows in A, {len(b)} in B")
         lines, same = compare(a, b, fields, group)
         print("\n".join(lines))
         agree &= same
+        if table == "factors" and a and b:
+            print("verdicts (E6), per level, item by item:")
+            print("\n".join(compare_verdicts(a, b)))
     print("verdict:", "the two ledgers agree on every compared item" if agree else "the two ledgers differ (above)")
     return 0 if agree else 1
 
