@@ -187,7 +187,8 @@ def test_the_spec_takes_the_bindings_precisions():
         "ubatch",
         "cache_type",
         "prefix_reuse",
-    }  # tests/test_llamaserver_factors.py
+        "batch",
+    }  # tests/test_llamaserver_factors.py, tests/test_llamaserver_load.py
     assert server.head_bytes("q8_0", "k", 64) == binding.head_bytes("q8_0", "k", 64)
 
 
