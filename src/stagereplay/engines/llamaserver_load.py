@@ -12,8 +12,10 @@ that builds it, its one token per step while it decodes.
 
 On leaving, the generator checks that every companion was still generating (a companion that had finished
 would have left the engine's requests to run with less load than recorded: one line, the job fails), then
-cancels them by closing their connections (the server drops a task whose client has gone, within its
-one-second poll), waits until their slots are idle and erases them, so the next block starts from the same
+cancels them by closing their connections: companions stream their tokens, so the server's next write to a
+closed connection fails and it drops the task at once (a non-streamed request is dropped only if the server
+notices the closed connection while it waits, which it did not reliably), waits until their slots are idle and
+erases them, so the next block starts from the same
 state. What the load was is recorded (``Load.describe``): the companions' slots and the tokens each had
 decoded when the block began and when it ended.
 """
@@ -80,7 +82,7 @@ def companions_in_flight(server: ServerProcess, prompts: Sequence[Sequence[int]]
             connections.append(_send(server, slot, prompt))
         load.started = _decoded(server, slots, connections, waiting=True)
         yield load
-        load.ended = _decoded(server, slots, connections, waiting=False)
+        load.ended = _decoded(server, slots, [], waiting=False)
         if RETRY_LINE in server.log_text()[log_before:]:
             raise LlamaServerError(
                 "llama-server ran out of cache cells under load and retried with a smaller batch — give it a larger"
@@ -104,6 +106,7 @@ def _send(server: ServerProcess, slot: int, prompt: Sequence[int]) -> http.clien
         "cache_prompt": False,
         "ignore_eos": True,
         "n_probs": 0,
+        "stream": True,  # a closed connection then cancels it at the server's next write
         **GREEDY,
     }
     connection = http.client.HTTPConnection(HOST, server.port, timeout=server.request_timeout)
@@ -112,19 +115,25 @@ def _send(server: ServerProcess, slot: int, prompt: Sequence[int]) -> http.clien
 
 
 def _decoded(server: ServerProcess, slots: tuple[int, ...], connections: list, *, waiting: bool) -> list[int]:
-    """Tokens each companion has decoded; with ``waiting``, once every one has decoded at least one."""
+    """Tokens each companion has decoded; with ``waiting``, once every one has decoded at least one (a companion
+    the server answered with an error is one line then: ``connections`` are checked for an early answer)."""
     deadline = time.monotonic() + WAIT_SECONDS
+    checked: set[int] = set()
     while True:
         for slot, connection in zip(slots, connections):
-            if select.select([connection.sock], [], [], 0)[0]:
-                raise LlamaServerError(f"the companion on slot {slot} {_answer(connection)}")
+            if slot not in checked and select.select([connection.sock], [], [], 0)[0]:
+                _check_answer(slot, connection)
+                checked.add(slot)
         states = {state["id"]: state for state in server.request("/slots")}
         counts = [_generated(states.get(slot)) for slot in slots]
         if all(count >= 1 for count in counts):
             return counts
         if not waiting:
             idle = [slot for slot, count in zip(slots, counts) if count < 1]
-            raise LlamaServerError(f"the companions on slots {idle} were not generating when the block ended")
+            raise LlamaServerError(
+                f"the companions on slots {idle} were not generating when the block ended: they finished their"
+                f" {COMPANION_TOKENS} tokens before it, so the load was not held throughout — keep the block shorter"
+            )
         if time.monotonic() > deadline:
             raise LlamaServerError(
                 f"the companions did not all start generating within {WAIT_SECONDS:g} s — the server is overloaded"
@@ -132,19 +141,15 @@ def _decoded(server: ServerProcess, slots: tuple[int, ...], connections: list, *
         time.sleep(POLL_SECONDS)
 
 
-def _answer(connection: http.client.HTTPConnection) -> str:
-    """What a companion's early answer says: an error, or that it ran out of tokens while the block went on."""
+def _check_answer(slot: int, connection: http.client.HTTPConnection) -> None:
+    """A companion's answer has begun: its status line must be 200 (then its tokens stream on, unread)."""
     try:
         response = connection.getresponse()
-        status, body = response.status, response.read()
     except (OSError, http.client.HTTPException) as error:
-        return f"lost its connection: {error!r}"
-    if status != 200:
-        return f"was refused: HTTP {status}: {body[:200].decode(errors='replace')}"
-    return (
-        f"finished its {COMPANION_TOKENS} tokens before the block ended, so the load was not held throughout — keep"
-        " the block shorter"
-    )
+        raise LlamaServerError(f"the companion on slot {slot} lost its connection: {error!r}") from None
+    if response.status != 200:
+        body = response.read()[:200].decode(errors="replace")
+        raise LlamaServerError(f"the companion on slot {slot} was refused: HTTP {response.status}: {body}")
 
 
 def _generated(state: dict | None) -> int:
