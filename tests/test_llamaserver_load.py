@@ -105,18 +105,20 @@ def test_a_load_level_runs_its_cells_and_records_its_companions(server, prefixes
 
 
 def test_a_companion_that_stops_before_the_block_ends_fails_it(server, prefixes, monkeypatch):
-    """A companion allowed 64 tokens is generating when the block begins and done long before it ends."""
+    """A companion allowed 256 tokens is generating when the block begins and done before it ends."""
     from stagereplay.engines import llamaserver_load
     from stagereplay.engines.llamaserver_build import LlamaServerError
 
-    monkeypatch.setattr(llamaserver_load, "COMPANION_TOKENS", 64)
+    monkeypatch.setattr(llamaserver_load, "COMPANION_TOKENS", 256)  # long enough to be seen generating
     item = prefixes["item-0"]
     state = Setting(server, BUDGET, server.eos_ids).build(item).state
     server.reconfigure(load_slots=2)
     try:
-        with pytest.raises(LlamaServerError, match=r"^the companions on slots \[1\] were not generating .* 64 tokens"):
+        with pytest.raises(LlamaServerError, match=r"^the companions on slots \[1\] were not generating .* 256 tokens"):
             with server.in_flight([list(prefixes["item-1"].context)]):
-                time.sleep(3)
+                deadline = time.monotonic() + 120
+                while server.server.request("/slots")[1]["is_processing"] and time.monotonic() < deadline:
+                    time.sleep(0.05)  # until the companion has finished its tokens
                 continue_from(server, state, item.tokens[-1], BUDGET, server.eos_ids)
         slots = {slot["id"]: slot for slot in server.server.request("/slots")}
         assert not slots[1]["is_processing"]

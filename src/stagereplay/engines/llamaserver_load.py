@@ -62,7 +62,7 @@ class Load:
         slots = f"slot {self.slots[0]}" if len(self.slots) == 1 else f"slots {self.slots[0]}–{self.slots[-1]}"
         return (
             f"{len(self.slots)} other request{'s' if len(self.slots) != 1 else ''} generating on {slots}"
-            f" ({spread(self.started)} tokens decoded when the block began, {spread(self.ended)} when it ended)"
+            f" (tokens decoded: {spread(self.started)} when the block began, {spread(self.ended)} when it ended)"
         )
 
 
