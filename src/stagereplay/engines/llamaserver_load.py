@@ -15,8 +15,7 @@ would have left the engine's requests to run with less load than recorded: one l
 cancels them by closing their connections: companions stream their tokens, so the server's next write to a
 closed connection fails and it drops the task at once (a non-streamed request is dropped only if the server
 notices the closed connection while it waits, which it did not reliably), waits until their slots are idle and
-erases them, so the next block starts from the same
-state. What the load was is recorded (``Load.describe``): the companions' slots and the tokens each had
+erases them, so the next block starts from the same state. What the load was is recorded (``Load.describe``): the companions' slots and the tokens each had
 decoded when the block began and when it ended.
 """
 
@@ -124,7 +123,7 @@ def _decoded(server: ServerProcess, slots: tuple[int, ...], connections: list, *
             if slot not in checked and select.select([connection.sock], [], [], 0)[0]:
                 _check_answer(slot, connection)
                 checked.add(slot)
-        states = {state["id"]: state for state in server.request("/slots")}
+        states = _slot_states(server)
         counts = [_generated(states.get(slot)) for slot in slots]
         if all(count >= 1 for count in counts):
             return counts
@@ -152,6 +151,11 @@ def _check_answer(slot: int, connection: http.client.HTTPConnection) -> None:
         raise LlamaServerError(f"the companion on slot {slot} was refused: HTTP {response.status}: {body}")
 
 
+def _slot_states(server: ServerProcess) -> dict[int, dict]:
+    """``GET /slots``, each slot's state by its id."""
+    return {state["id"]: state for state in server.request("/slots")}
+
+
 def _generated(state: dict | None) -> int:
     """Tokens a processing slot has decoded for its task (0 while idle or still reading its prompt)."""
     if not state or not state.get("is_processing"):
@@ -160,10 +164,10 @@ def _generated(state: dict | None) -> int:
 
 
 def _wait_idle(server: ServerProcess, slots: tuple[int, ...]) -> None:
-    """Until the server has dropped every cancelled companion (it polls for gone clients once a second)."""
+    """Until the server has dropped every cancelled companion (at its next write to the closed stream)."""
     deadline = time.monotonic() + WAIT_SECONDS
     while True:
-        states = {state["id"]: state for state in server.request("/slots")}
+        states = _slot_states(server)
         if not any(states.get(slot, {}).get("is_processing") for slot in slots):
             return
         if time.monotonic() > deadline:
