@@ -53,6 +53,20 @@ def engines(built, tiny_gguf):
     binding.close()
 
 
+def server_config(tmp_path: Path, **overrides) -> tuple[Path, Path]:
+    """A tiny workflow on the server (2 items in one shard, a random 2-layer GGUF): its ledger and config."""
+    ledger = tmp_path / "ledger"
+    config = write_config(
+        tmp_path / "config.yaml",
+        ledger_dir=str(ledger),
+        checkpoints={"tiny-server": {"engine": "llamaserver", "random_qwen2": {"seed": 2, "layers": 2, "hidden": 64}}},
+        items={"limit": 2},
+        shard_size=2,
+        **overrides,
+    )
+    return ledger, config
+
+
 def _same(a, b) -> bool:
     return all(x.equal(y) for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)))
 
@@ -151,13 +165,8 @@ def test_the_jobs_server_is_gone_after_the_job(engines, tiny_gguf):
 
 @pytest.mark.slow
 def test_a_tiny_workflow_runs_on_the_server(built, tmp_path):
-    ledger = tmp_path / "ledger"
-    config = write_config(
-        tmp_path / "config.yaml",
-        ledger_dir=str(ledger),
-        checkpoints={"tiny-server": {"engine": "llamaserver", "random_qwen2": {"seed": 2, "layers": 2, "hidden": 64}}},
-        items={"limit": 2},
-        shard_size=2,
+    ledger, config = server_config(
+        tmp_path,
         matched={"precision": "fp16", "replicas": 2},
         fixed_prefix={"precisions": ["fp16"], "constructions": ["incremental", "prefill"]},
         transplant={"outcome_blind": {"checkpoint": None, "sample": 1, "seed": 0}, "cross_precision": None},

@@ -11,9 +11,9 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from test_llamaserver_engine import _same, built, tiny_gguf  # noqa: F401 - fixtures
+from test_llamaserver_engine import _same, built, server_config, tiny_gguf  # noqa: F401 - fixtures
 from test_llamaserver_process import PROMPT
-from workflow_helpers import snakemake, write_config
+from workflow_helpers import snakemake
 
 from stagereplay.design.factors import Level
 from stagereplay.engines.llamacpp_engine import load_llamacpp
@@ -143,13 +143,8 @@ FACTORS = {
 
 @pytest.mark.slow
 def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path):  # noqa: F811
-    ledger = tmp_path / "ledger"
-    config = write_config(
-        tmp_path / "config.yaml",
-        ledger_dir=str(ledger),
-        checkpoints={"tiny-server": {"engine": "llamaserver", "random_qwen2": {"seed": 2, "layers": 2, "hidden": 64}}},
-        items={"limit": 2},
-        shard_size=2,
+    ledger, config = server_config(
+        tmp_path,
         matched={"precision": "fp16"},
         fixed_prefix={"precisions": ["fp16"]},
         transplant={"enabled": False},

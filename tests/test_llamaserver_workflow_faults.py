@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_llamaserver_engine import built  # noqa: F401 - fixture
-from workflow_helpers import snakemake, snakemake_command, stagereplay, write_config
+from test_llamaserver_engine import built, server_config  # noqa: F401 - fixture
+from workflow_helpers import snakemake, snakemake_command, stagereplay
 
 WAIT_SECONDS = 300
 
@@ -36,16 +36,8 @@ def _servers_under(folder: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_a_server_killed_mid_workflow_fails_its_job_in_one_line_and_a_rerun_completes(built, tmp_path):  # noqa: F811
-    ledger = tmp_path / "ledger"
-    config = write_config(
-        tmp_path / "config.yaml",
-        ledger_dir=str(ledger),
-        checkpoints={"tiny-server": {"engine": "llamaserver", "random_qwen2": {"seed": 2, "layers": 2, "hidden": 64}}},
-        items={"limit": 2},
-        shard_size=2,
-        matched={"precision": "fp16"},
-        fixed_prefix={"precisions": ["fp16"]},
-        transplant={"enabled": False},
+    ledger, config = server_config(
+        tmp_path, matched={"precision": "fp16"}, fixed_prefix={"precisions": ["fp16"]}, transplant={"enabled": False}
     )
     run = subprocess.Popen(
         snakemake_command(tmp_path, config, cores=1), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
