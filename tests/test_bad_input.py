@@ -38,6 +38,7 @@ class BadInput:
     damage: Callable[[Path], None] | None = None  # damages a copy of a finished ledger first
     command: str = "run"  # "run", "audit" (snakemake targets) or "verify" (the CLI)
     in_job: bool = False  # fails inside a job (its log and model folders are new), not at parse time
+    snakemake_args: tuple[str, ...] = ()  # given on snakemake's command line, after the config file
 
 
 def fake_gguf(folder: Path) -> dict:
@@ -112,6 +113,12 @@ CATALOGUE = {
     ),
     "cross precision equals E1's": BadInput("must differ", {"transplant": {"cross_precision": "bf16"}}),
     "audit threads 0": BadInput("audit.runtime.threads", {"audit": {"runtime": {"threads": 0}}}),
+    # snakemake --config reads values inside a mapping as strings: 24 arrives as '24'
+    "a nested --config override": BadInput(
+        "config key items.limit: '2' is not of type 'integer', 'null' — unquote it; if it came from snakemake"
+        " --config, which passes a value inside a mapping as a string, give that override in a YAML file",
+        snakemake_args=("--config", 'items={"source": "items.jsonl", "limit": 2}'),
+    ),
     "ledger_dir is a file": BadInput("is a file, not a directory", prepare=ledger_dir_is_a_file),
     # items
     "duplicate ids": BadInput("duplicate id", items=ITEM % "a" * 2),
@@ -222,7 +229,7 @@ def test_bad_input_stops_with_one_line_and_leaves_the_ledger(case, test_run, tmp
         result = stagereplay("verify", overrides.get("verify", ledger))
     else:
         config = write_config(tmp_path / "bad.yaml", **{"ledger_dir": str(ledger), **overrides})
-        result = snakemake(workdir, config, *(["audit"] if bad.command == "audit" else []))
+        result = snakemake(workdir, config, *bad.snakemake_args, *(["audit"] if bad.command == "audit" else []))
     assert result.returncode != 0
     one_line_error(result.stdout + result.stderr, bad.needle)
     assert_ledger_kept(before, ledger_snapshot(ledger), bad.in_job)

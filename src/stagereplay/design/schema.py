@@ -34,7 +34,27 @@ def config_problem(config: dict, schema_path: str | Path = SCHEMA) -> str | None
     if error is None:
         return None
     key = ".".join(str(part) for part in error.absolute_path) or "(top level)"
-    return f"config key {key}: {error.message} — fix it in your config file (allowed keys and values: {schema_path})"
+    fix = "fix it in your config file"
+    if _typed_by_yaml_only(validator, error):
+        fix = (
+            "unquote it; if it came from snakemake --config, which passes a value inside a mapping as a string,"
+            " give that override in a YAML file, as a second --configfile"
+        )
+    return f"config key {key}: {error.message} — {fix} (allowed keys and values: {schema_path})"
+
+
+def _typed_by_yaml_only(validator, error) -> bool:
+    """A string where the schema wants another type, which read as YAML would have that type: the mark of
+    ``snakemake --config 'items={limit: 24}'``, whose nested values snakemake reads with YAML's base loader."""
+    nested = len(error.absolute_path) > 1  # a top-level --config value is typed by snakemake itself
+    if error.validator != "type" or not isinstance(error.instance, str) or not nested:
+        return False
+    try:
+        value = yaml.safe_load(error.instance)
+    except yaml.YAMLError:
+        return False
+    wanted = [error.validator_value] if isinstance(error.validator_value, str) else error.validator_value
+    return not isinstance(value, str) and any(validator.is_type(value, name) for name in wanted)
 
 
 def _filling_defaults(validator_class):
