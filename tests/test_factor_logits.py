@@ -28,6 +28,7 @@ from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import FACTOR_LOGIT_COLUMNS, FACTOR_SCHEMA, LedgerError, read_table, write_table
 from stagereplay.report.margins import (
+    bf16_logits,
     bf16_step,
     e1_flip_margins,
     e6_flip_margins,
@@ -190,13 +191,16 @@ def e1_pair(margin: float | None, differs: bool = True) -> dict:
 
 def test_e1_flip_margins_count_ties_and_bound_the_bf16_steps():
     pairs = [e1_pair(0.0), e1_pair(0.125), e1_pair(0.375), e1_pair(None), e1_pair(0.5, differs=False)]
-    assert e1_flip_margins(pairs, "bf16") == {
+    assert e1_flip_margins(pairs, bf16=True) == {
         "side": "prefill",
         "flips": 3,
         "tie": share(1, 3),
         "one_bf16_step_at_most": share(2, 3),
     }
-    assert e1_flip_margins(pairs, "fp32")["one_bf16_step_at_most"] is None
+    assert e1_flip_margins(pairs, bf16=False)["one_bf16_step_at_most"] is None
+    # Only a weight dtype of bf16 makes bf16 logits: llama.cpp's precision is its cache type, its logits float32.
+    assert bf16_logits("transformers", "bf16") and not bf16_logits("transformers", "fp32")
+    assert not bf16_logits("llamacpp", "fp16") and not bf16_logits("llamaserver", "q8_0")
 
 
 def factor_row(cell: str, divergence: int | None, margin: float | None = None, top: float | None = None, **logits):
@@ -218,7 +222,19 @@ def test_e6_flip_margins_and_first_read_of_hand_built_rows():
         factor_row("test-test", 1, 0.25, -40.0),  # one step at [32, 64)
         factor_row("test-test", None),  # no flip
     ]
-    assert e6_flip_margins(served) == {"flips": 4, "tie": share(1, 4), "within_one_bf16_step": share(3, 4)}
+    assert e6_flip_margins(served, bf16=True) == {
+        "flips": 4,
+        "bf16_logits": True,
+        "tie": share(1, 4),
+        "within_one_bf16_step": share(3, 4),
+    }
+    # On float32 logits the same count is a scale of |top|, under its own name: never a bf16 step.
+    assert e6_flip_margins(served, bf16=False) == {
+        "flips": 4,
+        "bf16_logits": False,
+        "tie": share(1, 4),
+        "within_top_over_128": share(3, 4),
+    }
     read = [
         factor_row("ref-test", None, first_logits_identical=True, first_argmax_same=True, first_logits_max_abs=0.0),
         factor_row("ref-test", 2, first_logits_identical=False, first_argmax_same=True, first_logits_max_abs=0.25),
@@ -238,26 +254,35 @@ def test_e6_flip_margins_and_first_read_of_hand_built_rows():
 
 
 def test_the_card_reads_the_flip_margins():
+    def level(name: str, bf16: bool, served: list[dict]) -> dict:
+        flips = e6_flip_margins(served, bf16=bf16)
+        return {"factor": "batch", "level": name, "applicable": True, "flip_margins": flips}
+
     summary = {
         "checkpoints": ["tiny"],
         "E1": {
             "checkpoints": {
                 "tiny": {
                     "precision": "bf16",
-                    "flip_margins": e1_flip_margins([e1_pair(0.0), e1_pair(0.125), e1_pair(0.375)], "bf16"),
+                    "flip_margins": e1_flip_margins([e1_pair(0.0), e1_pair(0.125), e1_pair(0.375)], bf16=True),
                 }
             }
         },
         "E6": {
-            "flip_margins": e6_flip_margins(
-                [factor_row("test-test", 3, 0.0, 20.0), factor_row("test-test", 0, 0.25, 20.0)]
-            )
+            "levels": [
+                level("2", True, [factor_row("test-test", 3, 0.0, 20.0), factor_row("test-test", 0, 0.25, 20.0)]),
+                level("4", False, [factor_row("test-test", 1, 0.125, 20.0)]),
+                level("8", True, [factor_row("test-test", None)]),  # no flip: not listed
+            ]
         },
     }
     (line,) = flip_margins_reading(summary)
     assert "E1 (BF16), prefill side: 1/3 flips are exact ties and at most 2/3 within one bf16 step" in line
-    assert "E6, the test levels' served divergences: 1/2 within one bf16 step of the reference's top logit" in line
-    assert "(1/2 exact ties)" in line
+    assert (
+        "E6, each test level's served divergences (one per item): batch 2 1/2 within one bf16 step of the"
+        " reference's top logit (1/2 exact ties), batch 4 1/1 with a margin at most |top|/128 (0/1 exact ties)."
+    ) in line
+    assert "batch 8" not in line
 
 
 def test_a_factor_table_without_the_logit_columns_gets_one_line_naming_its_migration(tmp_path):

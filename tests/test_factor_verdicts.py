@@ -125,6 +125,8 @@ def rows_of(
                     "factor": factor,
                     "level": level,
                     "reference_level": "ref",
+                    "engine": "transformers",
+                    "precision": "bf16",
                     "item_id": item_id,
                     "cell": label,
                     "applicable": label not in unbuilt,
@@ -211,7 +213,7 @@ def test_cells_that_read_converted_caches_name_cells_not_sides():
     assert (plain["converted_cells"], converted["converted_cells"]) == (False, True)
     plain_text = e6_level_reading(plain)
     converted_text = e6_level_reading(converted)
-    assert "2 write, 1 read, 1 both (write only 2 against read only 1: exact McNemar p = 1)" in plain_text
+    assert "2 write, 1 read, 1 both (write only 2 against read only 1: exact McNemar p = 1, uncorrected)" in plain_text
     assert (
         "2 write, 1 read, 1 both (by the cells that differ: each one-sided cell reads a converted cache"
         in converted_text
@@ -267,11 +269,14 @@ def test_card_and_reading_give_the_patterns_and_latent():
         "of the items whose served suffix changes: 1 write, 1 read, 1 both, 1 interaction (write only 1 against"
         in attention
     )
-    assert "read only 1: exact McNemar p = 1)" in attention
+    assert "read only 1: exact McNemar p = 1, uncorrected)" in attention
     assert "on 4/11 items a one-sided cell differs but the served suffix does not (latent," in attention
     assert "none 3/11 (Wilson 95% [" in patterns and "test-ref+ref-test 1/11 (" in patterns
     assert "0/" not in patterns  # every pattern was seen once at least
-    assert "every item whose served suffix changes (1/2) follows the written cache (write side)" in chunk
+    assert (
+        "every item whose served suffix changes (1/2) is changed by the cache the level writes (build-only: its"
+        " served cell is the write cell)" in chunk
+    )
 
 
 def test_a_summary_of_the_old_shape_is_recognised():
@@ -285,3 +290,95 @@ def test_a_summary_of_the_old_shape_is_recognised():
     del old["levels"][0]["verdicts"]["latent"]
     assert counts_e6_one_sided({"E6": old})
     assert not counts_e6_one_sided({"E1": {}})  # no E6: nothing of its shape to check
+
+
+def served_as(rows: list[dict], cell: str, items: set[str]) -> list[dict]:
+    """The rows with the served cell (test-test) of ``items`` continuing exactly as their ``cell`` does."""
+    suffixes = {row["item_id"]: row["suffix_object"] for row in rows if row["cell"] == cell}
+    return [
+        {**row, "suffix_object": suffixes[row["item_id"]]}
+        if row["cell"] == "test-test" and row["item_id"] in items
+        else row
+        for row in rows
+    ]
+
+
+def test_a_write_verdict_is_counted_apart_from_the_served_continuation_being_the_write_cells():
+    # 4 write items, 2 of them serving the write cell's very suffix; 3 read items, 1 serving the read cell's.
+    items = {f"w{i}": (True, False, True) for i in range(4)} | {f"r{i}": (False, True, True) for i in range(3)}
+    rows = served_as(served_as(rows_of("attention", "eager", items), "test-ref", {"w0", "w2"}), "ref-test", {"r1"})
+    figures = e6_level(rows)
+    assert figures["verdicts"]["write"] == share(4, 7) and figures["verdicts"]["read"] == share(3, 7)
+    assert figures["served_equals_side"] == {"write": share(2, 4), "read": share(1, 3)}
+    text = e6_level_reading(figures)
+    assert "; the served continuation is the write cell's on 2/4 write items and the read cell's on 1/3 read" in text
+    assert "follows the written cache" not in text
+    # One verdict only: the sentence says which cells differ, then whether the served continuation is the cell's.
+    alone = e6_level(
+        served_as(rows_of("batch", "2", {"a": (True, False, True), "b": (True, False, True)}), "test-ref", {"b"})
+    )
+    text = e6_level_reading(alone)
+    assert (
+        "every item whose served suffix changes (2/2) changes in the write cell (test-ref) and not in the read cell"
+        " (write side)" in text
+    )
+    assert "the served continuation is the write cell's on 1/2 write items." in text
+    # A build-only level's served cell is its write cell: nothing to count.
+    assert e6_level(rows_of("chunk", "5", {"a": (True, None, None)}))["served_equals_side"] is None
+
+
+def cache_differs(differs: bool) -> dict:
+    """A built row's cache columns: its bytes differ from the reference's from layer 1, or they do not."""
+    return {"cache_differs": differs, "first_differing_layer": 1 if differs else None}
+
+
+def test_no_comparison_of_the_sides_where_one_side_is_empty_by_construction():
+    # The item batched with itself: the caches have the reference's bytes, so no item can differ in the write cell.
+    same = {f"i{i}": (False, True, True) for i in range(6)} | {"j": (False, False, False)}
+    figures = e6_level(rows_of("batch", "same-2", same))
+    assert figures["caches_differ"] == share(0, 7) and figures["write_vs_read"] is None
+    text = e6_level_reading(figures)
+    assert "no comparison of the sides: every cache it builds has the reference's bytes" in text
+    assert "McNemar" not in text
+    # The same outcomes with caches that differ are a test (and a p-value from 0 against 6).
+    differ = rows_of("batch", "2", same)
+    differ = [{**row, **cache_differs(row["cell"] == "test-ref")} for row in differ]
+    assert e6_level(differ)["write_vs_read"]["p_value"] == pytest.approx(2 / 64)
+    # Cells that read converted caches (cache_type): no test either.
+    assert e6_level(rows_of("cache_type", "q8_0", {"a": (True, False, True)}, converted=True))["write_vs_read"] is None
+    # Served divergences with neither a write-only nor a read-only item: nothing to compare, no p-value.
+    both = e6_level(rows_of("batch", "4", {"a": (True, True, True), "b": (False, False, True)}))["write_vs_read"]
+    assert both["items"] == 2 and both["p_value"] is None
+
+
+def test_the_sides_are_corrected_over_the_levels_that_have_a_test():
+    from stagereplay.report.summary import sides_correction
+
+    def level(name: str, write: int, read: int, caches_differ: bool = True) -> dict:
+        items = {f"w{i}": (True, False, True) for i in range(write)} | {
+            f"r{i}": (False, True, True) for i in range(read)
+        }
+        rows = rows_of("batch", name, items)
+        return e6_level([{**row, **cache_differs(caches_differ and row["cell"] == "test-ref")} for row in rows])
+
+    # 0 vs 12: p = 2/4096; 9 vs 1: p = 22/1024; 2 vs 3: p = 1; same-2 has no test; the control runs none.
+    levels = [level("2", 0, 12), level("4", 9, 1), level("8", 2, 3), level("same-2", 0, 5, caches_differ=False)]
+    levels.append(e6_level(rows_of("batch", "ref", {"a": (False, False, False)})))  # the control (level = reference)
+    correction = sides_correction(levels)
+    assert correction["tests"] == 3 and correction["levels"] == ["batch 2", "batch 4", "batch 8"]
+    assert correction["threshold"] == pytest.approx(0.05 / 3)
+    assert correction["survive"] == ["batch 2"]  # 0.021 is below 0.05 alone, not below 0.05/3
+    e6 = {"levels": levels, "sides_compared": correction}
+    lines = e6_reading(e6)
+    four = next(line for line in lines if line.startswith("E6 batch 4 "))
+    assert "exact McNemar p = 0.021, uncorrected; not below the Bonferroni threshold 0.05/3 = 0.017 of the 3" in four
+    two = next(line for line in lines if line.startswith("E6 batch 2 "))
+    assert "p = 0.00049, uncorrected; below the Bonferroni threshold 0.05/3 = 0.017" in two
+    (family,) = [line for line in lines if line.startswith("E6 write side against read side")]
+    assert "3 test level(s) have an exact McNemar test (batch 2, batch 4, batch 8)" in family
+    assert "(p below 0.05/3 = 0.017), batch 2 survives it." in family
+    # Without batch 2 in the family the threshold is 0.05/2, and batch 4's 0.021 is below it.
+    assert sides_correction(levels[1:])["survive"] == ["batch 4"]
+    none = sides_correction(levels[2:])
+    assert none["tests"] == 1 and none["survive"] == []
+    assert "none survives it" in e6_reading({"levels": levels[2:], "sides_compared": none})[-1]

@@ -153,7 +153,7 @@ def expected_e1(comparisons: list[dict]) -> dict:
                 f"equal accuracy (discordant pairs live-only : prefill-only) ({labeling})",
                 "exact McNemar (two-sided binomial test on the discordant pairs)",
             )
-        ] = (f"{live_only} : {prefill_only}", f"p = {p_value:.3f}", "—")
+        ] = (f"{live_only} : {prefill_only}", f"p = {p_value:.3f} (uncorrected)", "—")
     return expected
 
 

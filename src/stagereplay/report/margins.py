@@ -1,10 +1,13 @@
 """summary.json's figures of the logits at a flip: the reference's margin at the first divergent step against
-one bf16 step of its top logit (E1 and E6), and E6's first read per factor level. ``report.summary`` calls
-these; like it, they only count rows.
+the scale of its top logit (E1 and E6), and E6's first read per factor level. ``report.summary`` calls these;
+like it, they only count rows.
 
 One bf16 step at the magnitude of a logit x is 2**(floor(log2|x|) - 7): bf16 keeps 7 fraction bits, so that is
-the gap between x and its bf16 neighbours. A flip whose reference margin is at most one step was a tie, or a
-lead of one last bit of the top logit: any perturbation that reaches that bit can flip it.
+the gap between x and its bf16 neighbours. Where the logits are bf16 values (``bf16_logits``), a flip whose
+reference margin is at most one step was a tie, or a lead of one last bit of the top logit: any perturbation
+that reaches that bit can flip it. Where they are not (llama.cpp's are float32, whatever its cache type), the
+same number is no rounding step, only a scale: the margin is at most |top|/128, |top| rounded down to a power of
+two. The two are kept under different names so that a float32 count is never read as a last-bit tie.
 """
 
 from __future__ import annotations
@@ -12,9 +15,18 @@ from __future__ import annotations
 import math
 
 from stagereplay.design.cells import READ, cell_label
+from stagereplay.engines.registry import SPECS
 from stagereplay.report.stats import share
 
 BF16_FRACTION_BITS = 7
+
+
+def bf16_logits(engine: str | None, precision: str | None) -> bool:
+    """Whether a run's logits are bf16 values: only where its precision is the model's weight dtype (the logits
+    come out of a model computed in it) and that dtype is bf16. An engine whose precision names its KV-cache
+    type (llama.cpp) computes float32 logits whatever the cache."""
+    spec = SPECS.get(engine)
+    return spec is not None and spec.precision_kind == "weight dtype" and precision == "bf16"
 
 
 def bf16_step(top: float) -> float:
@@ -38,11 +50,11 @@ def one_bf16_step_at_most_for_some_top(margin: float) -> bool:
     return margin == 0 or math.frexp(margin)[0] == 0.5
 
 
-def e1_flip_margins(pairs: list[dict], precision: str | None) -> dict:
+def e1_flip_margins(pairs: list[dict], bf16: bool) -> dict:
     """E1's flips (items whose suffixes differ) by the prefill side's margin at the first divergent step (the
     prefill row is the reference E6 starts from). E1's rows keep no top logit, so the step there is unknown:
-    ties are counted exactly, and at bf16 the margins that could be one step at most (0 or a power of two) give
-    an upper bound; at another precision the logits are not on the bf16 grid and there is no bound."""
+    ties are counted exactly, and on bf16 logits (``bf16``) the margins that could be one step at most (0 or a
+    power of two) give an upper bound; other logits are not on the bf16 grid and there is no bound."""
     margins = [
         row["b_margin_at_divergence"]
         for row in pairs
@@ -54,16 +66,18 @@ def e1_flip_margins(pairs: list[dict], precision: str | None) -> dict:
         "flips": n,
         "tie": share(sum(margin == 0 for margin in margins), n),
         "one_bf16_step_at_most": (
-            share(sum(one_bf16_step_at_most_for_some_top(margin) for margin in margins), n)
-            if precision == "bf16"
-            else None
+            share(sum(one_bf16_step_at_most_for_some_top(margin) for margin in margins), n) if bf16 else None
         ),
     }
 
 
-def e6_flip_margins(served: list[dict]) -> dict:
-    """The served cell's flips (rows whose suffix differs from the reference's) by the reference's margin at the
-    first divergent step, against one bf16 step of the reference's top logit there."""
+def e6_flip_margins(served: list[dict], bf16: bool) -> dict:
+    """One level's served flips (its served cell's rows whose suffix differs from the reference's; one per item)
+    by the reference's margin at the first divergent step, against the scale of the reference's top logit
+    there: one bf16 step on bf16 logits (``within_one_bf16_step``), the same number named for what it is on
+    other logits (``within_top_over_128``). Counted per level only: levels repeat items, and some repeat the
+    very same flips (the item batched with itself at several sizes; a slot restored with the prompt's cache),
+    so a count pooled over levels would count one flip several times."""
     flips = [
         (row["reference_margin_at_divergence"], row["reference_top_logit_at_divergence"])
         for row in served
@@ -72,10 +86,12 @@ def e6_flip_margins(served: list[dict]) -> dict:
         and row["reference_top_logit_at_divergence"] is not None
     ]
     n = len(flips)
+    within = share(sum(within_one_bf16_step(margin, top) for margin, top in flips), n)
     return {
         "flips": n,
+        "bf16_logits": bf16,
         "tie": share(sum(margin == 0 for margin, _ in flips), n),
-        "within_one_bf16_step": share(sum(within_one_bf16_step(margin, top) for margin, top in flips), n),
+        ("within_one_bf16_step" if bf16 else "within_top_over_128"): within,
     }
 
 

@@ -72,7 +72,7 @@ def accuracy_reading(title: str, labeling: dict, n: int, differ: int) -> str:
     accuracy = (
         f"{title}: live {live}/{n}, prefill {prefill}/{n}; difference"
         f" {points(bootstrap['live_minus_prefill'])} points (bootstrap 95% [{points(boot_low)}, {points(boot_high)}],"
-        f" Newcombe [{points(new_low)}, {points(new_high)}]; exact McNemar p = {p_value:.3f} on"
+        f" Newcombe [{points(new_low)}, {points(new_high)}]; exact McNemar p = {p_value:.3f}, uncorrected, on"
         f" {live_only} + {prefill_only} discordant pairs)."
     )
     includes_zero = [boot_low <= 0 <= boot_high, new_low <= 0 <= new_high]
@@ -291,13 +291,17 @@ def limits_reading(provenance: Provenance) -> list[str]:
     return lines
 
 
+# What each verdict says of an item whose served suffix changes: which cells differ from the reference, never
+# that the served continuation is a one-sided cell's (summary.json's served_equals_side counts that).
 SIDE_WORDS = {
-    "write": "follows the written cache (write side)",
-    "read": "changes only where the reference cache is read under the level (read side)",
+    "write": "changes in the write cell (test-ref) and not in the read cell (write side)",
+    "read": "changes in the read cell (ref-test) and not in the write cell (read side)",
     "both": "changes in the write cell and in the read cell (both sides)",
     "interaction": "changes only when the level both builds and reads (interaction)",
     "served": "changes as a server runs it (its one-sided cells cannot be built, so the side is not separated)",
 }
+# A build-only level's one cell is its served cell and its write cell: there the verdict does say it.
+BUILD_ONLY_WRITE = "is changed by the cache the level writes (build-only: its served cell is the write cell)"
 
 
 def e6_reading(e6: dict | None) -> list[str]:
@@ -306,8 +310,9 @@ def e6_reading(e6: dict | None) -> list[str]:
     if e6 is None:
         return []
     lines = []
+    correction = e6.get("sides_compared")
     for level in e6["levels"]:
-        lines.append(e6_level_reading(level))
+        lines.append(e6_level_reading(level, correction))
         # A build-only or server-only level has one cell, so its two patterns are its suffixes-differ figure.
         full = level["applicable"] and len(level["differing_cells"]) > 2
         if full and level["verdicts"]["none"]["count"] < level["items"]:
@@ -317,6 +322,7 @@ def e6_reading(e6: dict | None) -> list[str]:
         for level in e6["levels"]
         if level["applicable"] and level.get("first_read") and level["first_read"]["argmax_same"]["n"]
     ]
+    lines += sides_correction_reading(correction)
     if read:
         lines.append(first_read_reading(read))
     return lines
@@ -341,8 +347,10 @@ def first_read_reading(levels: list[dict]) -> str:
 
 
 def flip_margins_reading(summary: dict) -> list[str]:
-    """How many flips were near-ties: the reference's margin at the first divergent step, in bf16 steps of the
-    top logit (E1 keeps no top logit, so its count is bounded; E6 records the reference's)."""
+    """How many flips were near-ties: the reference's margin at the first divergent step, against one bf16 step
+    of the top logit where the logits are bf16 values (E1 keeps no top logit, so its count is bounded; E6
+    records the reference's), against |top|/128 under that name where they are not. E6 per test level only:
+    levels repeat items and flips, so no count is pooled over them."""
     parts = []
     for checkpoint, e1 in summary["E1"]["checkpoints"].items():
         margins = e1.get("flip_margins")
@@ -360,26 +368,42 @@ def flip_margins_reading(summary: dict) -> list[str]:
                 else " (its logits are not bf16 values and E1 keeps no top logit: no bf16-step count)"
             )
         )
-    e6 = (summary.get("E6") or {}).get("flip_margins")
-    if e6 and e6["flips"]:
-        n = e6["flips"]
+    levels = [
+        level
+        for level in (summary.get("E6") or {}).get("levels", [])
+        if level["applicable"] and level.get("flip_margins") and level["flip_margins"]["flips"]
+    ]
+    if levels:
         parts.append(
-            f"E6, the test levels' served divergences: {e6['within_one_bf16_step']['count']}/{n} within one bf16"
-            f" step of the reference's top logit there ({e6['tie']['count']}/{n} exact ties)"
+            "E6, each test level's served divergences (one per item): " + ", ".join(map(_level_margins, levels))
         )
     if not parts:
         return []
     return [
-        "Margins at the first divergent step (the reference's top-1 minus top-2 logit; one bf16 step is"
-        " 2^(floor(log2|top logit|) - 7)): " + "; ".join(parts) + "."
+        "Margins at the first divergent step (the reference's top-1 minus top-2 logit; on bf16 logits one bf16 step"
+        " is 2^(floor(log2|top logit|) - 7), the gap to the top logit's neighbour; on other logits, such as"
+        " llama.cpp's float32 ones, the same number is no rounding step and is named |top|/128, |top| rounded down"
+        " to a power of two): " + "; ".join(parts) + "."
     ]
+
+
+def _level_margins(level: dict) -> str:
+    margins = level["flip_margins"]
+    n, ties = margins["flips"], margins["tie"]["count"]
+    within, scale = (
+        (margins["within_one_bf16_step"], "within one bf16 step of the reference's top logit")
+        if margins["bf16_logits"]
+        else (margins["within_top_over_128"], "with a margin at most |top|/128")
+    )
+    return f"{level['factor']} {level['level']} {within['count']}/{n} {scale} ({ties}/{n} exact ties)"
 
 
 def e6_level_name(level: dict) -> str:
     return f"E6 {level['factor']} {level['level']} (reference {level['reference_level']})"
 
 
-def e6_level_reading(level: dict) -> str:
+def e6_level_reading(level: dict, correction: dict | None = None) -> str:
+    """One level's sentence; ``correction``: summary's E6.sides_compared, the family its p-value belongs to."""
     name = e6_level_name(level)
     if not level["applicable"]:
         return f"{name}: not applicable here — {level['reason']}."
@@ -423,22 +447,77 @@ def e6_level_reading(level: dict) -> str:
             f" one-sided cell reads a converted cache, so these do not say on which side the divergence"
             f" enters){latent_text}."
         )
+    followed = _served_equals_side(level)
     if len(changed) == 1:
         ((verdict, count),) = changed.items()
-        return f"{text}; every item whose served suffix changes ({count}/{n}) {SIDE_WORDS[verdict]}{latent_text}."
+        words = BUILD_ONLY_WRITE if level["cells"] == ["test-ref"] else SIDE_WORDS[verdict]
+        return (
+            f"{text}; every item whose served suffix changes ({count}/{n}) {words}"
+            f"{_write_vs_read(level, correction)}{followed}{latent_text}."
+        )
     sides = ", ".join(f"{count} {verdict}" for verdict, count in changed.items())
-    return f"{text}; of the items whose served suffix changes: {sides}{_write_vs_read(level)}{latent_text}."
-
-
-def _write_vs_read(level: dict) -> str:
-    """The exact test behind any comparison of the sides (summary's write_vs_read); without one, no comparison."""
-    test = level.get("write_vs_read")
-    if not test or test["p_value"] is None or not (test["write_only"] or test["read_only"]):
-        return ""
     return (
-        f" (write only {test['write_only']} against read only {test['read_only']}: exact McNemar p ="
-        f" {test['p_value']:.2g})"
+        f"{text}; of the items whose served suffix changes: {sides}{_write_vs_read(level, correction)}{followed}"
+        f"{latent_text}."
     )
+
+
+def _served_equals_side(level: dict) -> str:
+    """Whether the served continuation is the one-sided cell's, for the write and read items (summary's
+    served_equals_side): a write verdict alone says only that the write cell differs from the reference."""
+    counted = level.get("served_equals_side") or {}
+    parts = [
+        f"the {verdict} cell's on {counted[verdict]['count']}/{counted[verdict]['n']} {verdict} items"
+        for verdict in ("write", "read")
+        if verdict in counted and counted[verdict]["n"]
+    ]
+    return f"; the served continuation is {' and '.join(parts)}" if parts else ""
+
+
+def _write_vs_read(level: dict, correction: dict | None) -> str:
+    """The exact test behind any comparison of the sides (summary's write_vs_read), its p-value uncorrected and
+    set against the family's Bonferroni threshold (summary's sides_compared); without a test, why not."""
+    test = level.get("write_vs_read")
+    full = len(level["differing_cells"]) > 2  # a build-only or server-only level has no sides to compare
+    if test is None and full and level["caches_differ"]["count"] == 0:
+        return (
+            " (no comparison of the sides: every cache it builds has the reference's bytes, so its write cell is"
+            " the reference computation and the write side is empty by construction)"
+        )
+    if not test or test["p_value"] is None:
+        return ""
+    text = (
+        f" (write only {test['write_only']} against read only {test['read_only']}: exact McNemar p ="
+        f" {test['p_value']:.2g}, uncorrected"
+    )
+    if correction and correction["tests"]:
+        threshold, tests = correction["threshold"], correction["tests"]
+        survives = f"{level['factor']} {level['level']}" in correction["survive"]
+        text += (
+            f"; {'below' if survives else 'not below'} the Bonferroni threshold 0.05/{tests} = {threshold:.2g}"
+            f" of the {tests} such test(s)"
+        )
+    return text + ")"
+
+
+def sides_correction_reading(correction: dict | None) -> list[str]:
+    """Which write-against-read comparisons survive the correction for their number (summary's sides_compared)."""
+    if not correction or not correction["tests"]:
+        return []
+    tests, threshold = correction["tests"], correction["threshold"]
+    survive = correction["survive"]
+    verdict = (
+        f"{', '.join(survive)} {'survives' if len(survive) == 1 else 'survive'} it"
+        if survive
+        else "none survives it: no level's write-only against read-only difference is shown beyond chance"
+    )
+    return [
+        f"E6 write side against read side: {tests} test level(s) have an exact McNemar test"
+        f" ({', '.join(correction['levels'])}); Bonferroni-corrected over them (p below 0.05/{tests} ="
+        f" {threshold:.2g}), {verdict}. Not tested: levels whose caches have the reference's bytes on every item,"
+        " levels whose cells read converted caches, build-only and server-only levels, and levels with no"
+        " write-only or read-only item."
+    ]
 
 
 def e6_pattern_reading(level: dict) -> str:

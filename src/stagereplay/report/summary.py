@@ -30,7 +30,7 @@ from stagereplay.design.cells import (
 from stagereplay.design.factors import factor_named, is_control
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
 from stagereplay.report.e5_summary import e5_summary
-from stagereplay.report.margins import e1_flip_margins, e6_flip_margins, first_read_figures
+from stagereplay.report.margins import bf16_logits, e1_flip_margins, e6_flip_margins, first_read_figures
 from stagereplay.report.stats import (
     MCNEMAR,
     grouped,
@@ -72,8 +72,9 @@ LABELINGS = {
 }
 
 
-def e1_summary(rows: list[dict]) -> dict:
-    """E1 of one checkpoint, from its construction and replica rows."""
+def e1_summary(rows: list[dict], engines: dict[str, str]) -> dict:
+    """E1 of one checkpoint, from its construction and replica rows; ``engines``: each checkpoint's engine (from
+    the trajectories: the comparison rows do not name it), which says whether its logits are bf16 values."""
     pairs = [row for row in rows if row["relation"] == "construction"]
     n = len(pairs)
     replicas: dict[str, list[bool]] = defaultdict(list)
@@ -103,7 +104,9 @@ def e1_summary(rows: list[dict]) -> dict:
         # Items whose stage ended at EOS before the boundary: nothing is continued, so their suffixes agree by
         # construction; the card shows them apart from the divergence counts they sit in.
         "stage_ended_at_eos": share(sum(row["boundary_reason"] == "eos" for row in pairs), n),
-        "flip_margins": e1_flip_margins(pairs, pairs[0]["precision"] if pairs else None),
+        "flip_margins": e1_flip_margins(
+            pairs, bool(pairs) and bf16_logits(engines.get(pairs[0]["checkpoint"]), pairs[0]["precision"])
+        ),
         # Replicas that reproduced their side exactly; n = 0 (one replica) is "not measured", never "all exact".
         "replicas_exact": {
             side: share(sum(replicas.get(side, [])), len(replicas.get(side, []))) for side in ("live", "prefill")
@@ -214,10 +217,14 @@ def environment(trajectories: pa.Table) -> list[dict]:
 
 @dataclass(frozen=True)
 class ItemOutcome:
-    """One item of one factor level: which cells' suffixes differ from the reference's, and its verdict."""
+    """One item of one factor level: which cells' suffixes differ from the reference's, its verdict, and which
+    one-sided cells continue exactly as the served cell does."""
 
     pattern: str  # design.factors.pattern_name: "none", "test-ref+test-test", ...
     verdict: str  # design.cells.item_verdict
+    # The one-sided cells (test-ref, ref-test) whose suffix is the served cell's (test-test): a write verdict
+    # says the write cell differs from the reference, not that the served continuation is the write cell's.
+    served_equals: tuple[str, ...] = ()
 
 
 def item_outcomes(rows: list[dict]) -> dict[str, ItemOutcome]:
@@ -236,7 +243,13 @@ def item_outcomes(rows: list[dict]) -> dict[str, ItemOutcome]:
             verdict = item_verdict(reference, *suffixes)
         except ValueError as error:
             raise ValueError(f"E6 {first['factor']} {first['level']}, item {item_id}: {error}") from None
-        outcomes[item_id] = ItemOutcome(pattern_name(differing_cells(reference, *suffixes)), verdict)
+        served = suffixes[-1]
+        equals = tuple(
+            label
+            for label, one_sided in zip(CELL_LABELS[:2], suffixes[:2])
+            if served is not None and one_sided == served
+        )
+        outcomes[item_id] = ItemOutcome(pattern_name(differing_cells(reference, *suffixes)), verdict, equals)
     return outcomes
 
 
@@ -244,14 +257,42 @@ def write_vs_read(outcomes: list[ItemOutcome]) -> dict:
     """Write side against read side, over the items whose served suffix differs: each such item's write cell
     (test-ref) and read cell (ref-test) differ or not, so the two are paired, and the exact McNemar test asks
     whether write-only items (verdict write) and read-only ones (read) are equally likely. Items where both or
-    neither one-sided cell differs say nothing on that question. No p-value from no item."""
+    neither one-sided cell differs say nothing on that question: with no write-only or read-only item there is
+    nothing to compare, and no p-value (a p of 1 would enter a correction as a test that was run)."""
     served = [outcome.pattern.split("+") for outcome in outcomes if outcome.verdict in SERVED_VERDICTS]
     write_only, read_only, p_value = (
         mcnemar_exact([WRITE_LABEL in cells for cells in served], [READ_LABEL in cells for cells in served])
         if served
         else (0, 0, None)
     )
-    return {"items": len(served), "write_only": write_only, "read_only": read_only, "p_value": p_value, "test": MCNEMAR}
+    return {
+        "items": len(served),
+        "write_only": write_only,
+        "read_only": read_only,
+        "p_value": p_value if write_only + read_only else None,
+        "test": MCNEMAR,
+    }
+
+
+def sides_comparable(caches_differ: dict, converted_cells: bool) -> bool:
+    """Whether a full-2x2 level's write and read sides can be compared at all. Not where every built cache has
+    the reference's bytes (batch same:B): test-ref is then the reference computation, so the write side is empty
+    by construction and a test of it against the read side would only restate that. Not where the one-sided
+    cells read converted caches (cache_type): each then measures a conversion, not a side."""
+    return caches_differ["count"] > 0 and not converted_cells
+
+
+def served_equals_side(outcomes: list[ItemOutcome]) -> dict:
+    """Among the write items, those whose served suffix is the write cell's (S_tr = S_tt), x/N; among the read
+    items, those whose served suffix is the read cell's (S_rt = S_tt). A verdict says which one-sided cell
+    differs from the reference; only this says whether the served continuation is that cell's."""
+    return {
+        verdict: share(
+            sum(label in outcome.served_equals for outcome in outcomes if outcome.verdict == verdict),
+            sum(outcome.verdict == verdict for outcome in outcomes),
+        )
+        for verdict, label in (("write", WRITE_LABEL), ("read", READ_LABEL))
+    }
 
 
 def e6_level(rows: list[dict]) -> dict:
@@ -281,10 +322,15 @@ def e6_level(rows: list[dict]) -> dict:
     patterns = Counter(outcome.pattern for outcome in outcomes)
     verdicts = Counter(outcome.verdict for outcome in outcomes)
     n = len(built)
+    caches_differ = share(len(differing_layers), n)
+    # cache_type: each one-sided cell reads a cache converted to the other type, so its verdicts name the cells
+    # that differ, not a side.
+    converted = any(row["converted_digest"] is not None for row in applicable)
+    full = of.cells == FULL
     figures.update(
         {
             "items": n,
-            "caches_differ": share(len(differing_layers), n),
+            "caches_differ": caches_differ,
             "first_differing_layer": min(differing_layers) if differing_layers else None,
             "max_abs_difference": max((max(row["layer_max_abs"], default=0.0) for row in built), default=0.0),
             "served_cell": cell_label(of.served_cell),
@@ -292,11 +338,12 @@ def e6_level(rows: list[dict]) -> dict:
             # Exactly these cells' suffixes differ from the reference's, the level's other cells' do not.
             "differing_cells": {pattern: share(patterns[pattern], n) for pattern in of.patterns},
             "verdicts": {name: share(verdicts[name], n) for name in VERDICTS},
-            # cache_type: each one-sided cell reads a cache converted to the other type, so its verdicts name
-            # the cells that differ, not a side (and write_vs_read compares two conversions).
-            "converted_cells": any(row["converted_digest"] is not None for row in applicable),
-            "write_vs_read": write_vs_read(list(outcomes)) if of.cells == FULL else None,
-            "flip_margins": e6_flip_margins(served),
+            "converted_cells": converted,
+            "served_equals_side": served_equals_side(list(outcomes)) if full else None,
+            "write_vs_read": write_vs_read(list(outcomes))
+            if full and sides_comparable(caches_differ, converted)
+            else None,
+            "flip_margins": e6_flip_margins(served, bf16_logits(first["engine"], first["precision"])),
             "first_read": first_read_figures(applicable, of.cells),
         }
     )
@@ -310,21 +357,43 @@ def e6_summary(factors: pa.Table) -> dict:
     rows = factors.to_pylist()
     levels = grouped(rows, lambda r: f"{r['checkpoint']}/{r['precision']}/{r['factor']}/{r['level']}")
     first = rows[0] if rows else {}
-    # Every test level's served flips, pooled (a control's would be the harness's own, and it has none).
-    served = [
-        row
-        for row in rows
-        if row["applicable"]
-        and not is_control(row["factor"], row["level"], row["reference_level"])
-        and row["cell"] == cell_label(factor_named(row["factor"]).served_cell)
-    ]
+    figures = [e6_level(group) for group in levels.values()]
     return {
         "name": "factors",
         "checkpoint": first.get("checkpoint"),
         "precision": first.get("precision"),
         "reference": "E2's prefill row at this precision (the (ref, ref) cell)",
-        "levels": [e6_level(group) for group in levels.values()],
-        "flip_margins": e6_flip_margins(served),
+        "levels": figures,
+        "sides_compared": sides_correction(figures),
+    }
+
+
+FAMILY_ALPHA = 0.05
+
+
+def sides_correction(levels: list[dict]) -> dict:
+    """The write-against-read tests of the test levels as one family, Bonferroni-corrected: each level's p-value
+    is uncorrected, and with several levels one of them falls below 0.05 by chance more often than 5% of the
+    time. Only the levels that have a test count (write_vs_read with a p-value: not a control, not a level
+    whose sides cannot be compared, not one without a write-only or read-only item); ``survive`` names those
+    whose p-value is below alpha / tests."""
+    tested = [
+        level
+        for level in levels
+        if level["applicable"]
+        and not is_control(level["factor"], level["level"], level["reference_level"])
+        and (level.get("write_vs_read") or {}).get("p_value") is not None
+    ]
+    threshold = FAMILY_ALPHA / len(tested) if tested else None
+    return {
+        "method": "Bonferroni",
+        "alpha": FAMILY_ALPHA,
+        "tests": len(tested),
+        "levels": [f"{level['factor']} {level['level']}" for level in tested],
+        "threshold": threshold,
+        "survive": [
+            f"{level['factor']} {level['level']}" for level in tested if level["write_vs_read"]["p_value"] < threshold
+        ],
     }
 
 
@@ -337,10 +406,14 @@ def summary(
 ) -> dict:
     """Every figure of a run, from its tables alone (so verify can recompute and check it)."""
     order = checkpoint_order(comparisons)
+    engines = {row["checkpoint"]: row["engine"] for row in trajectories.select(["checkpoint", "engine"]).to_pylist()}
     result = {
         "stagereplay_version": version,
         "checkpoints": order,
-        "E1": {"name": "matched", "checkpoints": per_checkpoint(comparisons, "E1", e1_summary)},
+        "E1": {
+            "name": "matched",
+            "checkpoints": per_checkpoint(comparisons, "E1", lambda rows: e1_summary(rows, engines)),
+        },
         "E2": {
             "name": "fixed_prefix",
             "prefix": "E1 live trajectory (never regenerated)",
