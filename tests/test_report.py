@@ -20,9 +20,10 @@ import yaml
 from scipy import stats
 from workflow_helpers import REPO, snakemake
 
+from stagereplay.audit.e4 import e4_summary
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.tables import COMPARISON_SCHEMA, ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, read_table
-from stagereplay.report.card import write_results_card
+from stagereplay.report.card import E4_FIGURE, write_results_card
 from stagereplay.report.card_provenance import provenance
 from stagereplay.report.plots import PLOT_FILES, plot_transplant_follow_donor
 from stagereplay.report.stats import (
@@ -30,7 +31,6 @@ from stagereplay.report.stats import (
     paired_difference_ci,
     paired_difference_newcombe,
     paired_difference_wald,
-    share,
 )
 from stagereplay.report.summary import summary as summarize
 
@@ -371,21 +371,36 @@ def test_plots_and_card_degrade_when_an_experiment_is_missing(completed, tmp_pat
 
     summary = json.loads((ledger / "summary.json").read_text())
     del summary["E5"]
-    summary["E4"] = {
-        "name": "audit",
-        "trajectories": {"reproduced": 35, **share(35, 36)},
-        "artifacts": {"kv_cache": {"reproduced": 20, **share(20, 20)}},
-        "mismatches": [{"item_id": "arith-000", "artifact": "suffix", "detail": "differs"}],
-        "environment_differences": [],
-    }
+    # E4 as the audit computes it: 36 trajectories' caches and suffixes, one suffix not reproduced.
+    audit = [
+        {
+            "kind": "trajectory",
+            "artifact": artifact,
+            "checkpoint": "tiny-qwen2",
+            "item_id": f"arith-{index // 2:03d}",
+            "side": ("live", "prefill")[index % 2],
+            "reproduced": not (artifact == "suffix" and index == 0),
+            "environment_differs": False,
+            **dict.fromkeys(("saved", "audited", "first_differing_layer", "first_differing_position", "detail")),
+            "environment": None,
+        }
+        for index in range(36)
+        for artifact in ("kv_cache", "suffix")
+    ]
+    summary["E4"] = e4_summary(audit)
     records = {"tiny-qwen2": read_model_record(ledger / "models" / "tiny-qwen2" / "model.json")}
     prov = provenance(summary, "data/items.jsonl", ledger / "items.jsonl", records)
     card = write_results_card(summary, prov, tmp_path / "results.md").read_text()
     figures = card_figures(card)
     assert figures[("E4 audit", "trajectories reproduced from the saved ledger", WILSON)] == proportion(35, 36)
-    assert figures[("E4 audit", "kv_cache fingerprints reproduced", WILSON)] == proportion(20, 20)
+    assert figures[("E4 audit", "kv_cache fingerprints reproduced", WILSON)] == proportion(36, 36)
+    assert figures[("E4 audit", "suffix fingerprints reproduced", WILSON)] == proportion(35, 36)
     assert figures[("E5 transplant", "not run", "transplant.enabled is false in the config")] == ("—", "—", "—")
-    assert "E4 audit: 35/36 trajectories reproduced from the saved ledger; 1 mismatch(es) recorded." in card
+    assert (
+        "E4 audit: differences found; 35/36 trajectories and 17/18 items reproduced from the saved ledger; the"
+        " worst-reproduced artifact kind is suffix, 35/36; 1 mismatch(es) recorded." in card
+    )
+    assert "| E4 audit | " + E4_FIGURE + " | differences found: worst suffix 35/36 (97.2%); trajectories" in card
 
 
 def test_long_jobs_log_a_final_progress_line_with_items_and_tokens_per_second(completed):

@@ -222,3 +222,21 @@ def test_wald_collapses_without_discordant_pairs_but_newcombe_does_not():
 def test_paired_tests_reject_bad_inputs(function, a, b):
     with pytest.raises(ValueError):
         function(a, b)
+
+
+def test_overlap_chance_is_the_hypergeometric_tail_written_out():
+    from math import comb
+
+    from stagereplay.report.stats import overlap_chance
+
+    # 11 of 19 items in a set of 18 out of 48: the tail counted by hand, draw by draw.
+    figures = overlap_chance(11, 19, 18, 48)
+    by_hand = sum(comb(18, k) * comb(30, 19 - k) for k in range(11, 19)) / comb(48, 19)
+    assert figures["p_at_least"] == pytest.approx(by_hand, rel=1e-9)
+    assert figures["expected"] == pytest.approx(19 * 18 / 48)
+    assert overlap_chance(0, 19, 18, 48)["p_at_least"] == pytest.approx(1.0)  # at least none: certain
+    # Symmetric in the two sets, and smaller for a larger overlap.
+    assert overlap_chance(11, 18, 19, 48)["p_at_least"] == pytest.approx(figures["p_at_least"])
+    assert overlap_chance(12, 19, 18, 48)["p_at_least"] < figures["p_at_least"]
+    with pytest.raises(ValueError, match="impossible"):
+        overlap_chance(20, 19, 18, 48)

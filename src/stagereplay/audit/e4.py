@@ -59,6 +59,17 @@ def audit_runtime(trajectories: list[dict]) -> dict:
     return {name: runs[0] if len(runs) == 1 else runs for name, runs in described.items()}
 
 
+def worst_artifact(artifacts: dict[str, dict]) -> dict | None:
+    """The artifact kind reproduced least (lowest rate; then the most mismatches, then by name), as the card's E4
+    answer names it: a count over trajectories alone can read 40/40 while E6's caches reproduce 56/72. None when
+    no artifact was audited."""
+    measured = [(name, entry) for name, entry in artifacts.items() if entry["n"]]
+    if not measured:
+        return None
+    name, entry = min(measured, key=lambda item: (item[1]["rate"], item[1]["count"] - item[1]["n"], item[0]))
+    return {"artifact": name, **entry}
+
+
 def e4_summary(rows: list[dict], audit_runtime: dict | None = None) -> dict:
     """Reproduced x/N per artifact kind, per trajectory and per item; mismatches and environment differences."""
     by_artifact: dict[str, list[bool]] = defaultdict(list)
@@ -73,6 +84,7 @@ def e4_summary(rows: list[dict], audit_runtime: dict | None = None) -> dict:
             key = (row["checkpoint"], row["item_id"])
             by_item[key] = by_item.get(key, True) and row["reproduced"]
     mismatches = [row for row in rows if not row["reproduced"]]
+    artifacts = {name: _reproduced(values) for name, values in sorted(by_artifact.items())}
     environment = Counter(row["environment"] for row in rows if row["environment_differs"])
     # A run is reproduced only if trajectories were recomputed: a model fingerprint alone reproduces no result.
     status = "differences found" if mismatches else "reproduced" if by_trajectory else NOT_MEASURED
@@ -82,7 +94,8 @@ def e4_summary(rows: list[dict], audit_runtime: dict | None = None) -> dict:
         "method": "every saved row recomputed from its saved inputs into audit/, every fingerprint compared",
         "items": _reproduced(list(by_item.values())),
         "trajectories": _reproduced(list(by_trajectory.values())),
-        "artifacts": {name: _reproduced(values) for name, values in sorted(by_artifact.items())},
+        "artifacts": artifacts,
+        "worst_artifact": worst_artifact(artifacts),
         "mismatches": [
             {
                 key: row[key]
@@ -122,6 +135,9 @@ def e4_line(figures: dict) -> str:
         f"E4 audit: {figures['status']}; {reproduced}/{artifacts} artifacts reproduced; trajectories "
         f"{_fraction(figures['trajectories'])}, items {_fraction(figures['items'])}"
     )
+    worst = figures["worst_artifact"]
+    if worst["count"] < worst["n"]:
+        line += f"; worst reproduced: {worst['artifact']} {worst['count']}/{worst['n']}"
     if figures["mismatches"]:
         line += f"; first mismatch: {_describe(figures['mismatches'][0])}"
     if figures["environment_differences"]:

@@ -121,15 +121,7 @@ def answer_panel(summary: dict) -> list[list[str]]:
             PAPER_FIGURES["E3"],
         ]
     )
-    e4 = summary.get("E4")
-    rows.append(
-        [
-            "E4 audit",
-            "trajectories reproduced from the saved ledger",
-            _counted(e4["trajectories"]) if e4 else f"not run yet ({AUDIT_HOW})",
-            PAPER_FIGURES["E4"],
-        ]
-    )
+    rows.append(e4_panel(summary.get("E4")))
     rows += e5_panel(summary.get("E5"), primary)
     e6 = summary.get("E6")
     if e6 is not None:
@@ -150,11 +142,43 @@ def answer_panel(summary: dict) -> list[list[str]]:
     return rows
 
 
+E4_FIGURE = "the audit's status, its worst-reproduced artifact kind, trajectories and items reproduced"
+# e4.json files written before the audit named its worst artifact kind (audit.e4.worst_artifact).
+E4_REWRITE = "snakemake --cores N audit --forcerun audit_ledger"
+
+
+def e4_panel(e4: dict | None) -> list[str]:
+    """E4's row: the audit's status and the artifact kind it reproduced least, before any count over
+    trajectories, which can read 40/40 while E6's caches reproduce 56/72 (all from e4.json)."""
+    if e4 is None:
+        return ["E4 audit", E4_FIGURE, f"not run yet ({AUDIT_HOW})", PAPER_FIGURES["E4"]]
+    if "worst_artifact" not in e4:
+        worst = f"worst artifact kind not recorded in this e4.json ({E4_REWRITE} rewrites it)"
+    elif e4["worst_artifact"] is None:
+        worst = "no artifact audited"
+    elif e4["worst_artifact"]["count"] == e4["worst_artifact"]["n"]:
+        worst = f"every artifact kind in full ({len(e4['artifacts'])} kinds)"
+    else:
+        entry = e4["worst_artifact"]
+        worst = f"worst {entry['artifact']} {_counted(entry)}"
+    mismatches = len(e4.get("mismatches", [])) + e4.get("mismatches_not_listed", 0)
+    parts = [
+        f"{e4['status']}: {worst}",
+        f"trajectories {_counted(e4['trajectories'])}",
+        f"items {_counted(e4['items'])}",
+    ]
+    if mismatches:
+        parts.append(f"{mismatches} mismatch(es)")
+    return ["E4 audit", E4_FIGURE, "; ".join(parts), PAPER_FIGURES["E4"]]
+
+
 def e5_panel(e5: dict | None, primary: str) -> list[list[str]]:
     """E5's rows of the panel, counted over items (both directions of an item are one observation). The
     outcome-blind sample sits beside the paper's replication only when it ran on another checkpoint, as the
     paper's did (a later one); on the primary checkpoint it is a repeat on a seeded sample, and says so."""
+    # The unit beside the paper's: its figures count continuations (24/24, 43/43), these count items.
     figure = "divergent items whose continuation follows the donor cache both ways (all layers)"
+    unit = "unit: items, an item's two directions one observation; the paper's unit: continuations"
     if e5 is None:
         return [["E5 transplant", figure, "not run (transplant.enabled is false)", PAPER_FIGURES["E5"]]]
     rows = []
@@ -162,19 +186,24 @@ def e5_panel(e5: dict | None, primary: str) -> list[list[str]]:
         selection, checkpoint = key.split("/", 1)
         items = _counted(counted["items_follow_donor_both_ways"])
         if selection == "selected":
-            rows.append(["E5 transplant", f"{figure}, selected", items, PAPER_FIGURES["E5"]])
+            rows.append(["E5 transplant", f"{figure}, selected; {unit}", items, PAPER_FIGURES["E5"]])
         elif checkpoint == primary:
             rows.append(
                 [
                     "E5 outcome-blind",
-                    f"{figure}, a seeded sample at the same checkpoint",
+                    f"{figure}, a seeded sample at the same checkpoint; {unit}",
                     items,
                     "not comparable: the paper's replication is at a later checkpoint",
                 ]
             )
         else:
             rows.append(
-                ["E5 outcome-blind", f"{figure}, at checkpoint {checkpoint}", items, PAPER_FIGURES["E5 outcome-blind"]]
+                [
+                    "E5 outcome-blind",
+                    f"{figure}, at checkpoint {checkpoint}; {unit}",
+                    items,
+                    PAPER_FIGURES["E5 outcome-blind"],
+                ]
             )
     return rows or [["E5 transplant", figure, "no divergent item to transplant", PAPER_FIGURES["E5"]]]
 

@@ -171,17 +171,29 @@ def e3_reading(summary: dict) -> list[str]:
 
 
 def e4_reading(e4: dict | None) -> list[str]:
+    """The audit's status first, and the artifact kind it reproduced least: trajectories alone can all
+    reproduce while other artifacts (E6's caches, margins) do not."""
     if e4 is None:
         return [f"E4 audit: not run ({AUDIT_HOW}): whether the saved ledger reproduces is untested here."]
     reproduced, n = e4["trajectories"]["reproduced"], e4["trajectories"]["n"]
     if not n:
         return ["E4 audit: not measured: the audit recomputed no trajectory, so nothing is shown to reproduce."]
-    line = f"E4 audit: {reproduced}/{n} trajectories reproduced from the saved ledger"
-    mismatches = e4.get("mismatches", [])
-    line += f"; {len(mismatches)} mismatch(es) recorded." if mismatches else ", with no mismatch."
+    line = (
+        f"E4 audit: {e4['status']}; {reproduced}/{n} trajectories and {e4['items']['count']}/{e4['items']['n']}"
+        " items reproduced from the saved ledger"
+    )
+    worst = e4.get("worst_artifact")
+    if "worst_artifact" not in e4:
+        line += "; the worst-reproduced artifact kind is not recorded in this e4.json (written before it was)"
+    elif worst["count"] < worst["n"]:
+        line += f"; the worst-reproduced artifact kind is {worst['artifact']}, {worst['count']}/{worst['n']}"
+    else:
+        line += f"; every artifact kind reproduced in full ({len(e4['artifacts'])} kinds)"
+    mismatches = len(e4.get("mismatches", [])) + e4.get("mismatches_not_listed", 0)
+    line += f"; {mismatches} mismatch(es) recorded." if mismatches else ", with no mismatch."
     differences = e4.get("environment_differences", [])
     if differences:
-        line += f" The audit ran in a different environment ({len(differences)} difference(s)): see summary.json."
+        line += f" The audit ran in a different environment ({len(differences)} difference(s)): see audit/e4.json."
     return [line]
 
 

@@ -188,6 +188,25 @@ def paired_difference_newcombe(
     return difference, float(difference - below), float(difference + above)
 
 
+def overlap_chance(shared: int, first: int, second: int, items: int) -> dict:
+    """The chance baseline of an overlap: ``shared`` items lie in both of two sets of ``first`` and ``second``
+    items out of ``items``. Were the second set a random draw of its size, the overlap would be hypergeometric:
+    ``expected`` = first * second / items on average, and ``p_at_least`` the probability of ``shared`` or more
+    (one-sided: an overlap is read as "more than chance"). Uncorrected, like every p-value here."""
+    if not 0 <= shared <= min(first, second) or max(first, second) > items:
+        raise ValueError(f"an overlap of {shared} between sets of {first} and {second} of {items} items is impossible")
+    distribution = stats.hypergeom(items, first, second)
+    return {
+        "shared": shared,
+        "first": first,
+        "second": second,
+        "items": items,
+        "expected": first * second / items,
+        "p_at_least": float(distribution.sf(shared - 1)),
+        "test": "hypergeometric upper tail (one-sided), uncorrected",
+    }
+
+
 def share(count: int, n: int) -> dict:
     """x/N with its Wilson interval; with n = 0 nothing was observed, so it is marked not measured."""
     low, high = wilson_interval(count, n) if n else (None, None)
