@@ -213,7 +213,7 @@ def test_cells_that_read_converted_caches_name_cells_not_sides():
     assert (plain["converted_cells"], converted["converted_cells"]) == (False, True)
     plain_text = e6_level_reading(plain)
     converted_text = e6_level_reading(converted)
-    assert "2 write, 1 read, 1 both (write only 2 against read only 1: exact McNemar p = 1, uncorrected)" in plain_text
+    assert "2 write, 1 read, 1 both; write only 2 against read only 1: exact McNemar p = 1, uncorrected" in plain_text
     assert (
         "2 write, 1 read, 1 both (by the cells that differ: each one-sided cell reads a converted cache"
         in converted_text
@@ -266,10 +266,10 @@ def test_card_and_reading_give_the_patterns_and_latent():
     attention, patterns, chunk = e6_reading(e6)
     assert "suffixes differ on 4/11 as a server runs it" in attention
     assert (
-        "of the items whose served suffix changes: 1 write, 1 read, 1 both, 1 interaction (write only 1 against"
+        "of the items whose served suffix changes: 1 write, 1 read, 1 both, 1 interaction; write only 1 against"
         in attention
     )
-    assert "read only 1: exact McNemar p = 1, uncorrected)" in attention
+    assert "read only 1: exact McNemar p = 1, uncorrected;" in attention
     assert "on 4/11 items a one-sided cell differs but the served suffix does not (latent," in attention
     assert "none 3/11 (Wilson 95% [" in patterns and "test-ref+ref-test 1/11 (" in patterns
     assert "0/" not in patterns  # every pattern was seen once at least
@@ -371,9 +371,9 @@ def test_the_sides_are_corrected_over_the_levels_that_have_a_test():
     e6 = {"levels": levels, "sides_compared": correction}
     lines = e6_reading(e6)
     four = next(line for line in lines if line.startswith("E6 batch 4 "))
-    assert "exact McNemar p = 0.021, uncorrected; not below the Bonferroni threshold 0.05/3 = 0.017 of the 3" in four
+    assert "exact McNemar p = 0.021, uncorrected, not below the Bonferroni threshold 0.05/3 = 0.017 over the 3" in four
     two = next(line for line in lines if line.startswith("E6 batch 2 "))
-    assert "p = 0.00049, uncorrected; below the Bonferroni threshold 0.05/3 = 0.017" in two
+    assert "p = 0.00049, uncorrected, below the Bonferroni threshold 0.05/3 = 0.017" in two
     (family,) = [line for line in lines if line.startswith("E6 write side against read side")]
     assert "3 test level(s) have an exact McNemar test (batch 2, batch 4, batch 8)" in family
     assert "(p below 0.05/3 = 0.017), batch 2 survives it." in family

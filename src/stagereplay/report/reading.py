@@ -493,23 +493,23 @@ def _write_vs_read(level: dict, correction: dict | None) -> str:
     full = len(level["differing_cells"]) > 2  # a build-only or server-only level has no sides to compare
     if test is None and full and level["caches_differ"]["count"] == 0:
         return (
-            " (no comparison of the sides: every cache it builds has the reference's bytes, so its write cell is"
-            " the reference computation and the write side is empty by construction)"
+            "; no comparison of the sides: every cache it builds has the reference's bytes, so its write cell is"
+            " the reference computation and the write side is empty by construction"
         )
     if not test or test["p_value"] is None:
         return ""
     text = (
-        f" (write only {test['write_only']} against read only {test['read_only']}: exact McNemar p ="
+        f"; write only {test['write_only']} against read only {test['read_only']}: exact McNemar p ="
         f" {test['p_value']:.2g}, uncorrected"
     )
     if correction and correction["tests"]:
         threshold, tests = correction["threshold"], correction["tests"]
         survives = f"{level['factor']} {level['level']}" in correction["survive"]
         text += (
-            f"; {'below' if survives else 'not below'} the Bonferroni threshold 0.05/{tests} = {threshold:.2g}"
-            f" of the {tests} such test(s)"
+            f", {'below' if survives else 'not below'} the Bonferroni threshold 0.05/{tests} = {threshold:.2g}"
+            f" over the {tests} level(s) tested"
         )
-    return text + ")"
+    return text
 
 
 def sides_correction_reading(correction: dict | None) -> list[str]:
