@@ -224,7 +224,7 @@ class ItemOutcome:
     verdict: str  # design.cells.item_verdict
     # The one-sided cells (test-ref, ref-test) whose suffix is the served cell's (test-test): a write verdict
     # says the write cell differs from the reference, not that the served continuation is the write cell's.
-    served_equals: tuple[str, ...] = ()
+    served_equals: tuple[str, ...]
 
 
 def item_outcomes(rows: list[dict]) -> dict[str, ItemOutcome]:
