@@ -36,6 +36,8 @@ CONTROLS = {
     "ubatch": "whole",
     "cache_type": "q8_0",
     "rotation": "on",
+    "kv_offset": "removed-100",
+    "kv_unified": "off-1",
 }
 
 

@@ -391,6 +391,77 @@ class Rotation(OnOff):
         return "on"  # llama.cpp's default for a quantized cache
 
 
+# A kv_offset level whose filler is decoded and removed before the item arrives: the control's prefix.
+REMOVED = "removed-"
+# The control's filler: not a multiple of 64 (the key tiles of CPU flash attention), so a filler that was
+# not really removed would move the item's cells off the tile edges and show.
+CONTROL_FILLER = 100
+
+
+class KvOffset(Factor):
+    """The item's cells behind another sequence's in one unified cache: ``c`` cells of an idle filler sequence
+    (the next items' tokens) are decoded first, so the item's cells start at cell ``c`` instead of 0. Nothing
+    else shares the item's calls. ``removed:c`` (the control) decodes the same filler and removes it before the
+    item arrives: the filler path, with the item at cell 0 again. It separates where the item's cells lie in
+    the cache from what else is in its decode calls (concurrent load changes both)."""
+
+    name = "kv_offset"
+    what = "a cell count such as 1, 37, 64 or 100, or removed:N (the control: the filler removed first)"
+
+    def level_name(self, given):
+        return super().level_name(given).replace(":", "-")
+
+    def check(self, name, context):
+        _positive_int(self.name, name.removeprefix(REMOVED), self.what)
+
+    def reference(self, runtime, cpu_capability):
+        return "0"  # the item alone in its cache, from cell 0
+
+    def control_of(self, reference):
+        return f"{REMOVED}{CONTROL_FILLER}"
+
+    def value(self, name):
+        """The filler's cell count."""
+        return int(name.removeprefix(REMOVED))
+
+    def removes_filler(self, name: str) -> bool:
+        """Whether the filler is removed before the item arrives (the control)."""
+        return name.startswith(REMOVED)
+
+
+class KvUnified(Factor):
+    """Concurrent requests in one KV stream per sequence instead of one unified cache (llama-server's
+    ``--no-kv-unified``): ``off:B`` is ``batch`` B with every sequence's cells from cell 0 of its own stream.
+    Beside ``batch`` B (one unified cache, the item's cells behind the others'), it separates the cells'
+    place from the company in the decode calls. ``off:1`` (the control) is the item alone on that path."""
+
+    name = "kv_unified"
+    what = "off:B with B a batch size such as 2 or 4 (off:1 is the control)"
+
+    def level_name(self, given):
+        return super().level_name(given).replace(":", "-")
+
+    def check(self, name, context):
+        if not name.startswith("off-"):
+            raise FactorError(f"factors.kv_unified: unknown level {name!r} — use {self.what}")
+        size = _positive_int(self.name, name.removeprefix("off-"), self.what)
+        if size > context.item_count:
+            raise FactorError(
+                f"factors.kv_unified: {name.replace('-', ':')} needs {size} items, the run has {context.item_count}"
+                f" — use at most off:{context.item_count}"
+            )
+
+    def reference(self, runtime, cpu_capability):
+        return "none"  # no other request: the one-sequence cache of every other experiment
+
+    def control_of(self, reference):
+        return "off-1"
+
+    def value(self, name):
+        """The batch size (sequences decoded together, each in its own stream)."""
+        return int(name.removeprefix("off-"))
+
+
 FACTOR_OBJECTS: dict[str, Factor] = {
     factor.name: factor
     for factor in (
@@ -404,6 +475,8 @@ FACTOR_OBJECTS: dict[str, Factor] = {
         Ubatch(),
         CacheType(),
         Rotation(),
+        KvOffset(),
+        KvUnified(),
     )
 }
 FACTORS = tuple(FACTOR_OBJECTS)

@@ -153,9 +153,15 @@ class Engine(ABC):
         """``state`` as this engine's cache stores it (another cache type converted), or as it is."""
         return state
 
-    def batch_context(self, size: int) -> AbstractContextManager:
-        """Where a batch of ``size`` sequences runs (nothing to set up by default)."""
+    def batch_context(self, size: int, unified: bool = True) -> AbstractContextManager:
+        """Where a batch of ``size`` sequences runs (nothing to set up by default); ``unified`` False: each
+        sequence in a KV stream of its own, from cell 0 (llama.cpp's ``kv_unified`` off)."""
         return nullcontext()
+
+    def behind_filler(self, tokens: list[int], removed: bool = False) -> AbstractContextManager:
+        """Where the next caches start behind another sequence holding ``tokens`` in one unified cache, idle;
+        ``removed``: that sequence decoded, then removed before anything else runs."""
+        raise ModelError(f"the {self.environment.engine} engine cannot place a cache behind another sequence")
 
     def batch_forward(self, batch: object | None, rows: list[list[int]]) -> tuple[object, torch.Tensor]:
         """Feed several sequences in one call, each row's tokens after what ``batch`` holds for it (None: an

@@ -63,6 +63,8 @@ from stagereplay.ledger.kvstate import KVState
 # the sequence state then holds exactly the boundary cache the parser reads.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SEQ = 0
+# The sequence that holds a filler the engine's own sequence sits behind (E6's kv_offset).
+FILLER_SEQ = 1
 
 
 class LlamaCppCache:
@@ -133,6 +135,7 @@ class LlamaCppEngine(Engine):
         self.environment: Environment | None = None  # set by load_llamacpp, which knows the runtime
         self.generation = 0
         self.context = None
+        self.filler = False  # a filler sequence held beside the engine's (``behind_filler``)
         self._open(settings)
 
     def _open(self, settings: EngineSettings) -> None:
@@ -149,7 +152,7 @@ class LlamaCppEngine(Engine):
         params.n_batch = params.n_ctx  # a whole prefix (or a batch's prefixes) in one decode call ...
         params.n_ubatch = settings.n_ubatch or params.n_ctx  # ... and, unless told, in one micro-batch
         params.n_seq_max = settings.n_seq_max
-        params.kv_unified = settings.n_seq_max > 1
+        params.kv_unified = settings.n_seq_max > 1 and settings.kv_unified
         params.n_threads = settings.n_threads
         params.n_threads_batch = settings.n_threads_batch
         params.flash_attn_type = (
@@ -188,13 +191,39 @@ class LlamaCppEngine(Engine):
         self._open(dataclasses.replace(self.settings, **changes))
 
     @contextlib.contextmanager
-    def batch_context(self, size: int):
-        """A unified cache of ``size`` sequences while the batch runs, then the single-sequence context again."""
-        self.reconfigure(n_seq_max=size)
+    def batch_context(self, size: int, unified: bool = True):
+        """A context of ``size`` sequences while the batch runs (one unified cache, or one KV stream each), then
+        the single-sequence context again."""
+        self.reconfigure(n_seq_max=size, kv_unified=unified)
         try:
             yield
         finally:
+            self.reconfigure(n_seq_max=1, kv_unified=True)
+
+    @contextlib.contextmanager
+    def behind_filler(self, tokens: list[int], removed: bool = False):
+        """A unified cache of two sequences whose sequence 1 holds ``tokens``, decoded first in one call: llama.cpp
+        puts the cells of what the engine then decodes after them (the first free cells), so its cache starts at
+        cell ``len(tokens)``. The filler stays idle: the engine's caches clear their own sequence only. ``removed``:
+        the filler is removed again at once, which frees cells 0.. and puts the engine's cache back at cell 0."""
+        self.reconfigure(n_seq_max=2)
+        try:
+            self._decode([(FILLER_SEQ, 0, list(tokens))])
+            if removed and not self.llama_cpp.llama_memory_seq_rm(self.memory, FILLER_SEQ, -1, -1):
+                raise LlamaCppError("llama.cpp refused to remove the filler sequence")
+            self.filler = not removed
+            yield
+        finally:
+            self.filler = False
             self.reconfigure(n_seq_max=1)
+
+    def _clear(self) -> None:
+        """Empty the engine's own sequence (the whole cache, unless a filler sequence is held beside it)."""
+        if self.filler:
+            if not self.llama_cpp.llama_memory_seq_rm(self.memory, SEQ, -1, -1):
+                raise LlamaCppError("llama.cpp refused to clear the engine's sequence")
+        else:
+            self.llama_cpp.llama_memory_clear(self.memory, True)
 
     def converted(self, state: KVState) -> KVState:
         """``state`` in this context's cache type (``llamacpp_state.converted_state``)."""
@@ -231,7 +260,7 @@ class LlamaCppEngine(Engine):
     # The engine protocol (base.Engine).
 
     def empty_cache(self) -> LlamaCppCache:
-        self.llama_cpp.llama_memory_clear(self.memory, True)
+        self._clear()
         self.generation += 1
         return LlamaCppCache(self, self.generation)
 
@@ -283,7 +312,16 @@ class LlamaCppEngine(Engine):
                 f"a cache stored as {state.formats} cannot go into this {self.settings.cache_type} context (stores"
                 f" {self.formats}) unconverted — convert it first (the engine's converted)"
             )
-        return SeqState(kv=state, seq_id=seq, v_trans=not self.settings.flash_attn, cache_type=self.settings.cache_type)
+        # Without a unified cache each sequence has a KV stream of its own (sequence i in stream i).
+        separate = self.settings.n_seq_max > 1 and not self.settings.kv_unified
+        return SeqState(
+            kv=state,
+            seq_id=seq,
+            v_trans=not self.settings.flash_attn,
+            cache_type=self.settings.cache_type,
+            streams=self.settings.n_seq_max if separate else 1,
+            stream=seq if separate else 0,
+        )
 
     # --- E6: settings a server changes ---
 
@@ -400,7 +438,7 @@ class LlamaCppEngine(Engine):
             raise LlamaCppError(
                 f"a cache of {state.kv.num_layers} layers cannot feed a model of {self.geometry.n_layer} layers — continue a state only on the model that built it"
             )
-        self.llama_cpp.llama_memory_clear(self.memory, True)
+        self._clear()
         self._set_sequence(data, SEQ)
         cache.positions = positions
 

@@ -23,6 +23,7 @@ class EngineSettings:
     flash_attn: bool = False
     rotation: bool = True  # llama.cpp's Hadamard rotation of a quantized cache (off: LLAMA_ATTN_ROT_DISABLE=1)
     n_seq_max: int = 1  # more than 1: a unified cache of that many sequences, as llama.cpp's server runs
+    kv_unified: bool = True  # with more than one sequence: one cache (False: one KV stream per sequence)
 
     @property
     def micro_batch(self) -> int:
@@ -33,6 +34,7 @@ class EngineSettings:
             f"n_ctx=n_batch={self.n_ctx}; n_ubatch={self.micro_batch}; n_threads={self.n_threads};"
             f" n_threads_batch={self.n_threads_batch}; cache={self.cache_type}; flash_attn={'on' if self.flash_attn else 'off'};"
             f" rotation={'default' if self.rotation else 'disabled'}; n_seq_max={self.n_seq_max}"
+            + ("" if self.n_seq_max == 1 or self.kv_unified else "; kv_unified=off")
         )
 
 

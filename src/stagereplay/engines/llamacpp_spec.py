@@ -82,7 +82,20 @@ LLAMACPP = LlamaCppSpec(
     precision_kind="KV-cache type",
     checkpoint_sources=("embedded", "gguf", "random_qwen2"),
     record_kind="gguf",
-    factors=frozenset({"prefix_reuse", "batch", "threads", "chunk", "flash_attn", "ubatch", "cache_type", "rotation"}),
+    factors=frozenset(
+        {
+            "prefix_reuse",
+            "batch",
+            "threads",
+            "chunk",
+            "flash_attn",
+            "ubatch",
+            "cache_type",
+            "rotation",
+            "kv_offset",
+            "kv_unified",
+        }
+    ),
     libraries=("llama_cpp_python",),
     environment_fields=(*SHARED_ENVIRONMENT, "attn_implementation"),
     engine_class_path="stagereplay.engines.llamacpp_engine:LlamaCppEngine",

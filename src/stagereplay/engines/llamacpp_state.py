@@ -7,7 +7,7 @@ writes exactly the format of the pinned binding (``FORMAT``), read from its
 ``state_write_meta`` / ``state_write_data``:
 
     u32 magic 0xaf143cd8, i32 seq_id                 (the context's header)
-    u32 n_stream
+    u32 n_stream                                     (1, or with one KV stream per sequence, their count)
     per stream:  u32 cell_count                      (0: the stream is empty, nothing follows)
       per cell:  i32 pos, u32 n_seq_id, n_seq_id x i32 seq_id
                  u32 v_trans, u32 n_layer
@@ -77,6 +77,10 @@ class SeqState:
     seq_id: int
     v_trans: bool
     cache_type: str  # the precision: "fp16", "q8_0", or K's and V's type ("q8_0-fp16")
+    # The context's KV streams and the one holding the sequence: 1 and 0 in a single-sequence context or a unified
+    # cache; without a unified cache (kv_unified off) one stream per sequence, the others empty in its state.
+    streams: int = 1
+    stream: int = 0
 
 
 class _Reader:
@@ -132,8 +136,12 @@ def parse_seq_state(data: bytes, geometry: Geometry, rotation: tuple[int, int] =
         raise _refuse(f"the header is {magic:#010x}, not the magic {MAGIC:#010x}")
     header_seq_id = reader.take("<i", "the header's sequence id")
     n_stream = reader.take("<I", "the stream count")
-    _expect(n_stream, 1, "the stream count")  # a single-sequence context, or a unified cache: one stream
-    cells = reader.take("<I", "the cell count")
+    if n_stream < 1:
+        raise _refuse("the state has no KV stream")
+    # One stream holds the sequence's cells; every other (one per sequence, without a unified cache) is empty.
+    stream, cells = 0, 0
+    while stream < n_stream and (cells := reader.take("<I", f"stream {stream}'s cell count")) == 0:
+        stream += 1
     if cells == 0:
         raise _refuse("the sequence holds no cells (an empty cache has no boundary to read)")
     seq_ids = set()
@@ -183,6 +191,9 @@ def parse_seq_state(data: bytes, geometry: Geometry, rotation: tuple[int, int] =
         _expect(reader.take("<I", f"layer {layer}'s V width"), v_width, f"layer {layer}'s V width")
         columns = reader.array(dtype, v_width * cells, f"layer {layer}'s V")
         values.append(columns.reshape(heads, geometry.head_dim_v, cells).transpose(0, 2, 1))
+    for other in range(stream + 1, n_stream):
+        if reader.take("<I", f"stream {other}'s cell count") != 0:
+            raise _refuse(f"the sequence has cells in streams {stream} and {other}, one KV stream holds a sequence")
     if reader.offset != len(data):
         raise _refuse(f"{len(data) - reader.offset} bytes follow the last layer's V")
     if len(k_types) != 1 or len(v_types) != 1:
@@ -198,7 +209,14 @@ def parse_seq_state(data: bytes, geometry: Geometry, rotation: tuple[int, int] =
         key_format=part_format(k_type, rotation[0]),
         value_format=part_format(v_type, rotation[1]),
     )
-    return SeqState(kv=kv, seq_id=seq_ids.pop(), v_trans=bool(v_trans), cache_type=_precision(k_type, v_type))
+    return SeqState(
+        kv=kv,
+        seq_id=seq_ids.pop(),
+        v_trans=bool(v_trans),
+        cache_type=_precision(k_type, v_type),
+        streams=n_stream,
+        stream=stream,
+    )
 
 
 def write_seq_state(state: SeqState) -> bytes:
@@ -226,7 +244,10 @@ def write_seq_state(state: SeqState) -> bytes:
         row_bytes = rows[0].size * rows.dtype.itemsize
         return [struct.pack("<iQ", CACHE_TYPE_IDS[cache_type], row_bytes), np.ascontiguousarray(rows).tobytes()]
 
-    parts = [struct.pack("<IiII", MAGIC, state.seq_id, 1, cells)]
+    if not 0 <= state.stream < state.streams:
+        raise _refuse(f"stream {state.stream} is not one of the context's {state.streams}")
+    parts = [struct.pack("<IiI", MAGIC, state.seq_id, state.streams)]
+    parts += [struct.pack("<I", 0)] * state.stream + [struct.pack("<I", cells)]
     parts += [struct.pack("<iIi", cell, 1, state.seq_id) for cell in range(cells)]
     parts.append(struct.pack("<II", int(state.v_trans), kv.num_layers))
     for key in kv.keys:
@@ -240,6 +261,7 @@ def write_seq_state(state: SeqState) -> bytes:
             struct.pack("<iII", CACHE_TYPE_IDS[types.v], columns.dtype.itemsize, columns.shape[0] * columns.shape[1]),
             np.ascontiguousarray(columns).tobytes(),
         ]
+    parts += [struct.pack("<I", 0)] * (state.streams - state.stream - 1)
     return b"".join(parts)
 
 

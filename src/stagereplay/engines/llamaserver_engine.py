@@ -38,6 +38,7 @@ from the same GGUF through a small context (the binding is installed with the se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
@@ -67,7 +68,9 @@ EXTRA_OPTIONS = ("--n-gpu-layers", "0", "--fit", "off", "--no-context-shift", "-
 # A JSON logprob of a token whose probability underflowed to 0 (the server's -FLT_MAX for JSON's lack of -inf).
 UNDERFLOW = -3.4028234663852886e38
 # The binding's ``reconfigure`` names the engine takes, each a restart with the matching option changed.
-SETTING_NAMES = ("flash_attn", "n_ubatch", "cache_type", "n_threads", "load_slots")
+SETTING_NAMES = ("flash_attn", "n_ubatch", "cache_type", "n_threads", "load_slots", "kv_unified")
+# The slot that holds a filler the engine's slot 0 sits behind (E6's kv_offset).
+FILLER_SLOT = 1
 
 
 def server_extra(cache_type: str) -> tuple[str, ...]:
@@ -149,9 +152,14 @@ class LlamaServerEngine(SlotSequences, Engine):
             elif name == "n_threads":
                 fields["threads"] = fields["threads_batch"] = value
             elif name == "load_slots":
-                # Each slot may hold a whole context, so companions never crowd the cache (no batch retries).
+                # Each slot may hold a whole context, so companions never crowd the cache (no batch retries); without
+                # a unified cache each slot's stream gets an equal share of it: one whole context again.
                 slots = max(value, 1)
                 fields.update(parallel=slots, kv_unified=value > 0, ctx_size=LLAMACPP_N_CTX * slots)
+                if "kv_unified" in changes:
+                    fields["kv_unified"] = value > 0 and changes["kv_unified"]
+            elif name == "kv_unified":
+                fields.setdefault("kv_unified", value)
             else:
                 fields[name] = value
         settings = dataclasses.replace(self.settings, **fields)
@@ -170,9 +178,26 @@ class LlamaServerEngine(SlotSequences, Engine):
         """The next requests on a new server with ``-t threads -tb threads`` (the server sets them only at start)."""
         self.reconfigure(n_threads=threads)
 
-    def in_flight(self, prompts: list[list[int]]):
-        """A block with greedy requests for ``prompts`` generating on slots 1.. (``llamaserver_load``)."""
-        return companions_in_flight(self.server, prompts)
+    def in_flight(self, prompts: list[list[int]], cancelled: bool = False):
+        """A block with greedy requests for ``prompts`` generating on slots 1.. (``llamaserver_load``); with
+        ``cancelled``, started, then cancelled and erased before the block (the load path's control)."""
+        return companions_in_flight(self.server, prompts, cancelled=cancelled)
+
+    @contextlib.contextmanager
+    def behind_filler(self, tokens: list[int], removed: bool = False):
+        """A server of two slots in one unified cache whose slot 1 holds ``tokens``: one request of that prompt, kept
+        by the slot (the last generated token is never decoded) and left idle, so slot 0's cells come after them;
+        ``--no-cache-idle-slots`` keeps an idle slot's cells in the cache. ``removed``: slot 1 erased at once."""
+        self.reconfigure(load_slots=2)
+        try:
+            answer = self.server.complete(list(tokens), 1, slot=FILLER_SLOT, cache_prompt=True, n_probs=0)
+            if answer.get("timings", {}).get("prompt_n") != len(tokens):
+                raise LlamaServerError(f"llama-server decoded {answer.get('timings')} of a {len(tokens)}-token filler")
+            if removed:
+                self.server.erase_slot(FILLER_SLOT)
+            yield
+        finally:
+            self.reconfigure(load_slots=0)
 
     def converted(self, state: KVState) -> KVState:
         """``state`` in this server's cache type, converted as the binding's engine converts it."""
@@ -341,7 +366,16 @@ class LlamaServerEngine(SlotSequences, Engine):
             )
         cache = self.empty_cache()
         tokens = [0] * state.num_positions
-        seq = SeqState(kv=state, seq_id=SLOT, v_trans=not self.settings.flash_attn, cache_type=self.settings.cache_type)
+        # Without a unified cache each slot has a KV stream of its own (slot i in stream i).
+        streams = 1 if self.settings.kv_unified else self.settings.parallel
+        seq = SeqState(
+            kv=state,
+            seq_id=SLOT,
+            v_trans=not self.settings.flash_attn,
+            cache_type=self.settings.cache_type,
+            streams=streams,
+            stream=SLOT if streams > 1 else 0,
+        )
         self.saved += 1
         name = f"restore-{self.saved}.bin"
         write_slot_file(self.slot_dir / name, seq, tokens)

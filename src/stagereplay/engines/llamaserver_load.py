@@ -50,6 +50,7 @@ class Load:
     slots: tuple[int, ...]
     started: list[int] = field(default_factory=list)
     ended: list[int] = field(default_factory=list)
+    cancelled: bool = False  # cancelled and erased before the block (the load path's control)
 
     def describe(self) -> str:
         if not self.slots:
@@ -59,6 +60,11 @@ class Load:
             return f"{min(values)}" if min(values) == max(values) else f"{min(values)}–{max(values)}"
 
         slots = f"slot {self.slots[0]}" if len(self.slots) == 1 else f"slots {self.slots[0]}–{self.slots[-1]}"
+        if self.cancelled:
+            return (
+                f"{len(self.slots)} other request{'s' if len(self.slots) != 1 else ''} started on {slots}, generating"
+                f" (tokens decoded: {spread(self.started)}), then cancelled and erased before the block"
+            )
         return (
             f"{len(self.slots)} other request{'s' if len(self.slots) != 1 else ''} generating on {slots}"
             f" (tokens decoded: {spread(self.started)} when the block began, {spread(self.ended)} when it ended)"
@@ -66,34 +72,51 @@ class Load:
 
 
 @contextmanager
-def companions_in_flight(server: ServerProcess, prompts: Sequence[Sequence[int]]) -> Iterator[Load]:
-    """Greedy requests for ``prompts`` generating on slots 1..len(prompts) for the duration of the block."""
+def companions_in_flight(
+    server: ServerProcess, prompts: Sequence[Sequence[int]], *, cancelled: bool = False
+) -> Iterator[Load]:
+    """Greedy requests for ``prompts`` generating on slots 1..len(prompts) for the duration of the block. With
+    ``cancelled`` (the control of the load path), they start, generate, and are cancelled and erased before the
+    block: the block then runs alone on a server that went through everything load does to it."""
     slots = tuple(range(1, len(prompts) + 1))
     if slots and server.settings.parallel <= slots[-1]:
         raise LlamaServerError(
             f"{len(prompts)} companions need {len(prompts) + 1} slots; this server has {server.settings.parallel}"
         )
-    load = Load(slots)
+    load = Load(slots, cancelled=cancelled)
     log_before = len(server.log_text())
     connections = []
     try:
         for slot, prompt in zip(slots, prompts):
             connections.append(_send(server, slot, prompt))
         load.started = _decoded(server, slots, connections, waiting=True)
+        if cancelled:
+            _cancel(server, slots, connections)
+            connections = []
         yield load
-        load.ended = _decoded(server, slots, [], waiting=False)
+        if not cancelled:
+            load.ended = _decoded(server, slots, [], waiting=False)
         if RETRY_LINE in server.log_text()[log_before:]:
             raise LlamaServerError(
                 "llama-server ran out of cache cells under load and retried with a smaller batch — give it a larger"
                 " context"
             )
     finally:
-        for connection in connections:
-            connection.close()
         if connections and server.process is not None and server.process.poll() is None:
-            _wait_idle(server, slots)
-            for slot in slots:
-                server.erase_slot(slot)
+            _cancel(server, slots, connections)
+        else:
+            for connection in connections:
+                connection.close()
+
+
+def _cancel(server: ServerProcess, slots: tuple[int, ...], connections: list) -> None:
+    """Close the companions' streams (the server drops each at its next write), wait until their slots are idle,
+    and erase them, so the next block starts from the same state."""
+    for connection in connections:
+        connection.close()
+    _wait_idle(server, slots)
+    for slot in slots:
+        server.erase_slot(slot)
 
 
 def _send(server: ServerProcess, slot: int, prompt: Sequence[int]) -> http.client.HTTPConnection:

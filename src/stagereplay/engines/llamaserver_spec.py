@@ -18,7 +18,9 @@ DECLARED = {
     "name": "llamaserver",
     "summary": "a GGUF through llama.cpp's own HTTP server",
     "record_kind": "gguf",
-    "factors": frozenset({"threads", "flash_attn", "ubatch", "cache_type", "prefix_reuse", "batch"}),
+    "factors": frozenset(
+        {"threads", "flash_attn", "ubatch", "cache_type", "prefix_reuse", "batch", "kv_offset", "kv_unified"}
+    ),
     # The server is no Python distribution: its build (vendored commit, CMake flags, CPU features) is in every
     # row's engine_build; the binding it was built from, whose tokenizer the engine uses, is versioned here.
     "libraries": ("llama_cpp_python",),

@@ -108,6 +108,11 @@ def build_live(
 
 def build_boundary_state(engine: Engine, prefix: list[int], construction: str, prompt_length: int) -> KVState:
     """The boundary cache over ``prefix[:-1]`` built by ``construction`` (not ``live``)."""
+    return build_boundary(engine, prefix, construction, prompt_length)[1]
+
+
+def build_boundary(engine: Engine, prefix: list[int], construction: str, prompt_length: int) -> tuple[object, KVState]:
+    """``build_boundary_state``, with the engine's cache it was built in (still live: a request may go on from it)."""
     kind, chunk = parse_construction(construction)
     if kind == "live":
         raise ConstructionError("the live construction is generated, not rebuilt — use build_live")
@@ -124,4 +129,4 @@ def build_boundary_state(engine: Engine, prefix: list[int], construction: str, p
     with torch.inference_mode():
         for piece in pieces:
             engine.feed(piece, cache)
-    return engine.snapshot(cache)
+    return cache, engine.snapshot(cache)

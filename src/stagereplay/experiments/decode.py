@@ -43,6 +43,7 @@ class Decoded:
     # the boundary cache with the reference's. None where nothing was decoded.
     first_logits: torch.Tensor | None = field(default=None, compare=False, repr=False)
     top_logits: tuple[float, ...] = ()  # the top-1 logit at each emitted token (one bf16 step is set by its binade)
+    note: str = ""  # what else ran while it was read, in words (E6: a read under concurrent load records its load)
 
 
 def greedy_choice(logits: torch.Tensor) -> tuple[int, float]:

@@ -176,10 +176,16 @@ def item_cells(settings: LevelSettings, item: ReferenceItem, base: dict) -> list
         if cell not in wanted:
             continue
         state, convert, read = inputs[cell]
+        fingerprint = test_fingerprint if state is test_state else None
+        if cell == SERVER and built.served is not None:
+            # The level served the item as one request (its build and read in one block): that read is the cell.
+            cells[cell] = (state, fingerprint, built.served)
+            fed[cell] = built.served_positions
+            fed[wanted[0]] -= built.served_positions  # counted with the build until now
+            continue
         given = convert()
         if given is not state:
             converted[cell] = fingerprint_cache(to_host(given))
-        fingerprint = test_fingerprint if state is test_state else None
         cells[cell] = (state, fingerprint, counted(cell, functools.partial(read, given)))
     if WRITE in cells and same_bytes and list(cells[WRITE][2].tokens) != reference_suffix:
         # The same bytes continued by the same reader: only a run that does not reproduce itself differs.
@@ -201,7 +207,9 @@ def item_cells(settings: LevelSettings, item: ReferenceItem, base: dict) -> list
                 **_cell(cell),
                 "applicable": True,
                 "reason": None,
-                "setting": built.note if is_test_cache else "the reference cache",
+                "setting": "; ".join(
+                    filter(None, (built.note if is_test_cache else "the reference cache", decoded.note))
+                ),
                 "reused_tokens": built.reused_tokens,
                 "reused_digest": built.reused_digest,
                 "companions": list(built.companions),

@@ -33,8 +33,8 @@ import torch
 from stagereplay.design.factors import WHOLE, FactorError, Level, factor_named
 from stagereplay.engines.base import Engine, ModelError, Runtime
 from stagereplay.engines.transformers_spec import RUN_ATTENTION
-from stagereplay.experiments.constructions import build_boundary_state
-from stagereplay.experiments.decode import Decoded, continue_from, decode_greedy, greedy_choice
+from stagereplay.experiments.constructions import build_boundary, build_boundary_state
+from stagereplay.experiments.decode import Decoded, continue_from, decode_greedy, generate_greedy, greedy_choice
 from stagereplay.experiments.level_job import Built, LevelJob, Prefix
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
@@ -334,11 +334,21 @@ class Batch(Setting):
     """The item in row 0 of a batch of B, with B-1 companions: the next B-1 items (by id, wrapping round),
     left-padded, with an attention mask and per-row positions; or, at same-B, the item itself B-1 more times
     (rows of one length: no padding). Built in one batched prefill; read by decoding the batch step by step
-    (each row its own greedy token) until the item's row ends."""
+    (each row its own greedy token) until the item's row ends. ``unified`` False (``kv_unified``'s levels): each
+    sequence in a KV stream of its own instead of one unified cache."""
 
-    def __init__(self, engine, budget, eos, size: int, prefixes: dict[str, Prefix], repeated: bool = False):
+    def __init__(
+        self,
+        engine,
+        budget,
+        eos,
+        size: int,
+        prefixes: dict[str, Prefix],
+        repeated: bool = False,
+        unified: bool = True,
+    ):
         super().__init__(engine, budget, eos)
-        self.size, self.prefixes, self.repeated = size, prefixes, repeated
+        self.size, self.prefixes, self.repeated, self.unified = size, prefixes, repeated, unified
         self.order = sorted(prefixes)
 
     @classmethod
@@ -347,13 +357,17 @@ class Batch(Setting):
         return kind(job.engine, job.budget, job.eos, level.value, job.prefixes, level.of.repeats_item(level.name))
 
     def active(self):
-        return self.engine.batch_context(self.size)
+        return self.engine.batch_context(self.size, unified=self.unified)
 
     def companions(self, item_id: str) -> tuple[str, ...]:
         if self.repeated:
             return (item_id,) * (self.size - 1)
+        return self.following(item_id, self.size - 1)
+
+    def following(self, item_id: str, count: int) -> tuple[str, ...]:
+        """The ``count`` items after ``item_id`` by id, wrapping round (a fixed function of the item list)."""
         start = self.order.index(item_id)
-        return tuple(self.order[(start + offset) % len(self.order)] for offset in range(1, self.size))
+        return tuple(self.order[(start + offset) % len(self.order)] for offset in range(1, count + 1))
 
     def build(self, prefix):
         companions = self.companions(prefix.item_id)
@@ -365,6 +379,8 @@ class Batch(Setting):
             note = f"batch of {self.size}: the item repeated, rows of one length (no padding)"
         else:
             note = f"batch of {self.size}" + (f" with {', '.join(companions)}" if companions else "")
+        if not self.unified:
+            note += ", one KV stream per sequence"
         return Built(states[0], note, companions=companions, companion_states=tuple(states[1:]))
 
     def read(self, prefix, state, built):
@@ -388,38 +404,118 @@ class Batch(Setting):
         return decode_greedy(self.engine, None, feed(prefix.tokens[-1]), self.budget, self.eos, feed=feed)
 
 
+# The slots of concurrent load's control: llama-server's own default (-np auto), so the control goes through
+# as much of the load path as the largest usual level.
+CONTROL_SLOTS = 4
+
+
 class ConcurrentLoad(Batch):
-    """Batch B on a server: the item's requests on slot 0 of a server with B slots sharing one unified cache,
-    while B-1 other requests (the same companions as ``Batch``: the next items, or the item repeated) generate
-    on the other slots, so every decode call the server makes carries their tokens beside the item's
-    (``llamaserver_load``). Built and read each in a block of such load, on a server restarted with B slots;
-    the reference runs on the one-slot server, as E2 did. Batch 1 (the control) is the same path: the restart
-    into a unified cache, and a block without companions. What each build's companions had decoded when it
-    began and ended is in the row's note."""
+    """Batch B on a server: the item's requests on slot 0 of a server with B slots (one unified cache, or with
+    ``unified`` False one KV stream per slot), while B-1 other requests (the same companions as ``Batch``: the next
+    items, or the item repeated) generate on the other slots, so every decode call the server makes carries
+    their tokens beside the item's (``llamaserver_load``). The served cell is one served request: the item's
+    build and its read in one load block, on one slot, with nothing saved or restored between them. The read
+    side (the reference cache, restored, then read) runs in a block of its own. The reference runs on the
+    one-slot server, as E2 did.
+
+    Batch 1 (the control) goes through the whole load path: a server of ``CONTROL_SLOTS`` slots whose companions
+    start generating, then are cancelled and erased before the item's request arrives; it must reproduce the
+    reference. Every row's setting records the load its build or read ran under: the companions, and the tokens
+    each had decoded when the block began and ended."""
 
     @contextmanager
-    def loaded(self, companions: tuple[str, ...]):
-        prompts = [list(self.prefixes[name].context) for name in companions]
-        self.engine.reconfigure(load_slots=self.size)
+    def loaded(self, item_id: str):
+        control = self.size == 1
+        slots = CONTROL_SLOTS if control else self.size
+        others = self.following(item_id, slots - 1) if control else self.companions(item_id)
+        prompts = [list(self.prefixes[name].context) for name in others]
+        self.engine.reconfigure(load_slots=slots, kv_unified=self.unified)
         try:
-            with self.engine.in_flight(prompts) as load:
+            with self.engine.in_flight(prompts, cancelled=control) as load:
                 yield load
         finally:
             self.engine.reconfigure(load_slots=0)
 
+    def describe(self, load) -> str:
+        slots = len(load.slots) + 1
+        cache = "one unified cache" if self.unified else "one KV stream per slot"
+        return f"{slots} slot{'s' if slots != 1 else ''}, {cache}; {load.describe()}"
+
     def build(self, prefix):
         companions = self.companions(prefix.item_id)
-        with self.loaded(companions) as load:
-            state = build_boundary_state(self.engine, list(prefix.tokens), "prefill", prefix.prompt_length)
-        note = f"{self.size} slot{'s' if self.size != 1 else ''}, one unified cache; built with {load.describe()}"
+        served, served_positions = None, 0
+        with self.loaded(prefix.item_id) as load:
+            cache, state = build_boundary(self.engine, list(prefix.tokens), "prefill", prefix.prompt_length)
+            if not prefix.ended_by_eos:
+                # The same request goes on from the slot as it stands: the build's cells, never saved and restored.
+                before = self.engine.fed_positions
+                served = generate_greedy(self.engine, cache, [prefix.tokens[-1]], self.budget, self.eos)
+                served_positions = self.engine.fed_positions - before
+        note = f"built and served in one block: {self.describe(load)}"
         if companions:
             note += f": {'the item repeated' if self.repeated else ', '.join(companions)}"
-        return Built(state, note, companions=companions)
+        return Built(state, note, companions=companions, served=served, served_positions=served_positions)
 
     def read(self, prefix, state, built):
         if prefix.ended_by_eos:
             return Decoded((), (), "eos")
-        with self.loaded(built.companions):
+        with self.loaded(prefix.item_id) as load:
+            decoded = continue_from(self.engine, state, prefix.tokens[-1], self.budget, self.eos)
+        return dataclasses.replace(decoded, note=f"read in a block of its own: {self.describe(load)}")
+
+
+@runs("kv_unified")
+class KvUnified(Setting):
+    """``batch`` B with one KV stream per sequence: on a server, ``--no-kv-unified`` under concurrent load (every
+    slot's cells from cell 0 of its own stream); on the binding, a batched decode in a context of one stream per
+    sequence. ``off:1`` (the control) is that path with the item alone (on a server, with cancelled companions)."""
+
+    @classmethod
+    def for_level(cls, level, job):
+        kind = ConcurrentLoad if job.engine.serves_concurrent_requests else Batch
+        return kind(job.engine, job.budget, job.eos, level.value, job.prefixes, unified=False)
+
+
+@runs("kv_offset")
+class KvOffset(Setting):
+    """The item's cells behind ``cells`` cells of another, idle sequence in one unified cache (the engine's
+    ``behind_filler``), around each build and read; with ``removed`` (the control), the filler decoded and
+    removed before the item arrives. The filler is the next items' tokens (a fixed function of the item list)."""
+
+    def __init__(self, engine, budget, eos, cells: int, removed: bool, prefixes: dict[str, Prefix]):
+        super().__init__(engine, budget, eos)
+        self.cells, self.removed, self.prefixes = cells, removed, prefixes
+        self.order = sorted(prefixes)
+
+    @classmethod
+    def for_level(cls, level, job):
+        return cls(job.engine, job.budget, job.eos, level.value, level.of.removes_filler(level.name), job.prefixes)
+
+    def filler(self, item_id: str) -> list[int]:
+        """``cells`` tokens: the contexts of the items after ``item_id`` (by id, wrapping round), joined."""
+        start, tokens, offset = self.order.index(item_id), [], 1
+        while len(tokens) < self.cells:
+            tokens += self.prefixes[self.order[(start + offset) % len(self.order)]].context
+            offset += 1
+        return tokens[: self.cells]
+
+    def placed(self, item_id: str):
+        return self.engine.behind_filler(self.filler(item_id), removed=self.removed)
+
+    def build(self, prefix):
+        with self.placed(prefix.item_id):
+            state = build_boundary_state(self.engine, list(prefix.tokens), "prefill", prefix.prompt_length)
+            how = self.engine.build_description()
+        if self.removed:
+            where = f"a {self.cells}-cell filler sequence decoded and removed before the item: its cells from cell 0"
+        else:
+            where = f"the item's cells from cell {self.cells}, behind {self.cells} idle cells of another sequence"
+        return Built(state, f"{where}; {how}")
+
+    def read(self, prefix, state, built):
+        if prefix.ended_by_eos:
+            return Decoded((), (), "eos")
+        with self.placed(prefix.item_id):
             return continue_from(self.engine, state, prefix.tokens[-1], self.budget, self.eos)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagereplay.engines.base import Engine, Runtime
+from stagereplay.experiments.decode import Decoded
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
 
@@ -32,6 +33,10 @@ class Built:
     reused_digest: str | None = None
     companions: tuple[str, ...] = ()
     companion_states: tuple[KVState, ...] = ()  # a batch's other rows, as the same batched prefill built them
+    # The served continuation, where the level serves the item as one request (build and read in one load
+    # block): the served cell is that read, not a restore of the built cache. None elsewhere.
+    served: Decoded | None = None
+    served_positions: int = 0  # positions the served read fed (part of the build's count until the cell takes them)
 
 
 @dataclass
