@@ -96,8 +96,12 @@ def test_the_audit_reproduces_every_fingerprint(audited):
     assert "E4 audit:" in result.stdout + result.stderr
     assert "the config given differs at stage.suffix_tokens (11 here, 8 in the ledger)" in result.stderr
     assert e4["audit_runtime"]["tiny-qwen2"]["engine"] == "transformers"
-    # `snakemake audit` alone ends with the card showing E4.
-    shown = f"| {e4['trajectories']['reproduced']}/{e4['trajectories']['n']} (100.0%) |"
+    # `snakemake audit` alone ends with the card showing E4: its status and worst artifact kind first.
+    assert e4["worst_artifact"]["count"] == e4["worst_artifact"]["n"] > 0
+    shown = (
+        f"| reproduced: every artifact kind in full ({len(e4['artifacts'])} kinds); trajectories"
+        f" {e4['trajectories']['reproduced']}/{e4['trajectories']['n']} (100.0%); items 4/4 (100.0%) |"
+    )
     assert shown in (ledger / "results.md").read_text()
 
 
