@@ -95,3 +95,27 @@ def test_a_kept_prompt_then_one_call_matches_decoding_only_under_one_tile(
         engine.close()
     assert kept.keys[0] == decoded.keys[0]
     assert (kept == decoded) is same_as_one_by_one
+
+
+TILE_KV = 64  # GGML_FA_TILE_KV in the pinned llama.cpp: the key axis is cut into tiles of 64 cells from cell 0
+
+
+@pytest.mark.parametrize(("offset", "same_as_alone"), [(37, False), (TILE_KV, True), (100, False), (2 * TILE_KV, True)])
+def test_a_prefill_behind_another_sequences_cells_matches_alone_only_at_whole_key_tiles(
+    embedded_gguf, offset, same_as_alone
+):
+    """The same one-call prefill, its cells behind ``offset`` cells of an idle filler sequence in one unified cache
+    (E6's kv_offset): the key tiles then cut the item's cells elsewhere unless the offset is a multiple of 64."""
+    engine = _engine(embedded_gguf)
+    try:
+        tokens = _tokens(engine, CONTEXT)
+        alone = _cache_digest(engine, [tokens])
+        with engine.behind_filler(_tokens(engine, 3 * offset)[-offset:]):
+            behind = _cache_digest(engine, [tokens])
+        with engine.behind_filler(_tokens(engine, 100), removed=True):  # the control: the filler removed first
+            removed = _cache_digest(engine, [tokens])
+    finally:
+        engine.close()
+    assert alone.keys[0] == behind.keys[0]  # layer 0 is computed before any attention
+    assert (behind == alone) is same_as_alone
+    assert removed == alone

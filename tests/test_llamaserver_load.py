@@ -72,9 +72,10 @@ def test_companions_generate_through_every_decode_call_of_a_read(server, prefixe
     assert "-np 1 --no-kv-unified" in server.build_description()
 
 
-def test_the_control_is_the_reference_through_the_load_path(server, prefixes, tmp_path):
-    """Batch 1 on the server: a restart into a one-slot unified cache and a block with no companion; every cell
-    is the reference's cache and suffix."""
+def test_the_control_goes_through_the_load_path_and_is_the_reference(server, prefixes, tmp_path):
+    """Batch 1 on the server: a restart into 4 slots of one unified cache, 3 companions started and generating,
+    then cancelled and erased before the item's request; every cell is the reference's cache and suffix, and the
+    served cell is one request (build and read in one block). Before, the control was one slot and no companion."""
     item = prefixes["item-0"]
     reference = Setting(server, BUDGET, server.eos_ids)
     ref_state = reference.build(item).state
@@ -83,11 +84,17 @@ def test_the_control_is_the_reference_through_the_load_path(server, prefixes, tm
     pid = server.server.pid
     made = control.build(item)
     assert server.server.pid != pid and made.companions == ()
-    assert "1 slot, one unified cache; built with no other request in flight" == made.note
+    assert made.note.startswith(
+        "built and served in one block: 4 slots, one unified cache; 3 other requests started on slots 1–3, generating"
+    )
+    assert made.note.endswith("then cancelled and erased before the block")
     assert _same(made.state, ref_state)
-    for state in (made.state, ref_state):
-        read = control.read(item, state, made)
-        assert (read.tokens, read.stop) == (ref_read.tokens, ref_read.stop)
+    assert (made.served.tokens, made.served.stop) == (ref_read.tokens, ref_read.stop)
+    read = control.read(item, ref_state, made)
+    assert (read.tokens, read.stop) == (ref_read.tokens, ref_read.stop)
+    assert read.note.startswith("read in a block of its own: 4 slots, one unified cache; 3 other requests started")
+    slots = {state["id"]: state for state in server.server.request("/slots")}
+    assert list(slots) == [0]  # back at the reference's one slot
 
 
 @pytest.mark.parametrize("name", ["2", "same-2"])
@@ -97,10 +104,14 @@ def test_a_load_level_runs_its_cells_and_records_its_companions(server, prefixes
     made = setting.build(item)
     expected = ("item-0",) if name.startswith("same") else ("item-1",)
     assert made.companions == expected
-    assert made.note.startswith("2 slots, one unified cache; built with 1 other request generating on slot 1 (")
+    assert made.note.startswith(
+        "built and served in one block: 2 slots, one unified cache; 1 other request generating on slot 1 ("
+    )
     assert made.state.num_positions == len(item.context)
+    assert 1 <= len(made.served.tokens) <= BUDGET and made.served.stop in ("eos", "budget")
     read = setting.read(item, made.state, made)
     assert 1 <= len(read.tokens) <= BUDGET and read.stop in ("eos", "budget")
+    assert read.note.startswith("read in a block of its own: 2 slots, one unified cache; 1 other request generating")
     assert "-np 1 --no-kv-unified" in server.build_description()  # back at the reference between cells
 
 
