@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 from test_card_wording import server_audit
+from test_factor_controls import _rows, _same
 from test_factor_verdicts import cache_differs, rows_of, served_as
 
 from stagereplay.audit.e4 import e4_summary
 from stagereplay.report.card import e4_panel
-from stagereplay.report.controls import controls_card_row
+from stagereplay.report.controls import controls_blocks, controls_card_row
 from stagereplay.report.reading import (
     e2_reading,
     e4_reading,
@@ -25,7 +26,8 @@ from stagereplay.report.reading import (
     flip_margins_reading,
     sides_correction_reading,
 )
-from stagereplay.report.summary import e2_summary, e6_level, sides_correction
+from stagereplay.report.render import to_markdown
+from stagereplay.report.summary import e2_summary, e6_controls, e6_level, sides_correction
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "report.md"
 
@@ -138,6 +140,13 @@ def controls() -> str:
     return controls_card_row({"controls": {"paths": 6, "identical": 6, "without_control": []}})[2]
 
 
+def server_batch_control() -> str:
+    """The batch control's row of the card's table of controls, as its Markdown writes it, on llamaserver."""
+    rows = [{**row, "engine": "llamaserver"} for row in _rows("1", "1", _same)]
+    markdown = to_markdown(controls_blocks({"controls": e6_controls(rows)}))
+    return next(line for line in markdown.splitlines() if line.startswith("| batch |"))
+
+
 EXAMPLES = {
     "E2, a count of 0": e2_zero_of_eight,
     "E6, a build-only level": chunk_7,
@@ -147,6 +156,7 @@ EXAMPLES = {
     "E4, the reading": e4_read,
     "E4, the answer panel": e4_server,
     "E6 controls, the answer panel": controls,
+    "E6 controls, the server's batch control": server_batch_control,
 }
 
 

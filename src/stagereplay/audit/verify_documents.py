@@ -28,6 +28,8 @@ MIGRATE_SUMMARY = (
 # What an E6 level that ran has had since its verdicts are served first (design.cells.item_verdict) and its
 # sides are compared by an exact test (write_vs_read), unless its cells read converted caches (converted_cells).
 SERVED_FIRST_KEYS = ("served_cell", "differing_cells", "write_vs_read", "converted_cells")
+# What each E6 control has had since the engine specs declare what it exercises (EngineSpec.control_scopes).
+CONTROL_SCOPE_KEYS = ("engine", "exercises", "does_not")
 
 
 def read_summary(root: Path, report: Report) -> dict | None:
@@ -104,6 +106,16 @@ def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Re
             )
         )
         return
+    if controls_without_scope(summary):
+        report.faults.append(
+            Fault(
+                SUMMARY,
+                "its E6 controls do not say what each exercises and what it does not (written before the engine"
+                " specs declared their controls' scope)",
+                MIGRATE_SUMMARY,
+            )
+        )
+        return
     recomputed = compute_summary(
         comparisons=tables[COMPARISONS],
         trajectories=tables[TRAJECTORIES],
@@ -124,6 +136,17 @@ def counts_e6_one_sided(summary: dict) -> bool:
         and level.get("applicable")
         and (any(key not in level for key in SERVED_FIRST_KEYS) or "latent" not in (level.get("verdicts") or {}))
         for level in (levels if isinstance(levels, list) else [])
+    )
+
+
+def controls_without_scope(summary: dict) -> bool:
+    """Whether a control of summary.json's E6 lacks what it exercises and does not (its engine's control scope)."""
+    e6 = summary.get("E6")
+    controls = e6.get("controls") if isinstance(e6, dict) else None
+    levels = controls.get("levels") if isinstance(controls, dict) else None
+    return any(
+        isinstance(control, dict) and any(key not in control for key in CONTROL_SCOPE_KEYS)
+        for control in (levels if isinstance(levels, list) else [])
     )
 
 

@@ -14,7 +14,7 @@ from stagereplay.engines.cache_types import (
     rotation_size,
 )
 from stagereplay.engines.llamaserver_spec import DECLARED as LLAMASERVER_DECLARED
-from stagereplay.engines.spec import SHARED_ENVIRONMENT, EngineSpec, SpecError
+from stagereplay.engines.spec import SHARED_ENVIRONMENT, ControlScope, EngineSpec, SpecError
 from stagereplay.ledger.block_format import BlockFormat
 
 # A quantized cache type says nothing of the weights (the GGUF's own, as shipped): they are counted at fp16
@@ -102,6 +102,51 @@ LLAMACPP = LlamaCppSpec(
     keeps_sequences=True,
     precision_note="its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped (not"
     " converted), so its fp16/fp32 rows are not a transformers fp16/fp32 run",
+    control_scopes={
+        "threads": ControlScope(
+            "the thread switch (llama_set_n_threads) set to the run's own count around each build and read",
+            "another thread count's split of the work",
+        ),
+        "flash_attn": ControlScope(
+            "a new context with the run's own flash attention: the context re-created",
+            "the other attention path",
+        ),
+        "ubatch": ControlScope(
+            "a new context with n_ubatch = n_ctx, the run's own: the context re-created",
+            "another split of the prompt into micro-batches",
+        ),
+        "cache_type": ControlScope(
+            "a new context of the run's own cache type (the context re-created), and the conversion path,"
+            " which must hand the cache back as it is",
+            "a conversion between two cache types: no value is converted",
+        ),
+        "rotation": ControlScope(
+            "a new context that rotates, as the run's does: the context re-created",
+            "an unrotated cache",
+        ),
+        "chunk": ControlScope(
+            "the chunker with one chunk of the whole context, one decode call: the reference computation itself",
+            "a chunk boundary (a later call attending to an earlier call's cells): it cannot fail on the chunked path",
+        ),
+        "prefix_reuse": ControlScope(
+            "the earlier request over the whole context kept in the sequence (llama_memory_seq_rm drops the token"
+            " it generated)",
+            "a partial hit: nothing is decoded on top of the kept cells",
+        ),
+        "batch": ControlScope(
+            "one sequence through the batch decode calls, in a context reopened for it",
+            "other sequences in the calls, or a unified cache shared with them",
+        ),
+        "kv_offset": ControlScope(
+            "a 100-cell filler sequence decoded in a unified cache of 2 sequences, then removed before the item:"
+            " the filler path and its removal",
+            "the item's cells behind another sequence's: they start at cell 0",
+        ),
+        "kv_unified": ControlScope(
+            "the context of one KV stream per sequence (kv_unified off), with the item alone",
+            "other sequences, in their own streams or in the item's decode calls",
+        ),
+    },
 )
 
 # llama.cpp's own server on the same GGUFs and cache types (its declarations: llamaserver_spec).
@@ -111,5 +156,10 @@ LLAMASERVER = LlamaCppSpec(
     precision_kind=LLAMACPP.precision_kind,
     checkpoint_sources=LLAMACPP.checkpoint_sources,
     environment_fields=LLAMACPP.environment_fields,
-    **LLAMASERVER_DECLARED,
+    **{
+        **LLAMASERVER_DECLARED,
+        "control_scopes": {
+            factor: ControlScope(*scope) for factor, scope in LLAMASERVER_DECLARED["control_scopes"].items()
+        },
+    },
 )

@@ -29,4 +29,43 @@ DECLARED = {
     "precision_note": "its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped, run by"
     " llama-server built from the binding's vendored llama.cpp; its logits are read as log-probabilities"
     " (logits less a constant per position): margins and argmax hold, absolute logits do not",
+    # factor -> (what its control exercises on the server, what it does not): EngineSpec.control_scopes
+    "control_scopes": {
+        "threads": (
+            "a server restart with the run's own -t/-tb: a new process and its cache allocation",
+            "another thread count's split of the work",
+        ),
+        "flash_attn": (
+            "a server restart with the run's own -fa: a new process and its cache allocation",
+            "the other attention path",
+        ),
+        "ubatch": (
+            "a server restart with the run's own -ub: a new process and its cache allocation",
+            "another split of the prompt into micro-batches",
+        ),
+        "cache_type": (
+            "a server restart with the run's own -ctk/-ctv (a new process and its cache allocation), and the"
+            " conversion path, which must hand the cache back as it is",
+            "a conversion between two cache types: no value is converted",
+        ),
+        "prefix_reuse": (
+            "the slot's own prompt cache keeping the whole context of the earlier request",
+            "a partial hit: nothing is decoded on top of the kept cells",
+        ),
+        "batch": (
+            "4 slots in one unified cache of 2048·4 cells; 3 companions started, generating, then cancelled and"
+            " erased before the item's request: slots, the shared cache, companion streams, cancellation, erasure",
+            "the companions' cells beside the item's, or their tokens in its decode calls (kv_offset tests the cells)",
+        ),
+        "kv_offset": (
+            "2 slots in one unified cache, slot 1 fed 100 cells, then erased before the item's request: the filler"
+            " path and its erasure",
+            "the item's cells behind another slot's: they start at cell 0",
+        ),
+        "kv_unified": (
+            "4 slots with --no-kv-unified (one KV stream per slot of 2048 cells); 3 companions started,"
+            " generating, then cancelled and erased before the item's request",
+            "other slots' tokens in the item's decode calls, or cells in streams beside the item's",
+        ),
+    },
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # The fields every engine's environment record fills (engines.base.Environment); an engine adds its own.
 SHARED_ENVIRONMENT = (
@@ -23,6 +24,14 @@ SHARED_ENVIRONMENT = (
     "engine_version",
     "engine_build",
 )
+
+
+class ControlScope(NamedTuple):
+    """What an E6 factor's A/A control (``design.factors.Factor.control``) runs on one engine, in words for the
+    card: the machinery it exercises, and what it does not exercise (so cannot fail on)."""
+
+    exercises: str
+    does_not: str
 
 
 class ModelError(RuntimeError):
@@ -56,6 +65,13 @@ class EngineSpec:
     keeps_sequences: bool = False
     # What a reader of the card must know of this engine's precisions (empty: nothing beyond their names).
     precision_note: str = ""
+    # factor -> what its control exercises on this engine and what it does not: one for every factor it runs
+    # (tests/test_control_scopes.py); summary.json's E6.controls and the card's controls table read it.
+    control_scopes: dict[str, ControlScope] = field(default_factory=dict)
+
+    def control_scope(self, factor: str) -> ControlScope | None:
+        """What ``factor``'s control exercises on this engine, and what not (None: a factor it does not declare)."""
+        return self.control_scopes.get(factor)
 
     def takes(self, precision: str) -> bool:
         return re.fullmatch(self.precision_pattern, precision) is not None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stagereplay.engines.spec import SHARED_ENVIRONMENT, EngineSpec, SpecError
+from stagereplay.engines.spec import SHARED_ENVIRONMENT, ControlScope, EngineSpec, SpecError
 
 # A precision's width in bytes: the weights' and the cache's.
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -62,4 +62,32 @@ TRANSFORMERS = TransformersSpec(
         "transformers_version",
     ),
     engine_class_path="stagereplay.engines.transformers_engine:TransformersEngine",
+    control_scopes={
+        "attention": ControlScope(
+            "the implementation switch (set_attn_implementation) set to the run's own around each build and read",
+            "another attention kernel: the reference's kernel runs",
+        ),
+        "threads": ControlScope(
+            "the thread switch (torch.set_num_threads) set to the run's own count around each build and read",
+            "another thread count's split of the reductions",
+        ),
+        "chunk": ControlScope(
+            "the chunker with one chunk of the whole context: the reference computation itself",
+            "a chunk boundary (a later chunk attending to an earlier call's cache): it cannot fail on the chunked path",
+        ),
+        "prefix_reuse": ControlScope(
+            "the one-shot prefill through the object store's round trip (safetensors saved, loaded back,"
+            " fingerprint-checked), then continued",
+            "a partial hit: nothing is prefilled on top of the loaded positions",
+        ),
+        "batch": ControlScope(
+            "the batched path at batch 1: its attention mask, all ones, which SDPA drops, and position ids: the"
+            " reference computation itself",
+            "padding, a mask with zeros or other rows: it cannot fail on the padding path",
+        ),
+        "kernels": ControlScope(
+            "a worker process started at torch's own kernel level, the caches crossing the scratch store both ways",
+            "another ISA: ATen, oneDNN and MKL run at the widths the job has",
+        ),
+    },
 )

@@ -5,7 +5,9 @@ factor's test machinery, so it must reproduce the reference on every item: the r
 its suffix in every cell, verdict none. If it does not, the harness itself changes what it measures, and
 any E6 difference could be that artefact rather than a finding. summary.json's ``E6.controls`` says, per
 control, whether it did (``summary.e6_controls``); ``check_controls`` stops ``summarize`` and ``report`` on
-a control that failed, in one line (``ControlFailed``); ``controls_card_row`` is the card's one line.
+a control that failed, in one line (``ControlFailed``); ``controls_card_row`` is the card's one line, and
+``controls_blocks`` its table of the controls: per control, what it exercises and what it does not (so cannot
+fail on), as the spec of the engine that ran it declares (``engines.spec.EngineSpec.control_scopes``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,57 @@ def controls_card_row(e6: dict | None) -> list[str] | None:
         figure += f"; no control run for {', '.join(controls['without_control'])}"
     return [
         "E6 controls",
-        "A/A: each factor's reference setting through its own test machinery reproduces the reference",
+        "A/A: each factor's reference setting through its own test machinery reproduces the reference (what"
+        " each exercises and does not: the table of controls under E6)",
         figure,
         "beyond the paper",
+    ]
+
+
+CONTROL_COLUMNS = [
+    "Factor",
+    "Control level",
+    "Engine",
+    "Items identical",
+    "What it exercises",
+    "What it does not exercise",
+]
+# A summary.json written before the controls named what they exercise (verify_documents names its migration).
+NOT_RECORDED = "not recorded in this summary.json"
+
+
+def _identical_items(control: dict) -> str:
+    differ = set().union(*(control[key] for key in ("caches_differ", "suffixes_differ", "verdict_not_none", "not_run")))
+    return f"{control['items'] - len(differ)}/{control['items']}"
+
+
+def controls_rows(e6: dict | None) -> list[list[str]]:
+    """One row per control: its factor, level, engine, the items it reproduced, what it exercises and what not."""
+    return [
+        [
+            control["factor"],
+            control["level"],
+            control.get("engine") or NOT_RECORDED,
+            _identical_items(control),
+            control.get("exercises") or NOT_RECORDED,
+            control.get("does_not") or NOT_RECORDED,
+        ]
+        for control in ((e6 or {}).get("controls") or {}).get("levels", [])
+    ]
+
+
+def controls_blocks(e6: dict | None) -> list[tuple]:
+    """The card's table of the controls (nothing where no control ran)."""
+    rows = controls_rows(e6)
+    if not rows:
+        return []
+    return [
+        ("heading", 3, "E6: what each control exercises, and what it does not"),
+        (
+            "paragraph",
+            "Each control runs the reference setting through its factor's test machinery and must reproduce the"
+            " reference on every item, so it can fail only on what it exercises: a difference a level shows in"
+            " what its control does not exercise is not covered by that control.",
+        ),
+        ("table", CONTROL_COLUMNS, rows),
     ]

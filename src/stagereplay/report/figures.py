@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagereplay.design.cells import FULL, VERDICTS, cell_patterns
+from stagereplay.report.controls import controls_blocks
 from stagereplay.report.reading import AUDIT_HOW
 from stagereplay.report.text import experiment_name, percent, points
 
@@ -308,6 +309,7 @@ def factor_blocks(summary: dict) -> list[tuple]:
         ),
         ("table", FACTOR_COLUMNS, rows),
         *pattern_blocks(e6),
+        *controls_blocks(e6),
     ]
 
 

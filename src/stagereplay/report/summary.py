@@ -28,6 +28,7 @@ from stagereplay.design.cells import (
     pattern_name,
 )
 from stagereplay.design.factors import factor_named, is_control
+from stagereplay.engines.registry import DEFAULT_ENGINE, SPECS
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
 from stagereplay.report.e5_summary import e5_summary
 from stagereplay.report.margins import bf16_logits, e1_flip_margins, e6_flip_margins, first_read_figures
@@ -458,8 +459,11 @@ def e6_controls(rows: list[dict]) -> dict:
 
 def control_figures(rows: list[dict]) -> dict:
     """One control level: the items whose built cache or any cell's suffix differs from the reference, whose
-    verdict is not none, or that did not run at all."""
+    verdict is not none, or that did not run at all; and, from the spec of the engine its rows name (a row
+    that names none is the default engine's), what the control exercises and what it does not."""
     first = rows[0]
+    engine = first.get("engine") or DEFAULT_ENGINE
+    scope = SPECS[engine].control_scope(first["factor"]) if engine in SPECS else None
     applicable = [row for row in rows if row["applicable"]]
     items = sorted({row["item_id"] for row in rows})
     verdicts = {item: outcome.verdict for item, outcome in item_outcomes(applicable).items()}
@@ -477,6 +481,9 @@ def control_figures(rows: list[dict]) -> dict:
         "factor": first["factor"],
         "level": first["level"],
         "reference_level": first["reference_level"],
+        "engine": engine,
+        "exercises": scope.exercises if scope else None,
+        "does_not": scope.does_not if scope else None,
         "items": len(items),
         "identical": bool(items) and not (caches or suffixes or not_none or not_run),
         "caches_differ": caches,
