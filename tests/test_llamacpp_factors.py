@@ -31,6 +31,8 @@ FACTORS = {
     "batch": [1, 3],  # 1: one sequence, as the reference: a known answer
     "prefix_reuse": ["prompt", "block:4", "restore:prompt"],
     "chunk": [5],  # decode calls of 5 tokens, on llama.cpp as on transformers
+    "kv_offset": [37],  # the item's cells behind 37 cells of a filler sequence
+    "kv_unified": ["off:2"],  # a batch of 2 in one KV stream per sequence
 }
 
 
@@ -230,6 +232,9 @@ def test_quantized_run_every_experiment_and_rotation(tmp_path):
         ({"flash_attn": ["maybe"]}, "fp16", True, "use on or off"),
         ({"ubatch": [0]}, "fp16", True, "not a positive integer"),
         ({"attention": ["eager"]}, "fp16", True, "not supported on the llamacpp engine"),
+        ({"kv_offset": ["-3"]}, "fp16", True, r"kv_offset: level '-3' is not a positive integer — give a cell count"),
+        ({"kv_unified": ["on"]}, "fp16", True, r"kv_unified: unknown level 'on' — use off:B"),
+        ({"kv_unified": ["off:9"]}, "fp16", True, r"off:9 needs 9 items, the run has 4 — use at most off:4"),
     ],
 )
 def test_llamacpp_factor_config_errors(factors, precision, flash, message):
@@ -254,5 +259,7 @@ def test_every_control_reproduces_the_reference(fp16_run):
         ("chunk", "whole"),
         ("prefix_reuse", "whole"),
         ("threads", "1"),
+        ("kv_offset", "removed-100"),
+        ("kv_unified", "off-1"),
     }
     assert all("n_ubatch=2048;" in row["setting"] for row in _level(rows, "ubatch", "whole"))

@@ -126,6 +126,7 @@ def test_the_spec_lists_the_restart_factors_prefix_reuse_and_load_only():
     check_levels({"threads": [2], "flash_attn": ["on"], "ubatch": [7], "cache_type": ["fp32"]}, "llamaserver", 8, 20)
     check_levels({"prefix_reuse": ["prompt", "block:4", "restore:prompt"]}, "llamaserver", 8, 20)
     check_levels({"batch": [2, "same:4"]}, "llamaserver", 8, 20)
+    check_levels({"kv_offset": [37, 64, "removed:100"], "kv_unified": ["off:2"]}, "llamaserver", 8, 20)
     for factor, levels in (("chunk", [4]), ("rotation", ["off"])):
         with pytest.raises(FactorError, match=rf"^factors.{factor}: not supported on the llamaserver engine"):
             check_levels({factor: levels}, "llamaserver", 8, 20)
@@ -138,6 +139,8 @@ FACTORS = {
     "cache_type": ["fp32"],
     "prefix_reuse": ["prompt", "restore:prompt"],
     "batch": [2],
+    "kv_offset": [37],
+    "kv_unified": ["off:2"],
 }
 
 
@@ -164,7 +167,18 @@ def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path)
     assert reuse and all(0 < row["reused_tokens"] for row in reuse)
     assert all("-ub 7 " in row["setting"] for row in rows if row["factor"] == "ubatch" and row["level"] == "7")
     loaded = [row for row in rows if row["factor"] == "batch" and row["level"] == "2" and row["cell"] != "ref-test"]
-    assert loaded and all("built with 1 other request generating on slot 1" in row["setting"] for row in loaded)
+    assert loaded and all(
+        row["setting"].startswith(
+            "built and served in one block: 2 slots, one unified cache; 1 other request generating on slot 1"
+        )
+        for row in loaded
+    )
+    read_side = [row for row in rows if row["factor"] == "batch" and row["level"] == "2" and row["cell"] == "ref-test"]
+    assert read_side and all(
+        row["setting"].startswith("the reference cache; read in a block of its own: 2 slots") for row in read_side
+    )
+    behind = [row for row in rows if row["factor"] == "kv_offset" and row["level"] == "37"]
+    assert behind and all("--no-cache-idle-slots" in row["setting"] for row in behind if row["cell"] != "ref-test")
     assert all(len(row["companions"]) == 1 for row in loaded)
     # Reads decode in the server's own loop: no absolute logits, so no first-read nor top-1-logit columns.
     assert all(row["first_logits_identical"] is None and row["first_logits_max_abs"] is None for row in rows)
