@@ -40,7 +40,7 @@ def wall_seconds(benchmark: Path) -> float:
 
 def minimum_positions(row: dict, contexts: dict[str, int]) -> int:
     """The positions one cell needs at least, as the design defines it (module docstring)."""
-    batch = 1 + len(row["companions"]) if row["factor"] == "batch" else 1
+    batch = 1 + len(row["companions"])  # only a batch's rows (batch, kv_unified) name companions
     continuation = len(row["suffix_tokens"]) * (batch if row["read"] == "test" else 1)
     if row["cell"] != cell_label(factor_named(row["factor"]).cells[0]):
         return continuation  # the level's first cell built the cache; the others continue it or the reference
