@@ -226,6 +226,7 @@ def test_e6_flip_margins_and_first_read_of_hand_built_rows():
         "flips": 4,
         "bf16_logits": True,
         "tie": share(1, 4),
+        "median_margin": 0.125,
         "within_one_bf16_step": share(3, 4),
     }
     # On float32 logits the same count is a scale of |top|, under its own name: never a bf16 step.
@@ -233,7 +234,17 @@ def test_e6_flip_margins_and_first_read_of_hand_built_rows():
         "flips": 4,
         "bf16_logits": False,
         "tie": share(1, 4),
+        "median_margin": 0.125,
         "within_top_over_128": share(3, 4),
+    }
+    # Log-probabilities (llama-server): margins and ties, no top logit to scale them by.
+    logprobs = [factor_row("test-test", 2, 0.5), factor_row("test-test", 0, 0.0), factor_row("test-test", 4, 1.5)]
+    assert e6_flip_margins(logprobs, bf16=False) == {
+        "flips": 3,
+        "bf16_logits": False,
+        "tie": share(1, 3),
+        "median_margin": 0.5,
+        "within_top_over_128": None,
     }
     read = [
         factor_row("ref-test", None, first_logits_identical=True, first_argmax_same=True, first_logits_max_abs=0.0),
@@ -273,6 +284,7 @@ def test_the_card_reads_the_flip_margins():
                 level("2", True, [factor_row("test-test", 3, 0.0, 20.0), factor_row("test-test", 0, 0.25, 20.0)]),
                 level("4", False, [factor_row("test-test", 1, 0.125, 20.0)]),
                 level("8", True, [factor_row("test-test", None)]),  # no flip: not listed
+                level("3", False, [factor_row("test-test", 2, 0.5), factor_row("test-test", 0, 0.0)]),  # no top
             ]
         },
     }
@@ -280,7 +292,9 @@ def test_the_card_reads_the_flip_margins():
     assert "E1 (BF16), prefill side: 1/3 flips are exact ties and at most 2/3 within one bf16 step" in line
     assert (
         "E6, each test level's served divergences (one per item): batch 2 1/2 within one bf16 step of the"
-        " reference's top logit (1/2 exact ties), batch 4 1/1 with a margin at most |top|/128 (0/1 exact ties)."
+        " reference's top logit (1/2 exact ties), batch 4 1/1 with a margin at most |top|/128 (0/1 exact ties),"
+        " batch 3 1/2 exact ties, median margin 0.25 logits (top-1 minus top-2 log-probability; no top logit to"
+        " scale it)."
     ) in line
     assert "batch 8" not in line
 

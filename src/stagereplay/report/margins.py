@@ -13,6 +13,7 @@ two. The two are kept under different names so that a float32 count is never rea
 from __future__ import annotations
 
 import math
+import statistics
 
 from stagereplay.design.cells import READ, cell_label
 from stagereplay.engines.registry import SPECS
@@ -81,16 +82,18 @@ def e6_flip_margins(served: list[dict], bf16: bool) -> dict:
     flips = [
         (row["reference_margin_at_divergence"], row["reference_top_logit_at_divergence"])
         for row in served
-        if row["first_divergence"] is not None
-        and row["reference_margin_at_divergence"] is not None
-        and row["reference_top_logit_at_divergence"] is not None
+        if row["first_divergence"] is not None and row["reference_margin_at_divergence"] is not None
     ]
+    # An engine that returns log-probabilities (llama-server) gives margins (a difference of two log-probabilities
+    # of one softmax is the logits' difference) but no top logit: those flips have ties and margins, no scale.
+    scaled = [(margin, top) for margin, top in flips if top is not None]
     n = len(flips)
-    within = share(sum(within_one_bf16_step(margin, top) for margin, top in flips), n)
+    within = share(sum(within_one_bf16_step(margin, top) for margin, top in scaled), len(scaled)) if scaled else None
     return {
         "flips": n,
         "bf16_logits": bf16,
         "tie": share(sum(margin == 0 for margin, _ in flips), n),
+        "median_margin": statistics.median(margin for margin, _ in flips) if flips else None,  # logit units
         ("within_one_bf16_step" if bf16 else "within_top_over_128"): within,
     }
 

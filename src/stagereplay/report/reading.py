@@ -405,8 +405,13 @@ def _level_margins(level: dict) -> str:
     within, scale = (
         (margins["within_one_bf16_step"], "within one bf16 step of the reference's top logit")
         if margins["bf16_logits"]
-        else (margins["within_top_over_128"], "with a margin at most |top|/128")
+        else (margins.get("within_top_over_128"), "with a margin at most |top|/128")
     )
+    if within is None:  # log-probabilities: margins without a top logit to scale them by
+        return (
+            f"{level['factor']} {level['level']} {ties}/{n} exact ties, median margin {margins['median_margin']:.3g}"
+            " logits (top-1 minus top-2 log-probability; no top logit to scale it)"
+        )
     return f"{level['factor']} {level['level']} {within['count']}/{n} {scale} ({ties}/{n} exact ties)"
 
 
