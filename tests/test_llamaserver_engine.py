@@ -197,7 +197,9 @@ def test_the_spec_takes_the_bindings_precisions():
         "cache_type",
         "prefix_reuse",
         "batch",
-    }  # tests/test_llamaserver_factors.py, tests/test_llamaserver_load.py
+        "kv_offset",
+        "kv_unified",
+    }  # tests/test_llamaserver_factors.py, tests/test_llamaserver_load.py, tests/test_llamaserver_placement.py
     assert server.head_bytes("q8_0", "k", 64) == binding.head_bytes("q8_0", "k", 64)
 
 
