@@ -28,7 +28,7 @@ from stagereplay.engines.llamaserver_build import (
     server_build,
 )
 from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
-from stagereplay.engines.llamaserver_slots import gguf_geometry, read_slot_file
+from stagereplay.engines.llamaserver_slots import gguf_geometry, read_slot_file, write_slot_file
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 
@@ -189,16 +189,25 @@ def test_slots_of_a_unified_cache_parse_each_as_its_own_sequence(built, tiny_ggu
             assert len(tokens) == state.kv.num_positions == held and state.seq_id == slot
 
 
-def test_slots_of_separate_caches_are_refused_by_the_parser_in_one_line(built, tiny_gguf, tmp_path):
+def test_slots_of_separate_caches_are_read_and_written_back_byte_for_byte(built, tiny_gguf, tmp_path):
     """Without a unified cache each slot is a stream of its own and a slot file holds every stream (the others
-    empty); the parser reads one stream only, and says so."""
+    empty): the parser finds the slot's stream, and the state written back as a slot file (its token list in
+    the older plain layout) reads back the same. (Before kv_unified, the parser refused any state of more than
+    one stream.)"""
     settings = ServerSettings(ctx_size=1024, parallel=2, kv_unified=False)
     with ServerProcess(tiny_gguf, settings, slot_dir=tmp_path / "slots") as server:
         server.complete(PROMPT, 4, slot=1)
         server.save_slot(1, "slot1.bin")
-        with pytest.raises(LlamaStateError) as error:
-            read_slot_file(server.slot_dir / "slot1.bin", gguf_geometry(tiny_gguf), slot=1)
-    assert "the stream count is 2" in _one_line(error)
+        tokens, state = read_slot_file(server.slot_dir / "slot1.bin", gguf_geometry(tiny_gguf), slot=1)
+        assert (state.streams, state.stream, state.kv.num_positions) == (2, 1, len(tokens))
+        assert tokens[: len(PROMPT)] == PROMPT
+        write_slot_file(tmp_path / "again.bin", state, tokens)
+        again_tokens, again = read_slot_file(tmp_path / "again.bin", gguf_geometry(tiny_gguf), slot=1)
+        assert again_tokens == tokens and (again.streams, again.stream) == (2, 1)
+        assert all(a.equal(b) for a, b in zip((*again.kv.keys, *again.kv.values), (*state.kv.keys, *state.kv.values)))
+        server.erase_slot(1)
+        (server.slot_dir / "again.bin").write_bytes((tmp_path / "again.bin").read_bytes())
+        assert server.restore_slot(1, "again.bin")["n_restored"] == len(tokens)  # the server takes it back
 
 
 def test_server_greedy_is_the_binding_engines_greedy(server, tiny_gguf):
