@@ -1,15 +1,21 @@
-"""Does the key-tile rule predict where an item's cells change the cache it writes? Per E6 placement level of a
-llama.cpp ledger (binding or server), item by item.
+"""Do the key-tile and split rules predict where an item's cells change the cache it writes? Per E6 placement
+level of a llama.cpp ledger (binding or server), item by item.
 
-The rule (docs/engines.md, "Where the item's cells lie"): with flash attention over an fp16 or fp32 cache, a call
-of at least ``--tile`` queries (64 in the pinned ggml-cpu, ``GGML_FA_TILE_Q``) runs the tiled kernel, whose key
-tiles of ``--tile`` cells (``GGML_FA_TILE_KV``) are counted from cell 0 of the cache; an item whose cells start at
-cell C is then summed in the same pieces as alone exactly when C is a multiple of the tile. So it predicts, for
-``kv_offset`` C, that the built cache (``test-ref``) differs from the reference exactly on the items whose
-one-call prefill has at least a tile of queries, when C is not a multiple of the tile; that every control and
-every ``kv_unified`` level (each sequence's cells from cell 0 of its own stream) writes the reference's bytes; and
-that no read-side cell (``ref-test``) of these levels differs (a decode step is one query). It prints each
-level's predicted and observed counts and every item where the prediction failed. Exit status 0 when none did.
+The key-tile rule (docs/engines.md, "Where the item's cells lie"): with flash attention over an fp16 or fp32
+cache, a call of at least ``--tile`` queries (64 in the pinned ggml-cpu, ``GGML_FA_TILE_Q``) runs the tiled
+kernel, whose key tiles of ``--tile`` cells (``GGML_FA_TILE_KV``) are counted from cell 0 of the cache; an item
+whose cells start at cell C is summed in the same pieces as alone exactly when C is a multiple of the tile. So
+for ``kv_offset`` C the built cache (``test-ref``) differs from the reference exactly on the items whose one-call
+prefill has at least a tile of queries, when C is not a multiple of the tile; the control writes the reference's.
+
+The split rule, for ``kv_unified`` (one KV stream per sequence): llama.cpp then cuts a decode call into
+micro-batches by ``split_equal`` (``llama-batch.cpp``), which takes consecutive sequence ids in batch order and the
+same number of tokens from each. In the binding's batch the item is sequence 0 beside its companions' prompts, so
+an item longer than its shortest companion is prefilled in two calls (that length, then the rest): other bytes.
+On the server the companions' generated tokens come first in the call and the item (slot 0) after them, so it
+gets a micro-batch of its own: the reference's bytes. No read-side cell (``ref-test``) of these levels is
+predicted to differ (a decode step is one query). It prints each level's predicted and observed counts and every
+item where a prediction failed. Exit status 0 when none did.
 
     python bench/placement_rule.py ledger/factors-llamaserver
     python bench/placement_rule.py ledger/placement-llamacpp
@@ -27,10 +33,15 @@ import pyarrow.parquet as pq
 from stagereplay.design.factors import factor_named
 
 
-def predicted_differs(factor: str, level: str, context: int, tile: int) -> bool:
-    """Whether the rule predicts other built bytes for an item of ``context`` positions at this level."""
-    if factor == "kv_unified" or factor_named(factor).removes_filler(level):
-        return False  # the item's cells from cell 0 (of its own stream, or after the filler left)
+def predicted_differs(row: dict, contexts: dict[str, int], tile: int) -> bool:
+    """Whether the rules predict other built bytes for the item of a ``test-ref`` row at its level."""
+    factor, level, context = row["factor"], row["level"], contexts[row["item_id"]]
+    if factor == "kv_unified":
+        # The server puts the item's prompt after its companions' tokens: a micro-batch of its own.
+        shortest = min((contexts[name] for name in row["companions"]), default=context)
+        return row["engine"] != "llamaserver" and context > shortest
+    if factor_named(factor).removes_filler(level):
+        return False  # the item's cells from cell 0 after the filler left
     return context >= tile and factor_named(factor).value(level) % tile != 0
 
 
@@ -63,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         predicted = observed = read = 0
         wrong = []
         for item_id, cells in sorted(items.items()):
-            expect = predicted_differs(factor, level, prefill[item_id], args.tile)
+            expect = predicted_differs(cells["test-ref"], prefill, args.tile)
             built = cells["test-ref"]["cache_differs"]
             predicted += expect
             observed += built

@@ -126,3 +126,18 @@ def test_a_batch_with_one_stream_per_sequence(flash, tmp_path):
     with setting.active():
         assert "n_seq_max=2; kv_unified=off" in flash.build_description()
     assert "kv_unified" not in flash.build_description()  # back to the one-sequence context
+
+
+def test_one_stream_per_sequence_splits_a_longer_item_at_its_companions_length(flash, tmp_path):
+    """The split rule (``split_equal`` in llama-batch.cpp): with one KV stream per sequence, a micro-batch takes the
+    same number of tokens from each sequence, so an item of 150 tokens beside a companion of 120 is prefilled in two
+    calls (120, then 30: other bytes), while the 120-token item beside the 150-token one is prefilled whole."""
+    prefixes = {**_prefixes(150)}
+    prefixes["item-1"] = Prefix("item-1", prefixes["item-1"].tokens[:121], 4, False)
+    reference = Setting(flash, BUDGET, flash.eos_ids)
+    setting = _setting(flash, "kv_unified", "off-2", prefixes, tmp_path)
+    longer, shorter = prefixes["item-0"], prefixes["item-1"]
+    assert not _same(setting.build(longer).state, reference.build(longer).state)
+    assert _same(setting.build(shorter).state, reference.build(shorter).state)
+    unified = _setting(flash, "batch", "2", prefixes, tmp_path)  # one unified cache: one micro-batch, split_simple
+    assert _same(unified.build(longer).state, reference.build(longer).state)
