@@ -414,7 +414,8 @@ class ConcurrentLoad(Batch):
     ``unified`` False one KV stream per slot), while B-1 other requests (the same companions as ``Batch``: the next
     items, or the item repeated) generate on the other slots, so every decode call the server makes carries
     their tokens beside the item's (``llamaserver_load``). The served cell is one served request: the item's
-    build and its read in one load block, on one slot, with nothing saved or restored between them. The read
+    build and its read in one load block, on one slot, with no restart and no restore between them (the built
+    cells are read out by a slot save, which leaves them as they are). The read
     side (the reference cache, restored, then read) runs in a block of its own. The reference runs on the
     one-slot server, as E2 did.
 
