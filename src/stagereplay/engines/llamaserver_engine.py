@@ -30,7 +30,9 @@ only on its command line, so ``reconfigure`` and ``use_threads`` restart it with
 the binding's ``reconfigure`` opens one; every earlier cache goes stale) and ``converted`` is the binding's
 conversion (``llamacpp_state.converted_state``). Its ``batch`` is concurrent load: a server of B slots with one
 unified cache (``load_slots``), B-1 other requests generating on slots 1.. while the engine's run on slot 0
-(``in_flight``, ``llamaserver_load``).
+(``in_flight``, ``llamaserver_load``); ``kv_unified`` off is the same load with one KV stream per slot
+(``--no-kv-unified``). ``kv_offset`` is slot 1 holding an idle filler that slot 0's cells sit behind
+(``behind_filler``).
 
 Tokenizer, chat template, end-of-generation ids, geometry and vocabulary size are the binding's, read
 from the same GGUF through a small context (the binding is installed with the server).
