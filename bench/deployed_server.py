@@ -40,6 +40,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from stagereplay.engines.llamaserver_process import GREEDY, ServerProcess
+from stagereplay.experiments.compare import first_divergence
 from stagereplay.inputs.checkpoints import read_model_record
 
 # Each server an operator can start, as the flags given beside the model (default: none, the server's own).
@@ -127,13 +128,6 @@ def amid_load(server, prompt, others: list[list[int]], budget: int, latency: flo
     if errors:
         raise errors[0]
     return result["item"]
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for step, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return step
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def flash_attention_choice(log: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -329,6 +330,13 @@ class HeldPrefix(PrefixReuse):
         return Built(self.engine.snapshot(cache), note, kept, reused_digest)
 
 
+def items_after(order: list[str], item_id: str) -> Iterator[str]:
+    """The items after ``item_id`` in ``order``, wrapping round without end: a batch's companions, a filler's
+    sources (a fixed function of the item list, not of the ledger's item count)."""
+    start = order.index(item_id)
+    return (order[(start + offset) % len(order)] for offset in itertools.count(1))
+
+
 @runs("batch")
 class Batch(Setting):
     """The item in row 0 of a batch of B, with B-1 companions: the next B-1 items (by id, wrapping round),
@@ -366,8 +374,7 @@ class Batch(Setting):
 
     def following(self, item_id: str, count: int) -> tuple[str, ...]:
         """The ``count`` items after ``item_id`` by id, wrapping round (a fixed function of the item list)."""
-        start = self.order.index(item_id)
-        return tuple(self.order[(start + offset) % len(self.order)] for offset in range(1, count + 1))
+        return tuple(itertools.islice(items_after(self.order, item_id), count))
 
     def build(self, prefix):
         companions = self.companions(prefix.item_id)
@@ -494,11 +501,8 @@ class KvOffset(Setting):
 
     def filler(self, item_id: str) -> list[int]:
         """``cells`` tokens: the contexts of the items after ``item_id`` (by id, wrapping round), joined."""
-        start, tokens, offset = self.order.index(item_id), [], 1
-        while len(tokens) < self.cells:
-            tokens += self.prefixes[self.order[(start + offset) % len(self.order)]].context
-            offset += 1
-        return tokens[: self.cells]
+        contexts = (token for name in items_after(self.order, item_id) for token in self.prefixes[name].context)
+        return list(itertools.islice(contexts, self.cells))
 
     def placed(self, item_id: str):
         return self.engine.behind_filler(self.filler(item_id), removed=self.removed)
