@@ -44,7 +44,9 @@ TRAJECTORY_FIELDS = {
 }
 TRANSPLANT_KEY = ("selection", "item_id", "donor", "recipient", "precision", "subset")
 TRANSPLANT_FIELDS = {"cache": "cache_digest", "suffix": "suffix_object"}
-FACTOR_KEY = ("precision", "factor", "level", "cell", "item_id")
+# A pinned level's one run (run null) is paired with a level under load's first run (0); the other runs under
+# load are in one ledger only.
+FACTOR_KEY = ("precision", "factor", "level", "cell", "run", "item_id")
 FACTOR_FIELDS = {
     "cache": "cache_digest",
     "suffix": "suffix_object",
@@ -57,7 +59,8 @@ def rows_by_key(ledger: Path, table: str, key: tuple[str, ...]) -> dict[tuple, d
     path = ledger / "tables" / f"{table}.parquet"
     if not path.is_file():
         return {}
-    return {tuple(row[name] for name in key): row for row in pq.read_table(path).to_pylist()}
+    rows = pq.read_table(path).to_pylist()
+    return {tuple((row.get(name) or 0) if name == "run" else row[name] for name in key): row for row in rows}
 
 
 def margin_drift(a: dict[tuple, dict], b: dict[tuple, dict], keys: list[tuple]) -> float | None:
@@ -103,11 +106,11 @@ def compare(a: dict[tuple, dict], b: dict[tuple, dict], fields: dict[str, str], 
 
 
 def level_verdicts(rows: dict[tuple, dict]) -> dict[tuple, dict[str, str]]:
-    """Per (precision, factor, level): each item's verdict from its applicable cells' suffixes."""
+    """Per (precision, factor, level, run): each item's verdict from its applicable cells' suffixes."""
     cells: dict[tuple, dict[str, dict]] = defaultdict(lambda: defaultdict(dict))
-    for (precision, factor, level, cell, item_id), row in rows.items():
+    for (precision, factor, level, cell, run, item_id), row in rows.items():
         if row["applicable"]:
-            cells[(precision, factor, level)][item_id][cell] = row
+            cells[(precision, factor, level, run)][item_id][cell] = row
     verdicts: dict[tuple, dict[str, str]] = {}
     for level, items in cells.items():
         verdicts[level] = {}
@@ -134,7 +137,7 @@ def compare_verdicts(a: dict[tuple, dict], b: dict[tuple, dict]) -> list[str]:
             if va[level][item] != vb[level][item]:
                 moves[f"{va[level][item]} → {vb[level][item]}"] += 1
         line = (
-            f"  {level[1]} {level[2]} ({level[0]}): served differently A {served_a}/{len(items)}, B {served_b}/{len(items)};"
+            f"  {level[1]} {level[2]}{f' run {level[3]}' if level[3] else ''} ({level[0]}): served differently A {served_a}/{len(items)}, B {served_b}/{len(items)};"
             f" verdicts agree on {same}/{len(items)}"
         )
         if moves:

@@ -299,21 +299,30 @@ def test_the_card_reads_the_flip_margins():
     assert "batch 8" not in line
 
 
+# A factor table as E6 wrote it before the logit columns (and so before the run column too), and as it wrote
+# it after the logit columns, before the run column.
+BEFORE_LOGITS = pa.schema([f for f in FACTOR_SCHEMA if f.name not in (*FACTOR_LOGIT_COLUMNS, "run")])
+BEFORE_RUNS = pa.schema([f for f in FACTOR_SCHEMA if f.name != "run"])
+
+
 def test_a_factor_table_without_the_logit_columns_gets_one_line_naming_its_migration(tmp_path):
-    old_schema = pa.schema([field for field in FACTOR_SCHEMA if field.name not in FACTOR_LOGIT_COLUMNS])
     root = tmp_path / "ledger"
     for relative in ("tables/factors.parquet", "runs/factor/a/0.parquet", "runs/factor/b/0.parquet"):
         path = root / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(old_schema.empty_table(), path)
+        pq.write_table(BEFORE_LOGITS.empty_table(), path)
+    pq.write_table(BEFORE_RUNS.empty_table(), root / "runs" / "factor" / "a" / "1.parquet")
     write_table([], FACTOR_SCHEMA, root / "runs" / "factor" / "c" / "0.parquet")  # today's: no fault
     report = Report()
     verify_tables(root, report)
-    assert [str(fault) for fault in report.faults] == [
+    assert sorted(str(fault) for fault in report.faults) == [
+        "runs/factor/a/1.parquet: written before E6 recorded the run of a cell under load (no run): only the"
+        " factor jobs compute them — migrate it: rerun snakemake --forcerun factor (the factor jobs rewrite every"
+        " E6 row with them; gathering, summary.json and the card follow)",
         "tables/factors.parquet and 2 more factor tables: written before E6 recorded the first read and the"
-        " margins at divergence (no " + ", ".join(FACTOR_LOGIT_COLUMNS) + "): only the factor jobs compute them"
-        " — migrate it: rerun snakemake --forcerun factor (the factor jobs rewrite every E6 row with them;"
-        " gathering, summary.json and the card follow)"
+        " margins at divergence and the run of a cell under load (no " + ", ".join(FACTOR_LOGIT_COLUMNS) + ", run):"
+        " only the factor jobs compute them — migrate it: rerun snakemake --forcerun factor (the factor jobs"
+        " rewrite every E6 row with them; gathering, summary.json and the card follow)",
     ]
 
 
@@ -331,8 +340,13 @@ def test_a_factor_table_of_another_shape_is_not_taken_for_the_old_one(tmp_path, 
     ]
 
 
-def test_reading_a_factor_table_without_the_logit_columns_names_its_migration(tmp_path):
-    old_schema = pa.schema([field for field in FACTOR_SCHEMA if field.name not in FACTOR_LOGIT_COLUMNS])
-    pq.write_table(old_schema.empty_table(), tmp_path / "factors.parquet")
-    with pytest.raises(LedgerError, match="written before E6 recorded .* rerun snakemake --forcerun factor"):
+@pytest.mark.parametrize(
+    ("schema", "recorded"),
+    [(BEFORE_LOGITS, "the first read and the margins at divergence and the run"), (BEFORE_RUNS, "the run")],
+)
+def test_reading_an_older_factor_table_names_its_migration(tmp_path, schema, recorded):
+    pq.write_table(schema.empty_table(), tmp_path / "factors.parquet")
+    with pytest.raises(
+        LedgerError, match=f"written before E6 recorded {recorded} .* rerun snakemake --forcerun factor"
+    ):
         read_table(tmp_path / "factors.parquet", FACTOR_SCHEMA)

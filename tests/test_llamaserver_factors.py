@@ -8,6 +8,7 @@ unless STAGEREPLAY_REQUIRE_LLAMASERVER=1.
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
@@ -152,6 +153,7 @@ def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path)
         fixed_prefix={"precisions": ["fp16"]},
         transplant={"enabled": False},
         factors=FACTORS,
+        load_runs=2,  # the mechanics of runs under load; the project's own configs run 3
     )
     result = snakemake(tmp_path, config)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -183,7 +185,23 @@ def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path)
     # Reads decode in the server's own loop: no absolute logits, so no first-read nor top-1-logit columns.
     assert all(row["first_logits_identical"] is None and row["first_logits_max_abs"] is None for row in rows)
     assert all(row["reference_top_logit_at_divergence"] is None for row in rows)
-    controls = json.loads((ledger / "summary.json").read_text())["E6"]["controls"]
+    # Concurrent load (batch, kv_unified, and their controls) runs each item's cells twice, numbered; every other
+    # level pins its input and runs once, unnumbered.
+    under_load = {(row["factor"], row["level"]) for row in rows if row["run"] is not None}
+    assert under_load == {("batch", "1"), ("batch", "2"), ("kv_unified", "off-1"), ("kv_unified", "off-2")}
+    for factor, level in under_load:
+        runs = Counter(row["run"] for row in rows if (row["factor"], row["level"]) == (factor, level))
+        assert sorted(runs) == [0, 1] and runs[0] == runs[1], (factor, level, runs)
+    summary = json.loads((ledger / "summary.json").read_text())["E6"]
+    loads = {(level["factor"], level["level"]): level for level in summary["under_load"]}
+    assert set(loads) == under_load
+    for level in loads.values():
+        assert level["runs"] == 2 and sum(level["served_differs_in"].values()) == level["items"] > 0
+        assert level["every_run"]["count"] + level["unstable"]["count"] + level["no_run"]["count"] == level["items"]
+    assert loads["batch", "1"]["no_run"]["count"] == loads["batch", "1"]["items"]  # the control, in every run
+    labels = [level["label"] for level in summary["levels"] if level["factor"] == "batch"]
+    assert labels == ["batch 1 run 1/2", "batch 1 run 2/2", "batch 2 run 1/2", "batch 2 run 2/2"]
+    controls = summary["controls"]
     assert controls["paths"] == controls["identical"] == len(FACTORS) and controls["without_control"] == []
 
 

@@ -144,6 +144,7 @@ use rule factor as audit_factor with:
         runtime=lambda wildcards: audit_runtime_args(wildcards, replica=0),
         store=LAYOUT.audit.objects,
         source_store=LAYOUT.objects,
+        load_runs=config["load_runs"],
 
 
 use rule gather as audit_gather with:

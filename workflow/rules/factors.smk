@@ -28,11 +28,13 @@ rule factor:
         runtime=lambda wildcards: runtime_args(wildcards, replica=0),
         store=LAYOUT.objects,
         source_store=LAYOUT.objects,
+        load_runs=config["load_runs"],
     shell:
         tail_log_on_failure(
             "stagereplay factor --model-record {input.model:q} --items {input.item_file:q}"
             " --factor {wildcards.factor} --level {wildcards.level} --reference {input.references:q}"
-            " {params.runtime} --store {params.store:q} --source-store {params.source_store:q}"
+            " --load-runs {params.load_runs} {params.runtime} --store {params.store:q}"
+            " --source-store {params.source_store:q}"
             " --out {output:q} 2> {log:q}"
         )
 

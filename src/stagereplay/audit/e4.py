@@ -12,8 +12,9 @@ import pyarrow as pa
 
 from stagereplay.atomic import atomic_write_text
 from stagereplay.ledger.layout import LedgerLayout
-from stagereplay.ledger.tables import read_table, stored_rows_digest
+from stagereplay.ledger.tables import SPREAD_SUFFIX, read_table, stored_rows_digest
 from stagereplay.report.stats import share
+from stagereplay.report.text import under_load_text
 
 MISMATCHES_LISTED = 50
 NOT_MEASURED = "not measured"
@@ -70,8 +71,28 @@ def worst_artifact(artifacts: dict[str, dict]) -> dict | None:
     return {"artifact": name, **entry}
 
 
+def spread_figures(rows: list[dict]) -> dict | None:
+    """The runs of cells under load against their saved runs' spread (``audit.rerun._in_spread``): per artifact,
+    how many recomputed runs fall within it, and over all of them. An expected spread, not a reproduction: these
+    checks neither count as reproduced artifacts nor make the status. None where no cell ran under load."""
+    by_artifact: dict[str, list[bool]] = defaultdict(list)
+    for row in rows:
+        by_artifact[row["artifact"].removesuffix(SPREAD_SUFFIX)].append(row["reproduced"])
+    if not by_artifact:
+        return None
+    within = [value for values in by_artifact.values() for value in values]
+    return {
+        "method": "each recomputed run of a cell under load against the artifacts of its saved runs",
+        "within": share(sum(within), len(within)),
+        "artifacts": {name: share(sum(values), len(values)) for name, values in sorted(by_artifact.items())},
+    }
+
+
 def e4_summary(rows: list[dict], audit_runtime: dict | None = None) -> dict:
-    """Reproduced x/N per artifact kind, per trajectory and per item; mismatches and environment differences."""
+    """Reproduced x/N per artifact kind, per trajectory and per item; mismatches and environment differences;
+    apart from these, the runs under load against their saved spread (``spread_figures``)."""
+    spread = [row for row in rows if row["artifact"].endswith(SPREAD_SUFFIX)]
+    rows = [row for row in rows if not row["artifact"].endswith(SPREAD_SUFFIX)]
     by_artifact: dict[str, list[bool]] = defaultdict(list)
     by_trajectory: dict[tuple, bool] = {}
     by_item: dict[tuple, bool] = {}
@@ -96,6 +117,7 @@ def e4_summary(rows: list[dict], audit_runtime: dict | None = None) -> dict:
         "trajectories": _reproduced(list(by_trajectory.values())),
         "artifacts": artifacts,
         "worst_artifact": worst_artifact(artifacts),
+        "under_load": spread_figures(spread),
         "mismatches": [
             {
                 key: row[key]
@@ -142,6 +164,8 @@ def e4_line(figures: dict) -> str:
         line += f"; first mismatch: {_describe(figures['mismatches'][0])}"
     if figures["environment_differences"]:
         line += f"; environment differs ({figures['environment_differences'][0]['difference']})"
+    if figures.get("under_load"):
+        line += f"; {under_load_text(figures['under_load'])}"
     return line
 
 

@@ -29,8 +29,10 @@ from stagereplay.ledger.tables import (
     COMPARISON_KEY,
     COMPARISON_SCHEMA,
     ENVIRONMENT_COLUMNS,
+    FACTOR_CELL_KEY,
     FACTOR_KEY,
     FACTOR_SCHEMA,
+    SPREAD_SUFFIX,
     TRAJECTORY_KEY,
     TRAJECTORY_SCHEMA,
     TRANSPLANT_KEY,
@@ -323,15 +325,57 @@ def _values(row: dict, columns: tuple[str, ...]) -> dict:
     return {column: row[column] for column in columns}
 
 
+# A cell under load (numbered runs) against its saved runs: each artifact, and the columns that make it.
+SPREAD_ARTIFACTS = {
+    "factor_cache": ("layer_k", "layer_v"),
+    "factor_suffix": ("suffix_object",),
+    **FACTOR_LOGIT_ARTIFACTS,
+}
+
+
+def _factor_label(row: dict) -> str:
+    run = f" run {row['run']}" if row["run"] is not None else ""
+    return f"{row['factor']}={row['level']} {row['cell']}{run}"
+
+
+def _in_spread(saved_runs: list[dict], new: dict, where: dict, **extra) -> list[Check]:
+    """A recomputed run of a cell under load against the spread of its saved runs: each artifact is reproduced
+    when it equals that of some saved run. Nothing pins the load a run meets, so no one saved run is its twin."""
+    checks = []
+    for artifact, columns in SPREAD_ARTIFACTS.items():
+        seen = {json.dumps(_values(row, columns), sort_keys=True) for row in saved_runs}
+        value = json.dumps(_values(new, columns), sort_keys=True)
+        within = value in seen
+        checks.append(
+            Check(
+                "factor",
+                artifact + SPREAD_SUFFIX,
+                **where,
+                reproduced=within,
+                saved=None if within else f"{len(seen)} distinct in {len(saved_runs)} saved runs",
+                audited=None if within else value,
+                detail=None if within else f"outside the spread of the {len(saved_runs)} saved runs under load",
+                **extra,
+            )
+        )
+    return checks
+
+
 def audit_factors(saved: pa.Table, audited: pa.Table) -> list[Check]:
     """E6: each cell's cache (layer by layer), the converted cache it read (if any), suffix, first read and
-    margins at divergence, and whether a level ran at all."""
-    pairs, checks = _paired(
-        "factor", saved, audited, FACTOR_KEY, lambda row: f"{row['factor']}={row['level']} {row['cell']}"
-    )
+    margins at divergence, and whether a level ran at all. A cell under load (its rows numbered by run) is
+    compared with the spread of its saved runs instead (``_in_spread``)."""
+    pairs, checks = _paired("factor", saved, audited, FACTOR_KEY, _factor_label)
+    runs: dict[tuple, list[dict]] = {}
+    for row in saved.to_pylist():
+        if row["run"] is not None and row["applicable"]:
+            runs.setdefault(row_key(row, FACTOR_CELL_KEY), []).append(row)
     for old, new, where, extra_fields in pairs:
         checks.append(_same("factor", "factor_applicable", where, old["applicable"], new["applicable"], **extra_fields))
         if not (old["applicable"] and new["applicable"]):
+            continue
+        if new["run"] is not None:
+            checks += _in_spread(runs[row_key(new, FACTOR_CELL_KEY)], new, where, **extra_fields)
             continue
         checks += [
             _layers(

@@ -64,7 +64,6 @@ from stagereplay.ledger.tables import (
     COMPARISON_SCHEMA,
     FACTOR_KEY,
     FACTOR_SCHEMA,
-    FACTOR_TABLE_BEFORE_LOGITS,
     MIGRATE_FACTORS,
     PROMPT_SCHEMA,
     TRAJECTORY_KEY,
@@ -73,7 +72,7 @@ from stagereplay.ledger.tables import (
     TRANSPLANT_SCHEMA,
     VOCAB_SCHEMA,
     LedgerError,
-    is_factor_schema_before_logits,
+    factor_table_before,
     is_object_id,
     read_table,
     row_key,
@@ -151,7 +150,7 @@ def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject
 
 def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
     tables: dict[str, pa.Table] = {}
-    before_logits: list[str] = []
+    older: dict[str, list[str]] = {}  # what older factor tables were written before -> their paths
     for path in LedgerLayout(root).table_files():
         relative = path.relative_to(root)
         schema = table_schema(relative)
@@ -162,8 +161,9 @@ def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
         try:
             table = read_table(path, schema)
         except LedgerError:
-            if schema is FACTOR_SCHEMA and _is_factor_table_before_logits(path):
-                before_logits.append(str(relative))
+            before = _factor_table_before(path) if schema is FACTOR_SCHEMA else None
+            if before is not None:
+                older.setdefault(before, []).append(str(relative))
                 continue
             report.faults.append(
                 Fault(str(relative), "unreadable Parquet, or not the schema of its place in the ledger")
@@ -180,18 +180,18 @@ def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
             continue
         report.rows += table.num_rows
         tables[str(relative)] = table
-    if before_logits:
+    for before, paths in older.items():
         # Every factor table of such a ledger is in that shape: one line for all of them, with the one fix.
-        others = f" and {len(before_logits) - 1} more factor tables" if len(before_logits) > 1 else ""
-        report.faults.append(Fault(f"{before_logits[0]}{others}", FACTOR_TABLE_BEFORE_LOGITS, MIGRATE_FACTORS))
+        others = f" and {len(paths) - 1} more factor tables" if len(paths) > 1 else ""
+        report.faults.append(Fault(f"{paths[0]}{others}", before, MIGRATE_FACTORS))
     return tables
 
 
-def _is_factor_table_before_logits(path: Path) -> bool:
+def _factor_table_before(path: Path) -> str | None:
     try:
-        return is_factor_schema_before_logits(pq.read_schema(path))
+        return factor_table_before(pq.read_schema(path))
     except (pa.ArrowException, OSError):
-        return False
+        return None
 
 
 def _row_where(relative: str, row: dict) -> str:

@@ -117,7 +117,7 @@ def cmd_factor(args) -> None:
     from stagereplay.design.factors import Level
     from stagereplay.experiments.factor_job import run_factor_shard
 
-    run_factor_shard(job_context(args), Level(args.factor, args.level), args.reference)
+    run_factor_shard(job_context(args), Level(args.factor, args.level), args.reference, args.load_runs)
 
 
 def add_factor_command(sub) -> None:
@@ -130,6 +130,12 @@ def add_factor_command(sub) -> None:
         nargs="+",
         required=True,
         help="every shard table of the E2 prefill rows (replica 0) at the factor precision, in shard order",
+    )
+    p.add_argument(
+        "--load-runs",
+        type=int,
+        default=1,
+        help="how many times a level under concurrent load runs each item, each with fresh companions",
     )
     p.set_defaults(func=cmd_factor)
 

@@ -54,12 +54,13 @@ class ReferenceItem:
     fed_positions: int = 0  # positions fed to rebuild the cache (0 when it was stored)
 
 
-def run_factor_shard(context: JobContext, level: Level, reference_shards: list[str | Path]) -> Path:
+def run_factor_shard(context: JobContext, level: Level, reference_shards: list[str | Path], load_runs: int = 1) -> Path:
     """The cells of one factor level for the items of the context's shard (``reference_shards[shard]``'s).
 
     ``reference_shards`` are every shard of the E2 prefill rows at the factor precision: a batch's
-    companions may come from any of them. Test-built caches are never stored, so the job has no
-    store_caches policy to read.
+    companions may come from any of them. A level whose input is not pinned (concurrent load on a server)
+    runs each item's cells ``load_runs`` times, each with freshly started companions. Test-built caches are
+    never stored, so the job has no store_caches policy to read.
     """
     record, spec, runtime, suffix_tokens = context.record, context.shard_spec, context.runtime, context.suffix_tokens
     store = context.store()
@@ -91,7 +92,14 @@ def run_factor_shard(context: JobContext, level: Level, reference_shards: list[s
     with tempfile.TemporaryDirectory(prefix="stagereplay-prefix-reuse-") as scratch:
         reference = Setting(engine, suffix_tokens, eos)
         job = LevelJob(
-            engine, runtime, suffix_tokens, eos, prefixes, ObjectStore(scratch), {**record, "path": context.record_path}
+            engine,
+            runtime,
+            suffix_tokens,
+            eos,
+            prefixes,
+            ObjectStore(scratch),
+            {**record, "path": context.record_path},
+            load_runs,
         )
         test = level_setting(level, job)
         settings = LevelSettings(level, reference, test)
@@ -122,8 +130,11 @@ def run_factor_shard(context: JobContext, level: Level, reference_shards: list[s
                 reference_state = caches.state(row)
                 reference_fed = engine.fed_positions - before
             item = ReferenceItem(prefixes[row["item_id"]], row, reference_state, reference_fed)
-            cells = item_cells(settings, item, base)
-            rows += [{**cell, "suffix_object": store.put_tokens(cell["suffix_tokens"])} for cell in cells]
+            for run in test.runs():
+                cells = item_cells(settings, item, {**base, "run": run})
+                rows += [{**cell, "suffix_object": store.put_tokens(cell["suffix_tokens"])} for cell in cells]
+                # A cache rebuilt because it was not stored is fed once, and counted with the first run.
+                item = dataclasses.replace(item, fed_positions=0)
             rows += [
                 {**base, **_cell(cell), "applicable": False, "reason": why}
                 for cell, why in level.of.unbuilt_cells().items()
@@ -284,6 +295,7 @@ def _base_row(level: Level, context: JobContext, row: dict, engine: Engine) -> d
             level.factor, dataclasses.asdict(context.runtime), engine.environment.cpu_capability
         ),
         "item_id": row["item_id"],
+        "run": None,
         "reference_cache": row["cache_object"],
         "reference_suffix": row["suffix_object"],
         "suffix_object": None,

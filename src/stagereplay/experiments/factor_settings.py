@@ -71,6 +71,11 @@ class Setting:
         """Why the level cannot run here (recorded on every row of the job), or None."""
         return None
 
+    def runs(self) -> tuple[int | None, ...]:
+        """The runs of each item's cells: one, unnumbered, where this setting pins its whole input, so that
+        a second run must reproduce the first; numbered runs where it does not (``ConcurrentLoad``)."""
+        return (None,)
+
     def fed_positions(self) -> int:
         """Positions fed through the model so far for this setting's builds and reads (and the job's)."""
         return self.engine.fed_positions
@@ -361,8 +366,17 @@ class Batch(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        kind = ConcurrentLoad if job.engine.serves_concurrent_requests else Batch
-        return kind(job.engine, job.budget, job.eos, level.value, job.prefixes, level.of.repeats_item(level.name))
+        if job.engine.serves_concurrent_requests:
+            return ConcurrentLoad(
+                job.engine,
+                job.budget,
+                job.eos,
+                level.value,
+                job.prefixes,
+                level.of.repeats_item(level.name),
+                load_runs=job.load_runs,
+            )
+        return Batch(job.engine, job.budget, job.eos, level.value, job.prefixes, level.of.repeats_item(level.name))
 
     def active(self):
         return self.engine.batch_context(self.size, unified=self.unified)
@@ -429,7 +443,18 @@ class ConcurrentLoad(Batch):
     Batch 1 (the control) goes through the whole load path: a server of ``CONTROL_SLOTS`` slots whose companions
     start generating, then are cancelled and erased before the item's request arrives; it must reproduce the
     reference. Every row's setting records the load its build or read ran under: the companions, and the tokens
-    each had decoded when the block began and ended."""
+    each had decoded when the block began and ended.
+
+    Nothing pins how far the companions have got when the item's request arrives, so every item's cells run
+    ``load_runs`` times, each with freshly started companions (``runs``): a ledger records the spread, and the
+    audit compares a run with it."""
+
+    def __init__(self, *args, load_runs: int = 1, **options):
+        super().__init__(*args, **options)
+        self.load_runs = load_runs
+
+    def runs(self):
+        return tuple(range(self.load_runs))
 
     @contextmanager
     def loaded(self, item_id: str):
@@ -480,8 +505,11 @@ class KvUnified(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        kind = ConcurrentLoad if job.engine.serves_concurrent_requests else Batch
-        return kind(job.engine, job.budget, job.eos, level.value, job.prefixes, unified=False)
+        if job.engine.serves_concurrent_requests:
+            return ConcurrentLoad(
+                job.engine, job.budget, job.eos, level.value, job.prefixes, unified=False, load_runs=job.load_runs
+            )
+        return Batch(job.engine, job.budget, job.eos, level.value, job.prefixes, unified=False)
 
 
 @runs("kv_offset")

@@ -51,3 +51,4 @@ class LevelJob:
     prefixes: dict[str, Prefix]
     scratch: ObjectStore
     record: dict  # the model record, with "path": the model.json it was read from
+    load_runs: int = 1  # how many times a level whose input is not pinned (concurrent load) runs each item

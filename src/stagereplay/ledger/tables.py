@@ -171,6 +171,9 @@ FACTOR_SCHEMA = pa.schema(
         ("reference_level", pa.string()),  # the run's own setting of the factor (design.factors.reference_level)
         ("item_id", pa.string()),
         ("cell", pa.string()),  # "test-ref" (write side), "ref-test" (read side), "test-test" (as a server runs it)
+        # Which run of the cell: null where the level's input is pinned (one run reproduces it); 0..R-1 where it
+        # is not (concurrent load on a server: each run with freshly started companions, load_runs of them).
+        ("run", pa.int32()),
         ("build", pa.string()),
         ("read", pa.string()),
         ("applicable", pa.bool_()),
@@ -217,8 +220,7 @@ FACTOR_SCHEMA = pa.schema(
     ]
 )
 
-# The factor columns added with the first read and the margins at divergence: a factor table without them
-# was written before, and only its factor jobs can compute them (verify names the migration once).
+# The factor columns added with the first read and the margins at divergence.
 FACTOR_LOGIT_COLUMNS = (
     "margin_at_divergence",
     "reference_margin_at_divergence",
@@ -226,6 +228,13 @@ FACTOR_LOGIT_COLUMNS = (
     "first_logits_identical",
     "first_argmax_same",
     "first_logits_max_abs",
+)
+# The factor columns each later version of E6 added, oldest first, with what they record. A factor table that
+# lacks exactly the columns of the last versions was written before them, and only its factor jobs can compute
+# them (verify names the migration once).
+FACTOR_LATER_COLUMNS = (
+    ("the first read and the margins at divergence", FACTOR_LOGIT_COLUMNS),
+    ("the run of a cell under load", ("run",)),
 )
 
 # One row per checkpoint and item: the integers every stage (and the audit) starts from.
@@ -250,6 +259,10 @@ VOCAB_SCHEMA = pa.schema(
         ("text", pa.string()),
     ]
 )
+
+# The artifact name's ending of a check against the saved runs' spread (a run under load has no one saved twin):
+# an expected spread, not a reproduction, so E4 counts these apart.
+SPREAD_SUFFIX = "_in_spread"
 
 AUDIT_SCHEMA = pa.schema(
     [
@@ -277,7 +290,9 @@ AUDIT_SCHEMA = pa.schema(
 TRAJECTORY_KEY = ("checkpoint", "construction", "precision", "prefix_precision", "replica", "item_id")
 COMPARISON_KEY = ("experiment", "relation", "checkpoint", "precision", "item_id", "a", "b")
 TRANSPLANT_KEY = ("selection", "checkpoint", "item_id", "donor", "recipient", "precision", "subset")
-FACTOR_KEY = ("checkpoint", "precision", "factor", "level", "item_id", "cell")
+# A factor cell, and (with its run) a factor row.
+FACTOR_CELL_KEY = ("checkpoint", "precision", "factor", "level", "item_id", "cell")
+FACTOR_KEY = (*FACTOR_CELL_KEY, "run")
 
 
 def row_key(row: dict, columns: tuple[str, ...]) -> tuple:
@@ -327,28 +342,33 @@ def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
     except (pa.ArrowException, OSError) as error:
         raise LedgerError(f"ledger table {path} is unreadable ({error}) — delete it and rerun the workflow") from None
     if schema is not None and not table.schema.equals(schema):
-        if schema is FACTOR_SCHEMA and is_factor_schema_before_logits(table.schema):
+        before = factor_table_before(table.schema) if schema is FACTOR_SCHEMA else None
+        if before is not None:
             # The workflow sees no changed input: only a forced rerun of the factor jobs rewrites it.
-            raise LedgerError(f"ledger table {path}: {FACTOR_TABLE_BEFORE_LOGITS} — {MIGRATE_FACTORS}")
+            raise LedgerError(f"ledger table {path}: {before} — {MIGRATE_FACTORS}")
         raise LedgerError(f"ledger table {path} does not have the expected schema — rerun the workflow to rebuild it")
     return table
 
 
-FACTOR_TABLE_BEFORE_LOGITS = (
-    "written before E6 recorded the first read and the margins at divergence (no "
-    + ", ".join(FACTOR_LOGIT_COLUMNS)
-    + "): only the factor jobs compute them"
-)
 MIGRATE_FACTORS = (
     "migrate it: rerun snakemake --forcerun factor (the factor jobs rewrite every E6 row with them; gathering,"
     " summary.json and the card follow)"
 )
 
 
-def is_factor_schema_before_logits(schema: pa.Schema) -> bool:
-    """A factor table's columns as they were before FACTOR_LOGIT_COLUMNS: today's less exactly those."""
-    wanted = [field for field in FACTOR_SCHEMA.remove_metadata() if field.name not in FACTOR_LOGIT_COLUMNS]
-    return list(schema.remove_metadata()) == wanted
+def factor_table_before(schema: pa.Schema) -> str | None:
+    """What an older factor table was written before (its columns are today's less exactly those the last
+    versions of FACTOR_LATER_COLUMNS added), or None if it is not such a table."""
+    today = list(FACTOR_SCHEMA.remove_metadata())
+    for start in range(len(FACTOR_LATER_COLUMNS)):
+        later = FACTOR_LATER_COLUMNS[start:]
+        missing = [column for _, columns in later for column in columns]
+        if list(schema.remove_metadata()) == [field for field in today if field.name not in missing]:
+            return (
+                f"written before E6 recorded {' and '.join(what for what, _ in later)} (no {', '.join(missing)}):"
+                " only the factor jobs compute them"
+            )
+    return None
 
 
 def concat_tables(paths: list[str | Path], schema: pa.Schema) -> pa.Table:

@@ -22,7 +22,7 @@ from stagereplay.report.item_view import ItemRecord
 from stagereplay.report.reading import AUDIT_HOW, reading
 from stagereplay.report.render import to_html, to_markdown
 from stagereplay.report.stamp import stamp
-from stagereplay.report.text import percent
+from stagereplay.report.text import level_name, percent, under_load_text
 
 # --- provenance and the document ----------------------------------------------------------
 
@@ -127,7 +127,7 @@ def answer_panel(summary: dict) -> list[list[str]]:
     if e6 is not None:
         # The controls have their own line: each must reproduce the reference, so none counts as a finding.
         ran = [level for level in e6["levels"] if level["applicable"] and not _is_control(level)]
-        changed = [f"{level['factor']} {level['level']}" for level in ran if level["suffixes_differ"]["count"]]
+        changed = [f"{level_name(level)}" for level in ran if level["suffixes_differ"]["count"]]
         rows.append(
             [
                 "E6 factors",
@@ -169,6 +169,8 @@ def e4_panel(e4: dict | None) -> list[str]:
     ]
     if mismatches:
         parts.append(f"{mismatches} mismatch(es)")
+    if e4.get("under_load"):
+        parts.append(under_load_text(e4["under_load"]))
     return ["E4 audit", E4_FIGURE, "; ".join(parts), PAPER_FIGURES["E4"]]
 
 

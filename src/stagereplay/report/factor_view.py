@@ -9,6 +9,7 @@ agree.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,7 +17,7 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from stagereplay.design.cells import CELL_LABELS
 from stagereplay.report.item_view import spell, visible
-from stagereplay.report.summary import item_outcomes
+from stagereplay.report.summary import item_outcomes, level_label
 
 COLUMNS = [
     "Item",
@@ -65,15 +66,17 @@ def first_read_text(read: dict | None) -> str:
 def factor_item_rows(
     factors: pa.Table, trajectories: pa.Table, vocabularies: dict[str, dict[int, str]]
 ) -> list[list[str]]:
-    """One row per item and factor level that ran: which cells differ, its verdict, its built cache against the
-    reference, and each cell's suffix against the reference suffix (a cell the factor does not have is marked —)."""
+    """One row per item and factor level that ran (per run, under load): which cells differ, its verdict, its built
+    cache against the reference, and each cell's suffix against the reference suffix (a cell the factor does not
+    have is marked —)."""
     reference_tokens = {row["suffix_object"]: list(row["suffix_tokens"]) for row in trajectories.to_pylist()}
     levels: dict[tuple, list[dict]] = {}
     for row in factors.to_pylist():
         if row["applicable"]:
-            levels.setdefault((row["factor"], row["level"]), []).append(row)
+            levels.setdefault((row["factor"], row["level"], row["run"]), []).append(row)
+    runs = Counter((factor, level) for factor, level, _ in levels)
     rows = []
-    for (factor, level), level_rows in levels.items():
+    for (factor, level, run), level_rows in levels.items():
         outcomes = item_outcomes(level_rows)
         by_item: dict[str, dict[str, dict]] = {}
         for row in level_rows:
@@ -97,7 +100,8 @@ def factor_item_rows(
             ]
             outcome = outcomes[item_id]
             first = first_read_text(cells.get("ref-test"))
-            rows.append([item_id, f"{factor} {level}", outcome.pattern, outcome.verdict, cache, first, *parts])
+            name = level_label({"factor": factor, "level": level, "run": run}, runs[factor, level])
+            rows.append([item_id, name, outcome.pattern, outcome.verdict, cache, first, *parts])
     return rows
 
 

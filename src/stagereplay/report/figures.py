@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from stagereplay.design.cells import FULL, VERDICTS, cell_patterns
 from stagereplay.report.controls import controls_blocks
 from stagereplay.report.reading import AUDIT_HOW
-from stagereplay.report.text import experiment_name, percent, points
+from stagereplay.report.text import experiment_name, level_name, percent, points
 
 WILSON = "Wilson score 95%"
 NOT_RUN = "not run"
@@ -230,7 +230,7 @@ def e6_rows(e6: dict | None) -> list[Figure]:
         return []
     figures = []
     for level in e6["levels"]:
-        name = f"E6 factors ({level['factor']} {level['level']}, reference {level['reference_level']})"
+        name = f"E6 factors ({level_name(level)}, reference {level['reference_level']})"
         if not level["applicable"]:
             figures.append(Figure(name, "not applicable", "—", "—", "—", level["reason"]))
             continue
@@ -282,7 +282,7 @@ def factor_blocks(summary: dict) -> list[tuple]:
         return []
     rows = []
     for level in e6["levels"]:
-        head = [level["factor"], level["level"], level["reference_level"], ", ".join(level["cells"])]
+        head = [level["factor"], _level_column(level), level["reference_level"], ", ".join(level["cells"])]
         if not level["applicable"]:
             rows.append(head + [f"not applicable: {level['reason']}"] + [""] * (len(FACTOR_COLUMNS) - 5))
             continue
@@ -308,8 +308,57 @@ def factor_blocks(summary: dict) -> list[tuple]:
             " (E6); x/N with Wilson 95% intervals.",
         ),
         ("table", FACTOR_COLUMNS, rows),
+        *load_blocks(e6),
         *pattern_blocks(e6),
         *controls_blocks(e6),
+    ]
+
+
+def _level_column(level: dict) -> str:
+    """The level as the factor tables' Level column shows it: '2', or one run of a level under load, '2 run 1/3'."""
+    return level_name(level).removeprefix(f"{level['factor']} ")
+
+
+LOAD_COLUMNS = [
+    "Factor",
+    "Level",
+    "Runs",
+    "Served differently in every run",
+    "In some runs, not others (unstable under load)",
+    "In no run",
+    "Built cache differs in some runs only",
+]
+
+
+def load_blocks(e6: dict) -> list[tuple]:
+    """Per level under load, over its runs (each with fresh companions): the items whose served suffix differs
+    in every run, in some runs only (unstable under load) and in none, x/N (Wilson 95%)."""
+    levels = e6.get("under_load") or []
+    if not levels:
+        return []
+    rows = [
+        [
+            level["factor"],
+            level["level"],
+            str(level["runs"]),
+            _with_bounds(level["every_run"]),
+            _with_bounds(level["unstable"])
+            + (f" ({', '.join(level['unstable_items'])})" if level["unstable_items"] else ""),
+            _with_bounds(level["no_run"]),
+            _with_bounds(level["cache_unstable"]),
+        ]
+        for level in levels
+    ]
+    return [
+        ("heading", 3, "E6 under load: the same item over several runs"),
+        (
+            "paragraph",
+            "Nothing pins how far the other requests have got when the item's request arrives, so each level"
+            " under load runs every item several times, each with freshly started companions (load_runs). An"
+            " item differs in every run, in some runs and not others (unstable under load), or in none;"
+            " x/N with Wilson 95% intervals.",
+        ),
+        ("table", LOAD_COLUMNS, rows),
     ]
 
 
@@ -322,7 +371,7 @@ def pattern_blocks(e6: dict) -> list[tuple]:
     blocks: list[tuple] = [("heading", 3, "E6: which cells' suffixes differ, per factor level")]
     if full:
         rows = [
-            [level["factor"], level["level"]] + [_with_bounds(level["differing_cells"][p]) for p in FULL_PATTERNS]
+            [level["factor"], _level_column(level)] + [_with_bounds(level["differing_cells"][p]) for p in FULL_PATTERNS]
             for level in full
         ]
         blocks += [
@@ -341,7 +390,7 @@ def pattern_blocks(e6: dict) -> list[tuple]:
                 "paragraph",
                 "One cell, the served one, so two patterns each: "
                 + "; ".join(
-                    f"{level['factor']} {level['level']} ({level['served_cell']} alone): "
+                    f"{level_name(level)} ({level['served_cell']} alone): "
                     + ", ".join(f"{p} {_with_bounds(c)}" for p, c in level["differing_cells"].items())
                     for level in one_cell
                 )

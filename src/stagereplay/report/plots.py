@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from stagereplay.atomic import atomic_write
+from stagereplay.report.text import level_name
 
 # File names are fixed so the Snakefile can name every output at parse time;
 # matplotlib itself is imported only when drawing, to keep parsing fast.
@@ -296,7 +297,7 @@ def plot_factor_verdicts(e6: dict | None, out_path: str | Path) -> Path:
     for row, level in zip(rows, levels):
         differ = level["caches_differ"]
         axes.text(left[row] + 0.2, row, f"caches differ {differ['count']}/{differ['n']}", va="center", fontsize=8)
-    labels = [f"{level['factor']} {level['level']} (ref {level['reference_level']})" for level in levels]
+    labels = [f"{level_name(level)} (ref {level['reference_level']})" for level in levels]
     axes.set_yticks(list(rows), labels, fontsize=8)
     axes.invert_yaxis()
     axes.set_xlim(0, max(left) * 1.35)

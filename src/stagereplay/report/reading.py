@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stagereplay.report.text import experiment_name, percent, points
+from stagereplay.report.text import experiment_name, level_name, percent, points, under_load_text
 
 if TYPE_CHECKING:
     from stagereplay.report.card_provenance import Provenance
@@ -194,6 +194,8 @@ def e4_reading(e4: dict | None) -> list[str]:
     differences = e4.get("environment_differences", [])
     if differences:
         line += f" The audit ran in a different environment ({len(differences)} difference(s)): see audit/e4.json."
+    if e4.get("under_load"):
+        line += f" Apart from these, {under_load_text(e4['under_load'])}."
     return [line]
 
 
@@ -348,7 +350,7 @@ def first_read_reading(levels: list[dict]) -> str:
         identical, same, n = read["logits_identical"]["count"], read["argmax_same"]["count"], read["argmax_same"]["n"]
         converted = " (the reference cache converted for its reader: the conversion and the read together)"
         parts.append(
-            f"{level['factor']} {level['level']}{converted if read['converted'] else ''}: logits bit-identical on"
+            f"{level_name(level)}{converted if read['converted'] else ''}: logits bit-identical on"
             f" {identical}/{n}, argmax the same on {same}/{n}, max |Δ| {read['max_abs_difference']:.3g}"
         )
     return (
@@ -409,14 +411,14 @@ def _level_margins(level: dict) -> str:
     )
     if within is None:  # log-probabilities: margins without a top logit to scale them by
         return (
-            f"{level['factor']} {level['level']} {ties}/{n} exact ties, median margin {margins['median_margin']:.3g}"
+            f"{level_name(level)} {ties}/{n} exact ties, median margin {margins['median_margin']:.3g}"
             " logits (top-1 minus top-2 log-probability; no top logit to scale it)"
         )
-    return f"{level['factor']} {level['level']} {within['count']}/{n} {scale} ({ties}/{n} exact ties)"
+    return f"{level_name(level)} {within['count']}/{n} {scale} ({ties}/{n} exact ties)"
 
 
 def e6_level_name(level: dict) -> str:
-    return f"E6 {level['factor']} {level['level']} (reference {level['reference_level']})"
+    return f"E6 {level_name(level)} (reference {level['reference_level']})"
 
 
 def e6_level_reading(level: dict, correction: dict | None = None) -> str:
@@ -509,7 +511,7 @@ def _write_vs_read(level: dict, correction: dict | None) -> str:
     )
     if correction and correction["tests"]:
         threshold, tests = correction["threshold"], correction["tests"]
-        survives = f"{level['factor']} {level['level']}" in correction["survive"]
+        survives = f"{level_name(level)}" in correction["survive"]
         text += (
             f", {'below' if survives else 'not below'} the Bonferroni threshold 0.05/{tests} = {threshold:.2g}"
             f" over the {tests} level(s) tested"

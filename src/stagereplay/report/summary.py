@@ -41,6 +41,7 @@ from stagereplay.report.stats import (
     paired_difference_wald,
     share,
 )
+from stagereplay.report.text import level_name
 
 WRITE_LABEL, READ_LABEL = cell_label(WRITE), cell_label(READ)
 BOOTSTRAP = {"confidence": 0.95, "n_resamples": 10000, "seed": 0}
@@ -296,16 +297,32 @@ def served_equals_side(outcomes: list[ItemOutcome]) -> dict:
     }
 
 
-def e6_level(rows: list[dict]) -> dict:
-    """One factor level: caches differ x/N (from which layer), suffixes differ x/N as a server runs it
-    (the served cell: (t, t); (t, r) for a build-only factor), each pattern of differing cells x/N, and every
-    verdict x/N, each with its Wilson bounds."""
+def level_label(row: dict, runs: int = 1) -> str:
+    """How the card names a factor level, or one run of a level under load: 'batch 2', 'batch 2 run 1/3'."""
+    run = row.get("run")
+    return f"{row['factor']} {row['level']}" + (f" run {run + 1}/{runs}" if run is not None else "")
+
+
+def by_run(rows: list[dict]) -> dict[int | None, list[dict]]:
+    """A level's rows by run: one group (None) where its input is pinned, one per run under load."""
+    runs: dict[int | None, list[dict]] = defaultdict(list)
+    for row in rows:
+        runs[row.get("run")].append(row)
+    return dict(sorted(runs.items(), key=lambda entry: -1 if entry[0] is None else entry[0]))
+
+
+def e6_level(rows: list[dict], runs: int = 1) -> dict:
+    """One factor level, or one run of a level under load (``runs`` of them): caches differ x/N (from which
+    layer), suffixes differ x/N as a server runs it (the served cell: (t, t); (t, r) for a build-only factor),
+    each pattern of differing cells x/N, and every verdict x/N, each with its Wilson bounds."""
     first = rows[0]
     factor = first["factor"]
     applicable = [row for row in rows if row["applicable"]]
     figures = {
         "factor": factor,
         "level": first["level"],
+        "run": first.get("run"),
+        "label": level_label(first, runs),
         "reference_level": first["reference_level"],
         # The cells computed (a cell that cannot be built honestly has its rows, not applicable, and is not listed).
         "cells": sorted({row["cell"] for row in (applicable or rows)}),
@@ -358,14 +375,55 @@ def e6_summary(factors: pa.Table) -> dict:
     rows = factors.to_pylist()
     levels = grouped(rows, lambda r: f"{r['checkpoint']}/{r['precision']}/{r['factor']}/{r['level']}")
     first = rows[0] if rows else {}
-    figures = [e6_level(group) for group in levels.values()]
+    figures = [
+        e6_level(group, len(runs))
+        for level_rows in levels.values()
+        for runs in [by_run(level_rows)]
+        for group in runs.values()
+    ]
     return {
         "name": "factors",
         "checkpoint": first.get("checkpoint"),
         "precision": first.get("precision"),
         "reference": "E2's prefill row at this precision (the (ref, ref) cell)",
         "levels": figures,
+        "under_load": [
+            load_runs_figures(level_rows) for level_rows in levels.values() if None not in by_run(level_rows)
+        ],
         "sides_compared": sides_correction(figures),
+    }
+
+
+def load_runs_figures(rows: list[dict]) -> dict:
+    """A level under load over its runs: per item, in how many runs its served suffix (and its built cache)
+    differs from the reference's; the items that differ in every run, those that differ in some runs and not
+    in others (unstable under load), and those that differ in none, x/N."""
+    first = rows[0]
+    of = factor_named(first["factor"])
+    runs = by_run([row for row in rows if row["applicable"]])
+    served: dict[str, int] = Counter()
+    caches: dict[str, int] = Counter()
+    items: set[str] = set()
+    for run_rows in runs.values():
+        for row in run_rows:
+            items.add(row["item_id"])
+            if row["cell"] == cell_label(of.served_cell):
+                served[row["item_id"]] += row["suffix_object"] != row["reference_suffix"]
+            if row["cell"] == cell_label(of.cells[0]):
+                caches[row["item_id"]] += row["cache_differs"]
+    n, r = len(items), len(runs)
+    return {
+        "factor": first["factor"],
+        "level": first["level"],
+        "label": level_label({**first, "run": None}),
+        "runs": r,
+        "items": n,
+        "served_differs_in": {str(k): sum(served[item] == k for item in items) for k in range(r + 1)},
+        "every_run": share(sum(served[item] == r for item in items), n),
+        "unstable": share(sum(0 < served[item] < r for item in items), n),
+        "unstable_items": sorted(item for item in items if 0 < served[item] < r),
+        "no_run": share(sum(served[item] == 0 for item in items), n),
+        "cache_unstable": share(sum(0 < caches[item] < r for item in items), n),
     }
 
 
@@ -390,11 +448,9 @@ def sides_correction(levels: list[dict]) -> dict:
         "method": "Bonferroni",
         "alpha": FAMILY_ALPHA,
         "tests": len(tested),
-        "levels": [f"{level['factor']} {level['level']}" for level in tested],
+        "levels": [f"{level_name(level)}" for level in tested],
         "threshold": threshold,
-        "survive": [
-            f"{level['factor']} {level['level']}" for level in tested if level["write_vs_read"]["p_value"] < threshold
-        ],
+        "survive": [f"{level_name(level)}" for level in tested if level["write_vs_read"]["p_value"] < threshold],
     }
 
 
@@ -466,7 +522,10 @@ def control_figures(rows: list[dict]) -> dict:
     scope = SPECS[engine].control_scope(first["factor"]) if engine in SPECS else None
     applicable = [row for row in rows if row["applicable"]]
     items = sorted({row["item_id"] for row in rows})
-    verdicts = {item: outcome.verdict for item, outcome in item_outcomes(applicable).items()}
+    # Under load, every run of the control must reproduce the reference: an item counts if any run does not.
+    outcomes = [item_outcomes(run_rows) for run_rows in by_run(applicable).values()]
+    verdicts = {item: outcome.verdict for run in outcomes for item, outcome in run.items() if outcome.verdict != "none"}
+    verdicts |= {item: "none" for run in outcomes for item in run if item not in verdicts}
     not_none = sorted(item for item, verdict in verdicts.items() if verdict != "none")
     caches = sorted(
         {
@@ -480,6 +539,7 @@ def control_figures(rows: list[dict]) -> dict:
     return {
         "factor": first["factor"],
         "level": first["level"],
+        "runs": len(outcomes),
         "reference_level": first["reference_level"],
         "engine": engine,
         "exercises": scope.exercises if scope else None,

@@ -15,3 +15,18 @@ def experiment_name(experiment: str, precision: str | None, checkpoint: str, sum
     """'E1 matched (bf16)'; with several checkpoints, 'E1 matched (bf16, tiny-b)'."""
     where = ", ".join(part for part in (precision, checkpoint if len(summary["checkpoints"]) > 1 else None) if part)
     return f"{experiment} ({where})" if where else experiment
+
+
+def under_load_text(spread: dict) -> str:
+    """The runs under load against their saved spread, named as an expected spread."""
+    within = spread["within"]
+    return (
+        f"cells under load: {within['count']}/{within['n']} recomputed run artifacts within the spread of their"
+        " saved runs (an expected spread, not a reproduction)"
+    )
+
+
+def level_name(level: dict) -> str:
+    """A factor level (or one run of a level under load) as summary.json names it; a summary written before
+    runs were named has the factor and the level only."""
+    return level.get("label") or f"{level['factor']} {level['level']}"
