@@ -87,7 +87,11 @@ def test_the_control_goes_through_the_load_path_and_is_the_reference(server, pre
     assert made.note.startswith(
         "built and served in one block: 4 slots, one unified cache; 3 other requests started on slots 1–3, generating"
     )
-    assert made.note.endswith("then cancelled and erased before the block")
+    # ... and, from the server's batch log, nothing else was in the calls that built the item's prompt.
+    assert made.note.endswith(
+        "then cancelled and erased before the block; the prompt in 1 decode call:"
+        f" {len(item.context)} positions of slot 0 alone"
+    )
     assert _same(made.state, ref_state)
     assert (made.served.tokens, made.served.stop) == (ref_read.tokens, ref_read.stop)
     read = control.read(item, ref_state, made)
@@ -113,6 +117,53 @@ def test_a_load_level_runs_its_cells_and_records_its_companions(server, prefixes
     assert 1 <= len(read.tokens) <= BUDGET and read.stop in ("eos", "budget")
     assert read.note.startswith("read in a block of its own: 2 slots, one unified cache; 1 other request generating")
     assert "-np 1 --no-kv-unified" in server.build_description()  # back at the reference between cells
+
+
+@pytest.mark.parametrize(("unified", "company"), [(True, "with 1 token of slot 1"), (False, "alone")])
+def test_the_build_records_how_the_server_cut_the_prompt_into_decode_calls(
+    server, prefixes, tmp_path, unified, company
+):
+    """From the server's own batch log: with one unified cache the item's prompt goes to the model in one call
+    beside the companion's token (split_simple); with a KV stream per slot, in a call of its own (split_equal
+    puts one sequence's run in a micro-batch). Every position of the prompt is accounted for."""
+    item = prefixes["item-0"]
+    level = Level("batch", "2") if unified else Level("kv_unified", "off-2")
+    job = LevelJob(server, RUNTIME, BUDGET, server.eos_ids, prefixes, ObjectStore(tmp_path), {})
+    made = level_setting(level, job).build(item)
+    positions = len(item.context)
+    assert made.note.endswith(f"; the prompt in 1 decode call: {positions} positions of slot 0 {company}"), made.note
+
+
+def test_the_batch_log_is_read_back_call_by_call():
+    """llama-batch.cpp's ubatch_print lines, as the server logs them, read as calls of (position, sequences)."""
+    from stagereplay.engines.llamaserver_batches import decode_calls, describe_split, prompt_calls
+
+    log = "\n".join(
+        [
+            "0.06.552.991 D ubatch_add: added ubatch to split:",
+            "0.06.552.992 D ubatch_print:   n_tokens     = 3",
+            "0.06.553.002 D ubatch_print:     0: id =    260 (             the), pos =   55, n_seq_id =  1, seq_id = [.1],"
+            " output = 1",
+            "0.06.553.003 D ubatch_print:     1: id =    504 (             The), pos =    0, n_seq_id =  1, seq_id = [0.],"
+            " output = 0",
+            "0.06.553.004 D ubatch_print:     2: id =   3575 (         capital), pos =    1, n_seq_id =  1, seq_id = [0.],"
+            " output = 1",
+            "0.06.553.017 D ubatch_print:   ]",
+            "0.06.599.000 D init: input batch info:",  # the whole batch before its split: no call of its own
+            "0.06.599.002 D ubatch_print:     0: id =    347 (              as), pos =    2, n_seq_id =  1, seq_id = [0.],"
+            " output = 1",
+            "0.06.600.000 D ubatch_add: added ubatch to split:",
+            "0.06.600.002 D ubatch_print:     0: id =    347 (              as), pos =    2, n_seq_id =  1, seq_id = [0.],"
+            " output = 1",
+        ]
+    )
+    calls = decode_calls(log)
+    assert [call.positions_of(0) for call in calls] == [[0, 1], [2]]
+    assert calls[0].others(0) == {1: 1} and calls[1].others(0) == {}
+    assert prompt_calls(calls, 0, 2) == calls[:1]
+    assert describe_split(calls, 0, 3) == (
+        "the prompt in 2 decode calls: 2 positions of slot 0 with 1 token of slot 1; 1 positions of slot 0 alone"
+    )
 
 
 def test_a_companion_that_stops_before_the_block_ends_fails_it(server, prefixes, monkeypatch):

@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -56,6 +57,7 @@ from stagereplay.engines.llamacpp_binding import PINNED_VERSION
 from stagereplay.engines.llamacpp_engine import LlamaCppEngine, gguf_tokenizer
 from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
 from stagereplay.engines.llamacpp_state import SeqState, converted_state, part_format
+from stagereplay.engines.llamaserver_batches import decode_calls, describe_split, prompt_calls
 from stagereplay.engines.llamaserver_build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver_load import companions_in_flight
 from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
@@ -157,7 +159,9 @@ class LlamaServerEngine(SlotSequences, Engine):
                 # Each slot may hold a whole context, so companions never crowd the cache (no batch retries); without
                 # a unified cache each slot's stream gets an equal share of it: one whole context again.
                 slots = max(value, 1)
-                fields.update(parallel=slots, kv_unified=value > 0, ctx_size=LLAMACPP_N_CTX * slots)
+                fields.update(
+                    parallel=slots, kv_unified=value > 0, ctx_size=LLAMACPP_N_CTX * slots, log_batches=value > 0
+                )
                 if "kv_unified" in changes:
                     fields["kv_unified"] = value > 0 and changes["kv_unified"]
             elif name == "kv_unified":
@@ -200,6 +204,24 @@ class LlamaServerEngine(SlotSequences, Engine):
             yield
         finally:
             self.reconfigure(load_slots=0)
+
+    def log_mark(self) -> int:
+        """Where the running server's log ends now (``prompt_split`` reads from there)."""
+        return self.server.log_size()
+
+    def prompt_split(self, mark: int, positions: int, wait: float = 5.0) -> str:
+        """How the server cut positions 0 .. ``positions`` - 1 of slot 0 into decode calls since ``mark``, from
+        its batch log (a server under load logs every micro-batch: ``llamaserver_batches``). The log is written by
+        a thread of its own, so it is read again until it holds them all, at most ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            calls = prompt_calls(decode_calls(self.server.log_since(mark)), 0, positions)
+            logged = {position for call in calls for position in call.positions_of(0) if position < positions}
+            if len(logged) == positions or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        split = describe_split(calls, 0, positions)
+        return split if len(logged) == positions else f"{split} (the log holds {len(logged)} of {positions} positions)"
 
     def converted(self, state: KVState) -> KVState:
         """``state`` in this server's cache type, converted as the binding's engine converts it."""

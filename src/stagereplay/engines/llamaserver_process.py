@@ -61,6 +61,9 @@ class ServerSettings:
     # and back, and with a unified cache clears the idle slot when another slot gets a task; a slot must
     # hold exactly what its requests and restores put there.
     cache_ram_mib: int = 0
+    # Every micro-batch logged with its tokens' positions and sequences (--verbose and LLAMA_BATCH_DEBUG=1, read
+    # by ``llamaserver_batches``): how a prompt under load was cut into decode calls. Logging only.
+    log_batches: bool = False
     extra: tuple[str, ...] = field(default=())  # further options, passed as given
 
     def arguments(self) -> list[str]:
@@ -81,6 +84,7 @@ class ServerSettings:
             "--kv-unified" if self.kv_unified else "--no-kv-unified",
             "--repack" if self.repack else "--no-repack",
             *("--cache-ram", str(self.cache_ram_mib)),
+            *(("--verbose",) if self.log_batches else ()),
             *self.extra,
         ]
 
@@ -275,7 +279,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_environment(),
+                env={**server_environment(), **({"LLAMA_BATCH_DEBUG": "1"} if self.settings.log_batches else {})},
                 preexec_fn=_death_signal_setter(),
             )
         self.port = port
@@ -401,6 +405,16 @@ class ServerProcess:
     def log_text(self) -> str:
         """What this start of the server logged so far (its context settings, the cache's types and rotation)."""
         return self._log_tail(1 << 22)
+
+    def log_size(self) -> int:
+        """Where the log ends now: a mark for ``log_since``."""
+        return self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
+
+    def log_since(self, mark: int) -> str:
+        """What the server logged after ``mark`` (``log_size``)."""
+        with open(self.log_path, "rb") as log:
+            log.seek(max(mark, self._log_start))
+            return log.read().decode("utf-8", errors="replace")
 
     # Conveniences for the server's endpoints.
 

@@ -478,7 +478,10 @@ class ConcurrentLoad(Batch):
         companions = self.companions(prefix.item_id)
         served, served_positions = None, 0
         with self.loaded(prefix.item_id) as load:
+            mark = self.engine.log_mark()
             cache, state = build_boundary(self.engine, list(prefix.tokens), "prefill", prefix.prompt_length)
+            # How the server cut the item's prompt into decode calls beside the companions' tokens, from its log.
+            split = self.engine.prompt_split(mark, len(prefix.context))
             if not prefix.ended_by_eos:
                 # The same request goes on from the slot as it stands: the build's cells, never saved and restored.
                 before = self.engine.fed_positions
@@ -487,6 +490,7 @@ class ConcurrentLoad(Batch):
         note = f"built and served in one block: {self.describe(load)}"
         if companions:
             note += f": {'the item repeated' if self.repeated else ', '.join(companions)}"
+        note += f"; {split}"
         return Built(state, note, companions=companions, served=served, served_positions=served_positions)
 
     def read(self, prefix, state, built):
