@@ -17,7 +17,7 @@ the top two pre-sampling log-probabilities at every step:
 Each is compared with the item's alone answer on the same server: served differently x/N items, and at the first
 divergent step the top-1 minus top-2 log-probability margin of both (in logits: two log-probabilities of one
 softmax differ by the logits' difference). Tokens per second: generated tokens over wall time, alone and amid
-load. The server's own ``/props`` (slots, context per slot) and the flash-attention choice from its log are
+load. The server's own ``/props`` (slots, context per slot) and its flash attention (as given, or auto) are
 printed per server. The mechanism behind a difference is E6's (docs/findings.md, "Through llama-server itself").
 
     python bench/deployed_server.py ledger/factors-llamaserver --items 32
@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import json
 import random
-import re
 import statistics
 import sys
 import threading
@@ -130,10 +129,9 @@ def amid_load(server, prompt, others: list[list[int]], budget: int, latency: flo
     return result["item"]
 
 
-def flash_attention_choice(log: str) -> str:
-    """What the server's log says flash attention resolved to (its default is auto)."""
-    found = re.findall(r"flash_attn\s*=\s*(\w+)", log)
-    return found[-1] if found else "not logged"
+# What flash attention is when -fa is not given: auto, resolved at start; the server's default log does not say
+# to what (llama.cpp's own lines are not shown at its default verbosity), nor does /props.
+FLASH_ATTN_AUTO = "auto (not in the default log or /props)"
 
 
 def measure(gguf: Path, flags: list[str], prompts: dict[str, list[int]], budget: int, seed: int) -> dict:
@@ -141,7 +139,6 @@ def measure(gguf: Path, flags: list[str], prompts: dict[str, list[int]], budget:
     results: dict[str, ItemResult] = {}
     with DeployedServer(gguf, flags) as server:
         props = server.request("/props")
-        log = server.log_text()
         for index, item in enumerate(order):
             prompt = prompts[item]
             others = [prompts[order[(index + k) % len(order)]] for k in range(1, CLIENTS + 1)]
@@ -158,7 +155,7 @@ def measure(gguf: Path, flags: list[str], prompts: dict[str, list[int]], budget:
         "flags": BASE_FLAGS + flags,
         "slots": props.get("total_slots"),
         "n_ctx_per_slot": settings.get("n_ctx"),
-        "flash_attn": flash_attention_choice(log),
+        "flash_attn": flags[flags.index("-fa") + 1] if "-fa" in flags else FLASH_ATTN_AUTO,
         "build": props.get("build_info"),
         "items": results,
     }

@@ -32,6 +32,8 @@ def test_the_servers_own_defaults_and_its_control_and_cache_hit(built, tiny_gguf
     measured = deployed_server.measure(tiny_gguf, [], _prompts(), budget=6, seed=0)
     assert measured["flags"] == ["--no-repack"]  # nothing but the one flag the table names
     assert measured["slots"] == 4  # -np auto
+    # -fa auto: what it resolved to is not in the default log, nor in /props, and the table says so.
+    assert measured["flash_attn"] == deployed_server.FLASH_ATTN_AUTO
     results = measured["items"]
     assert deployed_server.differs(results, "control") == []  # the same request alone, twice
     assert all(result.hit.reused >= 64 for result in results.values())  # the cached prompt was reused
@@ -44,3 +46,8 @@ def test_without_a_unified_cache_other_clients_change_no_answer(built, tiny_gguf
     results = measured["items"]
     assert deployed_server.differs(results, "control") == []
     assert deployed_server.differs(results, "loaded") == []
+
+
+def test_flash_attention_off_is_read_from_the_log(built, tiny_gguf):  # noqa: F811
+    measured = deployed_server.measure(tiny_gguf, ["-fa", "off"], dict(list(_prompts().items())[:1]), budget=2, seed=0)
+    assert measured["flash_attn"] == "off"
