@@ -44,7 +44,6 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -209,17 +208,13 @@ class LlamaServerEngine(SlotSequences, Engine):
         """Where the running server's log ends now (``prompt_split`` reads from there)."""
         return self.server.log_size()
 
-    def prompt_split(self, mark: int, positions: int, wait: float = 5.0) -> str:
+    def prompt_split(self, mark: int, positions: int) -> str:
         """How the server cut positions 0 .. ``positions`` - 1 of slot 0 into decode calls since ``mark``, from
-        its batch log (a server under load logs every micro-batch: ``llamaserver_batches``). The log is written by
-        a thread of its own, so it is read again until it holds them all, at most ``wait`` seconds."""
-        deadline = time.monotonic() + wait
-        while True:
-            calls = prompt_calls(decode_calls(self.server.log_since(mark)), 0, positions)
-            logged = {position for call in calls for position in call.positions_of(0) if position < positions}
-            if len(logged) == positions or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        its batch log (a server under load logs every micro-batch: ``llamaserver_batches``). Read once, while the
+        server runs: the log is written by a thread of its own, so a caller reads it a while after the prompt (after
+        the request went on generating), and a log that does not hold every position says how many it holds."""
+        calls = prompt_calls(decode_calls(self.server.log_since(mark)), 0, positions)
+        logged = {position for call in calls for position in call.positions_of(0) if position < positions}
         split = describe_split(calls, 0, positions)
         return split if len(logged) == positions else f"{split} (the log holds {len(logged)} of {positions} positions)"
 

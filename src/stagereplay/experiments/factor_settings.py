@@ -480,13 +480,14 @@ class ConcurrentLoad(Batch):
         with self.loaded(prefix.item_id) as load:
             mark = self.engine.log_mark()
             cache, state = build_boundary(self.engine, list(prefix.tokens), "prefill", prefix.prompt_length)
-            # How the server cut the item's prompt into decode calls beside the companions' tokens, from its log.
-            split = self.engine.prompt_split(mark, len(prefix.context))
             if not prefix.ended_by_eos:
                 # The same request goes on from the slot as it stands: the build's cells, never saved and restored.
                 before = self.engine.fed_positions
                 served = generate_greedy(self.engine, cache, [prefix.tokens[-1]], self.budget, self.eos)
                 served_positions = self.engine.fed_positions - before
+            # How the server cut the item's prompt into decode calls beside the companions' tokens, from its log
+            # (read after the served tokens: the log's own thread has written the prompt's calls by then).
+            split = self.engine.prompt_split(mark, len(prefix.context))
         note = f"built and served in one block: {self.describe(load)}"
         if companions:
             note += f": {'the item repeated' if self.repeated else ', '.join(companions)}"
