@@ -146,8 +146,8 @@ def test_the_batch_log_is_read_back_call_by_call():
             " output = 1",
             "0.06.553.003 D ubatch_print:     1: id =    504 (             The), pos =    0, n_seq_id =  1, seq_id = [0.],"
             " output = 0",
-            "0.06.553.004 D ubatch_print:     2: id =   3575 (         capital), pos =    1, n_seq_id =  1, seq_id = [0.],"
-            " output = 1",
+            "0.06.553.004 D ubatch_print:     2: id =    198 (               ",  # a newline token breaks its row
+            "), pos =    1, n_seq_id =  1, seq_id = [0.], output = 1",
             "0.06.553.017 D ubatch_print:   ]",
             "0.06.599.000 D init: input batch info:",  # the whole batch before its split: no call of its own
             "0.06.599.002 D ubatch_print:     0: id =    347 (              as), pos =    2, n_seq_id =  1, seq_id = [0.],"

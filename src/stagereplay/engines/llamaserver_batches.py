@@ -15,12 +15,11 @@ import re
 from dataclasses import dataclass
 
 # The header of one micro-batch, the header of the whole batch before it is split (its token rows are not a
-# call), and one token row of either (llama-batch.cpp's ubatch_print at debug level 1).
+# call), and the end of one token row of either (llama-batch.cpp's ubatch_print at debug level 1). A row prints
+# the token's text, so a token holding a newline breaks its row over two lines: the row's end is what is read.
 _HEADER = "added ubatch to split:"
 _INPUT = "input batch info:"
-_TOKEN = re.compile(
-    r"ubatch_print:\s+\d+: id =\s*-?\d+ \(.*\), pos =\s*(-?\d+), n_seq_id =\s*\d+, seq_id = \[([^\]]*)\]"
-)
+_TOKEN = re.compile(r"\), pos =\s*(-?\d+), n_seq_id =\s*\d+, seq_id = \[([^\]]*)\]")
 
 
 @dataclass(frozen=True)
