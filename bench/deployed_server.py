@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from stagereplay.engines.llamaserver_process import GREEDY, ServerProcess
+from stagereplay.engines.llamaserver.process import GREEDY, ServerProcess
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.inputs.checkpoints import read_model_record
 
@@ -53,7 +53,7 @@ SERVERS = {
 CLIENTS = 3  # other clients amid which the item is served
 # The one flag every server here is given beyond the model: without it, the server's default extra CPU buffer
 # types (weight repacking, AMX) crashed it at start on the embedded Q4_1 GGUF on an AMX CPU (SIGSEGV, seen here),
-# as they crash the binding (engines/llamacpp_engine.py). The table names it on every row.
+# as they crash the binding (engines/llamacpp/engine.py). The table names it on every row.
 BASE_FLAGS = ["--no-repack"]
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from stagereplay.engines.base import Runtime
-from stagereplay.engines.transformers_engine import load_model
+from stagereplay.engines.transformers.engine import load_model
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.experiments.decode import continue_from
 from stagereplay.inputs.checkpoints import build_random_qwen2

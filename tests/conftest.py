@@ -8,7 +8,7 @@ import pytest
 import torch
 from workflow_helpers import snakemake, write_config
 
-from stagereplay.engines.transformers_engine import Runtime, load_model
+from stagereplay.engines.transformers.engine import Runtime, load_model
 from stagereplay.inputs.checkpoints import build_random_qwen2
 
 REPO = Path(__file__).resolve().parents[1]

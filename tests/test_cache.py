@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from stagereplay.engines.transformers_engine import ModelError, Runtime, TransformersEngine, load_model
+from stagereplay.engines.transformers.engine import ModelError, Runtime, TransformersEngine, load_model
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stagereplay.audit.rerun import environment_difference
-from stagereplay.engines.transformers_engine import Environment, Runtime, configure_runtime
+from stagereplay.engines.transformers.engine import Environment, Runtime, configure_runtime
 from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA
 from stagereplay.report import card
 from stagereplay.report.summary import environment

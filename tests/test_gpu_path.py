@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagereplay.engines.transformers_engine import (
+from stagereplay.engines.transformers.engine import (
     Runtime,
     TransformersEngine,
     _disable_tf32,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from workflow_helpers import skip_unless_required
 
-from stagereplay.engines.llamacpp_state import LlamaStateError, parse_seq_state, write_seq_state
+from stagereplay.engines.llamacpp.state import LlamaStateError, parse_seq_state, write_seq_state
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.experiments.decode import continue_from
 from stagereplay.experiments.transplants import TransplantSpec, transplant
@@ -39,7 +39,7 @@ def tiny_gguf(tiny_qwen2_folder, tmp_path_factory):
 
 
 def _engine(path, cache_type: str):
-    from stagereplay.engines.llamacpp_engine import EngineSettings, LlamaCppEngine
+    from stagereplay.engines.llamacpp.engine import EngineSettings, LlamaCppEngine
 
     return LlamaCppEngine(path, EngineSettings(cache_type=cache_type, n_threads=1, n_threads_batch=1, n_ctx=256))
 
@@ -164,7 +164,7 @@ def test_transplant_into_llama_cpp_cache(engine):
 
 
 def test_stale_cache_is_refused(engine):
-    from stagereplay.engines.llamacpp_binding import LlamaCppError
+    from stagereplay.engines.llamacpp.binding import LlamaCppError
 
     first = engine.empty_cache()
     engine.empty_cache()
@@ -175,7 +175,7 @@ def test_stale_cache_is_refused(engine):
 def test_reconfigure_to_its_own_settings_opens_a_new_context(engine):
     """E6's llama.cpp controls reconfigure to the run's own settings: that is still a new context, as a test
     level gets, never a silent no-op."""
-    from stagereplay.engines.llamacpp_binding import LlamaCppError
+    from stagereplay.engines.llamacpp.binding import LlamaCppError
 
     cache = engine.empty_cache()
     old, settings = engine.context, engine.settings

@@ -138,7 +138,7 @@ def test_prefix_reuse_uses_llamacpp_mechanisms(fp16_run):
 def test_batch_cache_is_the_items_sequence_of_one_decode_call(fp16_run):
     """The batch-3 cache of an item equals sequence 0 of a unified 3-sequence decode the test runs itself
     through the engine, with its companions as sequences 1 and 2, fed without padding."""
-    from stagereplay.engines.llamacpp_engine import LLAMACPP_N_CTX, EngineSettings, LlamaCppEngine
+    from stagereplay.engines.llamacpp.engine import LLAMACPP_N_CTX, EngineSettings, LlamaCppEngine
     from stagereplay.ledger.fingerprint import fingerprint_cache
 
     ledger, rows = fp16_run

@@ -38,7 +38,7 @@ def tiny_gguf(tmp_path_factory):
 
 
 def _engine(gguf, flash_attn: bool):
-    from stagereplay.engines.llamacpp_engine import load_llamacpp
+    from stagereplay.engines.llamacpp.engine import load_llamacpp
 
     return load_llamacpp(gguf, Runtime("fp16", "cpu", 1, flash_attn=flash_attn))
 

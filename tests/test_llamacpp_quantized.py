@@ -10,7 +10,7 @@ import torch
 from test_llamacpp import _binding_problem
 from workflow_helpers import skip_unless_required
 
-from stagereplay.engines.llamacpp_state import parse_seq_state, write_seq_state
+from stagereplay.engines.llamacpp.state import parse_seq_state, write_seq_state
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
@@ -31,7 +31,7 @@ def wide_gguf(tmp_path_factory):
 
 
 def _engine(path, cache_type: str, flash_attn: bool = True, rotation: bool = True):
-    from stagereplay.engines.llamacpp_engine import EngineSettings, LlamaCppEngine
+    from stagereplay.engines.llamacpp.engine import EngineSettings, LlamaCppEngine
 
     settings = EngineSettings(cache_type, 1, 1, 256, flash_attn=flash_attn, rotation=rotation)
     return LlamaCppEngine(path, settings)
@@ -102,7 +102,7 @@ def test_rotation_off_stores_the_plain_basis(wide_gguf):
         step = float(without.numeric().keys[0].abs().amax()) / 127
         assert float((with_rotation.numeric().keys[0] - without.numeric().keys[0]).abs().max()) <= 2 * step
         # Unconverted, a rotated cache does not go into a context that does not rotate.
-        from stagereplay.engines.llamacpp_binding import LlamaCppError
+        from stagereplay.engines.llamacpp.binding import LlamaCppError
 
         with pytest.raises(LlamaCppError, match="unconverted"):
             plain.to_cache(with_rotation)
@@ -161,7 +161,7 @@ def test_q8_0_constructions_run_and_the_bridge_is_compared_by_bytes(wide_gguf):
 
 
 def test_quantized_v_without_flash_attention_is_refused_in_one_line(wide_gguf):
-    from stagereplay.engines.llamacpp_binding import LlamaCppError
+    from stagereplay.engines.llamacpp.binding import LlamaCppError
 
     with pytest.raises(LlamaCppError, match=r"q8_0 V cache only with flash attention — set runtime.flash_attn: true"):
         _engine(wide_gguf, "q8_0", flash_attn=False)
@@ -171,7 +171,7 @@ def test_quantized_v_without_flash_attention_is_refused_in_one_line(wide_gguf):
 
 
 def test_state_of_another_type_is_refused(wide_gguf):
-    from stagereplay.engines.llamacpp_binding import LlamaCppError
+    from stagereplay.engines.llamacpp.binding import LlamaCppError
 
     fp16, q8 = _engine(wide_gguf, "fp16", flash_attn=False), _engine(wide_gguf, "q8_0")
     try:
@@ -188,7 +188,7 @@ def test_state_of_another_type_is_refused(wide_gguf):
 
 def test_a_head_of_no_whole_blocks_is_refused(tiny_qwen2_folder, tmp_path):
     """The tiny test model's heads are 16 values: not one 32-value block, so no quantized cache."""
-    from stagereplay.engines.llamacpp_binding import LlamaCppError
+    from stagereplay.engines.llamacpp.binding import LlamaCppError
 
     narrow = write_qwen2_gguf(tiny_qwen2_folder, tmp_path / "narrow.gguf")
     with pytest.raises(LlamaCppError, match="a head of 16 values is not whole 32-value blocks — use fp16 or fp32"):

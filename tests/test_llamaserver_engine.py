@@ -18,7 +18,7 @@ import torch
 from test_llamaserver_process import PROMPT, _alive, _server_problem
 from workflow_helpers import skip_unless_required, snakemake, write_config
 
-from stagereplay.engines.llamacpp_engine import load_llamacpp
+from stagereplay.engines.llamacpp.engine import load_llamacpp
 from stagereplay.engines.runtime import Runtime
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.experiments.decode import continue_from
@@ -44,7 +44,7 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(built, tiny_gguf):
-    from stagereplay.engines.llamaserver_engine import load_llamaserver
+    from stagereplay.engines.llamaserver.engine import load_llamaserver
 
     runtime = Runtime("fp16", "cpu", 1)
     server, binding = load_llamaserver(tiny_gguf, runtime), load_llamacpp(tiny_gguf, runtime)
@@ -137,7 +137,7 @@ def test_margins_are_the_bindings_float32_margins(engines):
 
 CHILD = """
 import sys
-from stagereplay.engines.llamaserver_engine import load_llamaserver
+from stagereplay.engines.llamaserver.engine import load_llamaserver
 from stagereplay.engines.runtime import Runtime
 engine = load_llamaserver(sys.argv[1], Runtime("fp16", "cpu", 1))
 print(engine.server.pid, flush=True)
@@ -155,7 +155,7 @@ def test_the_jobs_server_is_gone_after_the_job(engines, tiny_gguf):
         time.sleep(0.1)
     assert not _alive(pid)
     server, _ = engines
-    from stagereplay.engines.llamaserver_engine import load_llamaserver
+    from stagereplay.engines.llamaserver.engine import load_llamaserver
 
     closing = load_llamaserver(tiny_gguf, Runtime("fp16", "cpu", 1))
     pid, slots = closing.server.pid, closing.slot_dir
@@ -220,7 +220,7 @@ def test_a_stage_marker_stops_both_engines_at_the_same_token(engines):
 def test_a_quantized_cache_is_the_bindings_blocks_with_the_rotation_from_the_server_log(
     built, tmp_path, precision, flash_attn
 ):
-    from stagereplay.engines.llamaserver_engine import load_llamaserver
+    from stagereplay.engines.llamaserver.engine import load_llamaserver
 
     # Heads of 64 values (hidden 256, 4 heads): whole q8_0 blocks, and llama.cpp rotates them.
     folder = build_random_qwen2(tmp_path / "model", seed=3, layers=2, hidden=256)

@@ -17,7 +17,7 @@ from test_llamaserver_process import PROMPT
 from workflow_helpers import snakemake
 
 from stagereplay.design.factors import Level
-from stagereplay.engines.llamacpp_engine import load_llamacpp
+from stagereplay.engines.llamacpp.engine import load_llamacpp
 from stagereplay.engines.runtime import Runtime
 from stagereplay.experiments.constructions import StageBoundary, build_live
 from stagereplay.experiments.factor_settings import CacheType, FlashAttn, HeldPrefix, Setting, Threads, Ubatch
@@ -30,7 +30,7 @@ RUNTIME = Runtime("fp16", "cpu", 1)  # flash attention off, one thread: the refe
 
 @pytest.fixture(scope="module")
 def engines(built, tiny_gguf):  # noqa: F811
-    from stagereplay.engines.llamaserver_engine import load_llamaserver
+    from stagereplay.engines.llamaserver.engine import load_llamaserver
 
     server, binding = load_llamaserver(tiny_gguf, RUNTIME), load_llamacpp(tiny_gguf, RUNTIME)
     yield server, binding
@@ -109,7 +109,7 @@ def test_reconfigure_refuses_what_a_restart_cannot_change(engines):
 
 
 def test_a_cache_from_before_a_restart_is_stale_and_its_state_restores(engines, prefix):
-    from stagereplay.engines.llamaserver_build import LlamaServerError
+    from stagereplay.engines.llamaserver.build import LlamaServerError
 
     server, _ = engines
     cache = server.empty_cache()
@@ -209,7 +209,7 @@ def test_a_factor_workflow_on_the_server_has_identical_controls(built, tmp_path)
 def test_a_quantized_cache_type_level_is_the_bindings_through_the_shared_conversion(built, tmp_path, level, flash_attn):  # noqa: F811
     """Heads of 64 values (whole q8_0 blocks, rotated): the fp16 reference quantized offline for the level
     (ref-test) and the level's cache dequantized for the reference (test-ref), on both engines alike."""
-    from stagereplay.engines.llamaserver_engine import load_llamaserver
+    from stagereplay.engines.llamaserver.engine import load_llamaserver
     from stagereplay.inputs.checkpoints import build_random_qwen2
     from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 

@@ -1,5 +1,5 @@
 """E6's batch on the llamaserver engine: concurrent load, other requests generating on the server's other slots
-while the item's requests run on slot 0 (``llamaserver_load``, ``factor_settings.ConcurrentLoad``).
+while the item's requests run on slot 0 (``llamaserver.load``, ``factor_settings.ConcurrentLoad``).
 
 Real llama-server and the tiny GGUF as tests/test_llamaserver_engine.py makes them; skipped without the server
 unless STAGEREPLAY_REQUIRE_LLAMASERVER=1.
@@ -27,7 +27,7 @@ RUNTIME = Runtime("fp16", "cpu", 1)
 
 @pytest.fixture(scope="module")
 def server(built, tiny_gguf):  # noqa: F811
-    from stagereplay.engines.llamaserver_engine import load_llamaserver
+    from stagereplay.engines.llamaserver.engine import load_llamaserver
 
     engine = load_llamaserver(tiny_gguf, RUNTIME)
     yield engine
@@ -136,7 +136,7 @@ def test_the_build_records_how_the_server_cut_the_prompt_into_decode_calls(
 
 def test_the_batch_log_is_read_back_call_by_call():
     """llama-batch.cpp's ubatch_print lines, as the server logs them, read as calls of (position, sequences)."""
-    from stagereplay.engines.llamaserver_batches import decode_calls, describe_split, prompt_calls
+    from stagereplay.engines.llamaserver.batches import decode_calls, describe_split, prompt_calls
 
     log = "\n".join(
         [
@@ -168,8 +168,8 @@ def test_the_batch_log_is_read_back_call_by_call():
 
 def test_a_companion_that_stops_before_the_block_ends_fails_it(server, prefixes, monkeypatch):
     """A companion allowed 256 tokens is generating when the block begins and done before it ends."""
-    from stagereplay.engines import llamaserver_load
-    from stagereplay.engines.llamaserver_build import LlamaServerError
+    from stagereplay.engines.llamaserver import load as llamaserver_load
+    from stagereplay.engines.llamaserver.build import LlamaServerError
 
     monkeypatch.setattr(llamaserver_load, "COMPANION_TOKENS", 256)  # long enough to be seen generating
     item = prefixes["item-0"]

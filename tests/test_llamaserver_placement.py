@@ -13,7 +13,7 @@ from test_llamacpp_placement import KV_TILE, _prefixes
 from test_llamaserver_engine import _same, built, tiny_gguf  # noqa: F401 - fixtures
 
 from stagereplay.design.factors import Level
-from stagereplay.engines.llamacpp_engine import load_llamacpp
+from stagereplay.engines.llamacpp.engine import load_llamacpp
 from stagereplay.engines.runtime import Runtime
 from stagereplay.experiments.factor_settings import ConcurrentLoad, KvOffset, Setting, level_setting
 from stagereplay.experiments.level_job import LevelJob
@@ -25,7 +25,7 @@ RUNTIME = Runtime("fp16", "cpu", 1, flash_attn=True)
 
 @pytest.fixture(scope="module")
 def engines(built, tiny_gguf):  # noqa: F811
-    from stagereplay.engines.llamaserver_engine import load_llamaserver
+    from stagereplay.engines.llamaserver.engine import load_llamaserver
 
     server, binding = load_llamaserver(tiny_gguf, RUNTIME), load_llamacpp(tiny_gguf, RUNTIME)
     yield server, binding

@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 from workflow_helpers import skip_unless_required
 
-from stagereplay.engines.llamacpp_state import LlamaStateError
-from stagereplay.engines.llamaserver_build import (
+from stagereplay.engines.llamacpp.state import LlamaStateError
+from stagereplay.engines.llamaserver.build import (
     LlamaServerError,
     installed_binding_version,
     server_binary,
     server_build,
 )
-from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
-from stagereplay.engines.llamaserver_slots import gguf_geometry, read_slot_file, write_slot_file
+from stagereplay.engines.llamaserver.process import ServerProcess, ServerSettings
+from stagereplay.engines.llamaserver.slots import gguf_geometry, read_slot_file, write_slot_file
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 
@@ -216,7 +216,7 @@ def test_server_greedy_is_the_binding_engines_greedy(server, tiny_gguf):
     from test_llamacpp import _binding_problem
 
     skip_unless_required(_binding_problem(), "STAGEREPLAY_REQUIRE_LLAMACPP")
-    from stagereplay.engines.llamacpp_engine import EngineSettings, LlamaCppEngine
+    from stagereplay.engines.llamacpp.engine import EngineSettings, LlamaCppEngine
 
     engine = LlamaCppEngine(tiny_gguf, EngineSettings(cache_type="fp16", n_threads=1, n_threads_batch=1, n_ctx=512))
     cache, ids = engine.empty_cache(), []
@@ -318,7 +318,7 @@ def test_a_server_killed_mid_job_gives_one_line_with_its_exit_status(server):
 
 CHILD = """
 import sys, time
-from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
+from stagereplay.engines.llamaserver.process import ServerProcess, ServerSettings
 with ServerProcess(sys.argv[1], ServerSettings(ctx_size=512), log_path=sys.argv[2]) as server:
     print(server.pid, flush=True)
     while True:  # completions back to back: the signal comes mid-job

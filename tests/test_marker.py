@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stagereplay.engines.transformers_engine import Runtime, load_model
+from stagereplay.engines.transformers.engine import Runtime, load_model
 from stagereplay.experiments.constructions import MarkerMatcher, StageBoundary, build_live
 from stagereplay.experiments.job import JobContext, ShardSpec
 from stagereplay.experiments.shards import run_construction_shard, run_live_shard

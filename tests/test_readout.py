@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagereplay.engines.transformers_engine import ModelError
+from stagereplay.engines.transformers.engine import ModelError
 from stagereplay.experiments.decode import ReadoutCue, continue_from, read_out_state
 from stagereplay.experiments.prompts import READOUT_CUE, readout_tokens
 from stagereplay.inputs.checkpoints import build_byte_tokenizer

@@ -9,7 +9,7 @@ import re
 import pytest
 from workflow_helpers import REPO
 
-from stagereplay.engines.transformers_engine import ModelError, Runtime, load_model
+from stagereplay.engines.transformers.engine import ModelError, Runtime, load_model
 from stagereplay.inputs.checkpoints import build_random_qwen2
 
 

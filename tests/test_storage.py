@@ -13,7 +13,7 @@ from workflow_helpers import copy_run, fingerprints, snakemake, stagereplay, wri
 
 from stagereplay.design.jobs import trajectory_label
 from stagereplay.design.storage import StorageError, read_policy
-from stagereplay.engines.transformers_engine import Runtime
+from stagereplay.engines.transformers.engine import Runtime
 from stagereplay.experiments.constructions import StageBoundary
 from stagereplay.experiments.job import JobContext, ShardSpec
 from stagereplay.experiments.prompts import readout_tokens

@@ -198,7 +198,7 @@ def test_projection_matches_the_test_configs_ledger(test_run):
 
 
 def test_a_model_that_cannot_fit_stops_at_load_with_one_line(tiny_qwen2_folder):
-    from stagereplay.engines.transformers_engine import ModelError, Runtime, load_model
+    from stagereplay.engines.transformers.engine import ModelError, Runtime, load_model
 
     shapes = ModelShapes.from_config(json.loads((tiny_qwen2_folder / "config.json").read_text()))
     needed = job_memory_bytes(shapes, "fp32", 400)

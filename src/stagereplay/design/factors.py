@@ -37,10 +37,10 @@ import re
 from dataclasses import dataclass, field
 
 from stagereplay.design.cells import FULL, SERVER, WRITE, cell_patterns
-from stagereplay.engines.cache_types import QUANTIZED, CacheTypeError, cache_types, check_cache_precision
+from stagereplay.engines.llamacpp.cache_types import QUANTIZED, CacheTypeError, cache_types, check_cache_precision
 from stagereplay.engines.registry import SPECS, spec_named
 from stagereplay.engines.spec import EngineSpec
-from stagereplay.engines.transformers_spec import ATTENTION_LEVELS
+from stagereplay.engines.transformers.spec import ATTENTION_LEVELS
 
 ON_OFF = ("on", "off")
 # The level of a build-only factor that builds the whole context at once (one chunk, one micro-batch, a

@@ -4,8 +4,8 @@ An engine runs one checkpoint at one runtime (precision, device, threads, kernel
 only ever ask it to load a checkpoint at a runtime, start an empty cache, feed tokens into a cache (getting the last position's
 float32 logits back), export the cache as a ``KVState`` and import one, and read its tokenizer,
 its end-of-generation ids, its layer count and its environment record. Three engines implement it:
-transformers (``transformers_engine``), llama.cpp's binding (``llamacpp_engine``) and llama.cpp's own
-HTTP server (``llamaserver_engine``); ``registry`` picks one
+transformers (``transformers.engine``), llama.cpp's binding (``llamacpp.engine``) and llama.cpp's own
+HTTP server (``llamaserver.engine``); ``registry`` picks one
 from a model record. Nothing outside this package asks which engine it holds.
 """
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 
-from stagereplay.engines.llamacpp_spec import LLAMACPP, LLAMASERVER
+from stagereplay.engines.llamacpp.spec import LLAMACPP, LLAMASERVER
 from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
-from stagereplay.engines.transformers_spec import TRANSFORMERS
+from stagereplay.engines.transformers.spec import TRANSFORMERS
 
 SPECS: dict[str, EngineSpec] = {spec.name: spec for spec in (TRANSFORMERS, LLAMACPP, LLAMASERVER)}
 DEFAULT_ENGINE = TRANSFORMERS.name

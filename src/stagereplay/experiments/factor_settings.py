@@ -33,7 +33,7 @@ import torch
 
 from stagereplay.design.factors import WHOLE, FactorError, Level, factor_named
 from stagereplay.engines.base import Engine, ModelError, Runtime
-from stagereplay.engines.transformers_spec import RUN_ATTENTION
+from stagereplay.engines.transformers.spec import RUN_ATTENTION
 from stagereplay.experiments.constructions import build_boundary, build_boundary_state
 from stagereplay.experiments.decode import Decoded, continue_from, decode_greedy, generate_greedy, greedy_choice
 from stagereplay.experiments.level_job import Built, LevelJob, Prefix
@@ -434,7 +434,7 @@ class ConcurrentLoad(Batch):
     """Batch B on a server: the item's requests on slot 0 of a server with B slots (one unified cache, or with
     ``unified`` False one KV stream per slot), while B-1 other requests (the same companions as ``Batch``: the next
     items, or the item repeated) generate on the other slots, so every decode call the server makes carries
-    their tokens beside the item's (``llamaserver_load``). The served cell is one served request: the item's
+    their tokens beside the item's (``llamaserver.load``). The served cell is one served request: the item's
     build and its read in one load block, on one slot, with no restart and no restore between them (the built
     cells are read out by a slot save, which leaves them as they are). The read
     side (the reference cache, restored, then read) runs in a block of its own. The reference runs on the

@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass
 
 from stagereplay.engines.base import ModelError, Runtime
-from stagereplay.engines.cache_types import CacheTypeError, check_cache_precision, rotation_size
-from stagereplay.engines.llamacpp_binding import PINNED_VERSION, LlamaCppError
-from stagereplay.engines.llamacpp_state import Geometry
+from stagereplay.engines.llamacpp.binding import PINNED_VERSION, LlamaCppError
+from stagereplay.engines.llamacpp.cache_types import CacheTypeError, check_cache_precision, rotation_size
+from stagereplay.engines.llamacpp.state import Geometry
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class EngineSettings:
 
 def chosen_rotation(log: list[str], types, geometry: Geometry) -> tuple[int, int]:
     """The Hadamard sizes the new context rotates a quantized K and V by: whether it does, as llama.cpp logged
-    its choice (``attn_rot_k`` / ``attn_rot_v``), and by how much, its rule (``cache_types.rotation_size``)."""
+    its choice (``attn_rot_k`` / ``attn_rot_v``), and by how much, its rule (``llamacpp.cache_types.rotation_size``)."""
     if not types.quantized:
         return 0, 0
     text = "".join(log)

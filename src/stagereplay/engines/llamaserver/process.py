@@ -1,6 +1,6 @@
 """llama.cpp's own HTTP server (``llama-server``) as a child process that never outlives its job.
 
-``ServerProcess`` starts the server (the binary ``llamaserver_build`` checks) for one GGUF on 127.0.0.1 and
+``ServerProcess`` starts the server (the binary ``llamaserver.build`` checks) for one GGUF on 127.0.0.1 and
 a free port, waits for ``/health``, and stops it on leaving its ``with`` block, on an error too. The child
 cannot be orphaned: a SIGTERM or SIGHUP to this process stops every live server before this process exits,
 an exit stops them (atexit), and on Linux the kernel kills the server when the thread that started it dies
@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stagereplay.engines.cache_types import CACHE_TYPES, CacheTypeError, cache_types
-from stagereplay.engines.llamaserver_build import LlamaServerError, server_binary
+from stagereplay.engines.llamacpp.cache_types import CACHE_TYPES, CacheTypeError, cache_types
+from stagereplay.engines.llamaserver.build import LlamaServerError, server_binary
 
 HOST = "127.0.0.1"
 
@@ -62,7 +62,7 @@ class ServerSettings:
     # hold exactly what its requests and restores put there.
     cache_ram_mib: int = 0
     # Every micro-batch logged with its tokens' positions and sequences (--verbose and LLAMA_BATCH_DEBUG=1, read
-    # by ``llamaserver_batches``): how a prompt under load was cut into decode calls. Logging only.
+    # by ``llamaserver.batches``): how a prompt under load was cut into decode calls. Logging only.
     log_batches: bool = False
     extra: tuple[str, ...] = field(default=())  # further options, passed as given
 

@@ -29,8 +29,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from stagereplay.engines.llamaserver_build import LlamaServerError
-from stagereplay.engines.llamaserver_process import GREEDY, HOST, ServerProcess
+from stagereplay.engines.llamaserver.build import LlamaServerError
+from stagereplay.engines.llamaserver.process import GREEDY, HOST, ServerProcess
 
 # Tokens each companion may generate: far more than an engine block decodes while they run (a build is one
 # call, a read one per token of the suffix budget); a companion reaching it fails the block (``Load``).

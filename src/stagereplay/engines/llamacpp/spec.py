@@ -1,11 +1,11 @@
 """The llama.cpp engine as the rest of stagereplay sees it before loading it (no torch).
 
-A llama.cpp checkpoint is a GGUF run as shipped; its precision is its KV-cache type (``cache_types``).
+A llama.cpp checkpoint is a GGUF run as shipped; its precision is its KV-cache type (``llamacpp.cache_types``).
 """
 
 from __future__ import annotations
 
-from stagereplay.engines.cache_types import (
+from stagereplay.engines.llamacpp.cache_types import (
     LLAMACPP_PRECISION_PATTERN,
     QUANTIZED,
     CacheTypeError,
@@ -13,7 +13,7 @@ from stagereplay.engines.cache_types import (
     check_cache_precision,
     rotation_size,
 )
-from stagereplay.engines.llamaserver_spec import DECLARED as LLAMASERVER_DECLARED
+from stagereplay.engines.llamaserver.spec import DECLARED as LLAMASERVER_DECLARED
 from stagereplay.engines.spec import SHARED_ENVIRONMENT, ControlScope, EngineSpec, SpecError
 from stagereplay.ledger.block_format import BlockFormat
 
@@ -98,7 +98,7 @@ LLAMACPP = LlamaCppSpec(
     ),
     libraries=("llama_cpp_python",),
     environment_fields=(*SHARED_ENVIRONMENT, "attn_implementation"),
-    engine_class_path="stagereplay.engines.llamacpp_engine:LlamaCppEngine",
+    engine_class_path="stagereplay.engines.llamacpp.engine:LlamaCppEngine",
     keeps_sequences=True,
     precision_note="its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped (not"
     " converted), so its fp16/fp32 rows are not a transformers fp16/fp32 run",
@@ -149,7 +149,7 @@ LLAMACPP = LlamaCppSpec(
     },
 )
 
-# llama.cpp's own server on the same GGUFs and cache types (its declarations: llamaserver_spec).
+# llama.cpp's own server on the same GGUFs and cache types (its declarations: llamaserver.spec).
 LLAMASERVER = LlamaCppSpec(
     precisions=LLAMACPP.precisions,
     precision_pattern=LLAMACPP.precision_pattern,

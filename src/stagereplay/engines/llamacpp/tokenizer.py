@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
-from stagereplay.engines.llamacpp_binding import LlamaCppError, binding
+from stagereplay.engines.llamacpp.binding import LlamaCppError, binding
 
 
 class LlamaCppTokenizer:

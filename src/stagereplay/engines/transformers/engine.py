@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicLayer
 
 from stagereplay.cpuinfo import cpu_model
 from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
-from stagereplay.engines.transformers_spec import ATTENTION_LEVELS, RUN_ATTENTION
+from stagereplay.engines.transformers.spec import ATTENTION_LEVELS, RUN_ATTENTION
 from stagereplay.ledger.kvstate import KVState
 
 PRECISIONS: dict[str, torch.dtype] = {

@@ -13,10 +13,10 @@ positions for a later request (``truncate``) or saves and restores it through ll
 (``save_sequence`` / ``load_sequence``).
 
 The cache is read and written only through the sequence state
-(``llama_state_seq_get_data`` / ``set_data``), parsed by ``llamacpp_state``.
+(``llama_state_seq_get_data`` / ``set_data``), parsed by ``llamacpp.state``.
 The engine implements ``base.Engine``, so constructions, decoding, fingerprints and
 transplants run the same code on either engine. The binding, its errors and its log are
-``llamacpp_binding``'s; the GGUF's tokenizer is ``llamacpp_tokenizer``'s.
+``llamacpp.binding``'s; the GGUF's tokenizer is ``llamacpp.tokenizer``'s.
 """
 
 from __future__ import annotations
@@ -32,12 +32,7 @@ import torch
 
 from stagereplay.cpuinfo import cpu_model
 from stagereplay.engines.base import Engine, Environment, Runtime
-from stagereplay.engines.cache_types import (
-    CacheTypeError,
-    cache_types,
-    check_cache_precision,
-)
-from stagereplay.engines.llamacpp_binding import (
+from stagereplay.engines.llamacpp.binding import (
     PINNED_VERSION,
     LlamaCppError,
     binding,
@@ -45,8 +40,13 @@ from stagereplay.engines.llamacpp_binding import (
     captured_log,
     last_error,
 )
-from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
-from stagereplay.engines.llamacpp_state import (
+from stagereplay.engines.llamacpp.cache_types import (
+    CacheTypeError,
+    cache_types,
+    check_cache_precision,
+)
+from stagereplay.engines.llamacpp.settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
+from stagereplay.engines.llamacpp.state import (
     CACHE_TYPE_IDS,
     FORMAT,
     Geometry,
@@ -56,7 +56,7 @@ from stagereplay.engines.llamacpp_state import (
     part_format,
     write_seq_state,
 )
-from stagereplay.engines.llamacpp_tokenizer import LlamaCppTokenizer
+from stagereplay.engines.llamacpp.tokenizer import LlamaCppTokenizer
 from stagereplay.ledger.kvstate import KVState
 
 # Architectures whose every layer is full attention over every position, with one-position cells:
@@ -226,7 +226,7 @@ class LlamaCppEngine(Engine):
             self.llama_cpp.llama_memory_clear(self.memory, True)
 
     def converted(self, state: KVState) -> KVState:
-        """``state`` in this context's cache type (``llamacpp_state.converted_state``)."""
+        """``state`` in this context's cache type (``llamacpp.state.converted_state``)."""
         return converted_state(self.placed(state), self.settings.cache_type, self.formats)
 
     def build_description(self) -> str:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from stagereplay.engines.llamaserver_build import LlamaServerError
-from stagereplay.engines.llamaserver_slots import read_slot_file
+from stagereplay.engines.llamaserver.build import LlamaServerError
+from stagereplay.engines.llamaserver.slots import read_slot_file
 from stagereplay.ledger.kvstate import KVState
 
 SLOT = 0

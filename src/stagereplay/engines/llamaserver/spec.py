@@ -7,7 +7,7 @@ that are the server's per-process options (``-t/-tb``, ``-fa``, ``-ub``, ``-ctk/
 restart with the option changed, as the binding's is a new context; any other factor in a ``factors:``
 block naming this engine is refused at parse time.
 
-What it declares beyond the binding's spec is here, as plain values; ``llamacpp_spec`` makes the spec object
+What it declares beyond the binding's spec is here, as plain values; ``llamacpp.spec`` makes the spec object
 (``LLAMASERVER``) with the binding's spec class. That keeps the registry one import level above the specs
 (tests/test_architecture.py's depth limit): a spec module importing another would add a level.
 """
@@ -24,8 +24,8 @@ DECLARED = {
     # The server is no Python distribution: its build (vendored commit, CMake flags, CPU features) is in every
     # row's engine_build; the binding it was built from, whose tokenizer the engine uses, is versioned here.
     "libraries": ("llama_cpp_python",),
-    "engine_class_path": "stagereplay.engines.llamaserver_engine:LlamaServerEngine",
-    "keeps_sequences": True,  # its slot: prompt-cache reuse, save and restore (llamaserver_sequences)
+    "engine_class_path": "stagereplay.engines.llamaserver.engine:LlamaServerEngine",
+    "keeps_sequences": True,  # its slot: prompt-cache reuse, save and restore (llamaserver.sequences)
     "precision_note": "its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped, run by"
     " llama-server built from the binding's vendored llama.cpp; its logits are read as log-probabilities"
     " (logits less a constant per position): margins and argmax hold, absolute logits do not",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stagereplay.engines.llamacpp_state import Geometry, SeqState
+    from stagereplay.engines.llamacpp.state import Geometry, SeqState
 
 SLOT_FILE_MAGIC = 0x67677371  # "ggsq": llama_state_seq_save_file's header
 SLOT_FILE_VERSION = 3
@@ -28,7 +28,7 @@ def read_slot_file(path: str | Path, geometry: Geometry, slot: int = 0, rotation
     sequence state without its in-memory header; that header (magic and the slot's sequence id) is put
     back and the state goes through the project's parser, whose one-line error a damaged file gets.
     """
-    from stagereplay.engines.llamacpp_state import MAGIC, LlamaStateError, parse_seq_state
+    from stagereplay.engines.llamacpp.state import MAGIC, LlamaStateError, parse_seq_state
 
     data = Path(path).read_bytes()
 
@@ -64,7 +64,7 @@ def write_slot_file(path: str | Path, state: SeqState, tokens: list[int]) -> int
     the cells themselves (positions, K and V) are the state's. The sequence id the state's header names is
     dropped with the header: a restore gives the cells the slot's own.
     """
-    from stagereplay.engines.llamacpp_state import write_seq_state
+    from stagereplay.engines.llamacpp.state import write_seq_state
 
     body = write_seq_state(state)[8:]
     data = struct.pack(f"<III{len(tokens)}i", SLOT_FILE_MAGIC, SLOT_FILE_VERSION, len(tokens), *tokens) + body
@@ -76,7 +76,7 @@ def gguf_geometry(path: str | Path) -> Geometry:
     """What a GGUF's metadata says its sequence states hold, for ``read_slot_file`` (no llama.cpp needed)."""
     from gguf import GGUFReader
 
-    from stagereplay.engines.llamacpp_state import Geometry
+    from stagereplay.engines.llamacpp.state import Geometry
 
     fields = GGUFReader(path).fields
 

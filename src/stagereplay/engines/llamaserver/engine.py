@@ -1,12 +1,12 @@
 """The llama-server engine: a GGUF run by llama.cpp's own HTTP server, one server process per job.
 
-The server is built from the llama.cpp tree the binding vendors (``llamaserver_build``), and started with
+The server is built from the llama.cpp tree the binding vendors (``llamaserver.build``), and started with
 every setting the numbers depend on given on its command line, as the binding engine's reference context
 has it: ``-c``, ``-b`` and ``-ub`` all ``LLAMACPP_N_CTX`` (a prefix is one decode call and one
 micro-batch), one slot without a unified cache, flash attention from ``runtime.flash_attn``, the cache
 types from the precision, ``runtime.threads`` for both thread counts, no weight repacking, no host-memory
 prompt cache, no context shift, no warm-up, a fixed seed; its environment has every ``LLAMA_ARG_*``
-removed (``llamaserver_process``). The server's stop at the job's end goes with the job's process.
+removed (``llamaserver.process``). The server's stop at the job's end goes with the job's process.
 
 The engine's cache is the server's slot 0, named by the token list the slot holds (``ServerCache``).
 Every request sends token ids only and is greedy (``GREEDY``), with the slot's tokens as the start of its
@@ -15,7 +15,7 @@ prompt, so the server keeps them (its prompt cache) and decodes only the new tok
 can never pass unseen. After a request the slot holds its prompt and every generated token but the last,
 which the server sampled and never decoded: the protocol's boundary state (cache over ``prefix[:-1]``,
 the last token pending). ``snapshot`` saves the slot to a file and parses it with the binding's state
-parser (``llamaserver_slots``); ``to_cache`` writes a state as a slot file and restores it into the
+parser (``llamaserver.slots``); ``to_cache`` writes a state as a slot file and restores it into the
 erased slot.
 
 Logits: the server returns log-probabilities of the top ``n_probs`` tokens, computed from the raw float32
@@ -28,9 +28,9 @@ protocol's optional one-request decoding) takes each margin from the top two log
 E6: the server takes flash attention, the micro-batch size, the cache types, the thread counts and its slot count
 only on its command line, so ``reconfigure`` and ``use_threads`` restart it with them changed (a new context, as
 the binding's ``reconfigure`` opens one; every earlier cache goes stale) and ``converted`` is the binding's
-conversion (``llamacpp_state.converted_state``). Its ``batch`` is concurrent load: a server of B slots with one
+conversion (``llamacpp.state.converted_state``). Its ``batch`` is concurrent load: a server of B slots with one
 unified cache (``load_slots``), B-1 other requests generating on slots 1.. while the engine's run on slot 0
-(``in_flight``, ``llamaserver_load``); ``kv_unified`` off is the same load with one KV stream per slot
+(``in_flight``, ``llamaserver.load``); ``kv_unified`` off is the same load with one KV stream per slot
 (``--no-kv-unified``). ``kv_offset`` is slot 1 holding an idle filler that slot 0's cells sit behind
 (``behind_filler``).
 
@@ -51,17 +51,17 @@ import torch
 
 from stagereplay.cpuinfo import cpu_model
 from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
-from stagereplay.engines.cache_types import CacheTypeError, cache_types, check_cache_precision
-from stagereplay.engines.llamacpp_binding import PINNED_VERSION
-from stagereplay.engines.llamacpp_engine import LlamaCppEngine, gguf_tokenizer
-from stagereplay.engines.llamacpp_settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
-from stagereplay.engines.llamacpp_state import SeqState, converted_state, part_format
-from stagereplay.engines.llamaserver_batches import decode_calls, describe_split, prompt_calls
-from stagereplay.engines.llamaserver_build import LlamaServerError, server_build
-from stagereplay.engines.llamaserver_load import companions_in_flight
-from stagereplay.engines.llamaserver_process import ServerProcess, ServerSettings
-from stagereplay.engines.llamaserver_sequences import SLOT, SlotSequences, kept_positions
-from stagereplay.engines.llamaserver_slots import read_slot_file, write_slot_file
+from stagereplay.engines.llamacpp.binding import PINNED_VERSION
+from stagereplay.engines.llamacpp.cache_types import CacheTypeError, cache_types, check_cache_precision
+from stagereplay.engines.llamacpp.engine import LlamaCppEngine, gguf_tokenizer
+from stagereplay.engines.llamacpp.settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
+from stagereplay.engines.llamacpp.state import SeqState, converted_state, part_format
+from stagereplay.engines.llamaserver.batches import decode_calls, describe_split, prompt_calls
+from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
+from stagereplay.engines.llamaserver.load import companions_in_flight
+from stagereplay.engines.llamaserver.process import ServerProcess, ServerSettings
+from stagereplay.engines.llamaserver.sequences import SLOT, SlotSequences, kept_positions
+from stagereplay.engines.llamaserver.slots import read_slot_file, write_slot_file
 from stagereplay.ledger.kvstate import KVState
 
 # Options besides ServerSettings' own: no GPU layers and no memory fitting (a CPU build; --fit could change
@@ -184,7 +184,7 @@ class LlamaServerEngine(SlotSequences, Engine):
         self.reconfigure(n_threads=threads)
 
     def in_flight(self, prompts: list[list[int]], cancelled: bool = False):
-        """A block with greedy requests for ``prompts`` generating on slots 1.. (``llamaserver_load``); with
+        """A block with greedy requests for ``prompts`` generating on slots 1.. (``llamaserver.load``); with
         ``cancelled``, started, then cancelled and erased before the block (the load path's control)."""
         return companions_in_flight(self.server, prompts, cancelled=cancelled)
 
@@ -210,7 +210,7 @@ class LlamaServerEngine(SlotSequences, Engine):
 
     def prompt_split(self, mark: int, positions: int) -> str:
         """How the server cut positions 0 .. ``positions`` - 1 of slot 0 into decode calls since ``mark``, from
-        its batch log (a server under load logs every micro-batch: ``llamaserver_batches``). Read once, while the
+        its batch log (a server under load logs every micro-batch: ``llamaserver.batches``). Read once, while the
         server runs: the log is written by a thread of its own, so a caller reads it a while after the prompt (after
         the request went on generating), and a log that does not hold every position says how many it holds."""
         calls = prompt_calls(decode_calls(self.server.log_since(mark)), 0, positions)

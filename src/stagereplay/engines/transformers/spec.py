@@ -61,7 +61,7 @@ TRANSFORMERS = TransformersSpec(
         "torch_version",
         "transformers_version",
     ),
-    engine_class_path="stagereplay.engines.transformers_engine:TransformersEngine",
+    engine_class_path="stagereplay.engines.transformers.engine:TransformersEngine",
     control_scopes={
         "attention": ControlScope(
             "the implementation switch (set_attn_implementation) set to the run's own around each build and read",

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stagereplay.engines.cache_types import CACHE_TYPES, QUANTIZED, cache_types
+from stagereplay.engines.llamacpp.cache_types import CACHE_TYPES, QUANTIZED, cache_types
 from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of
 
 FORMAT = "llama-cpp-python 0.3.36"

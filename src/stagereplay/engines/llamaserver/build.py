@@ -2,7 +2,7 @@
 
 The server binary is built from the llama.cpp tree vendored in the pinned llama-cpp-python sdist
 (``envs/build_llama_server.sh``, run by ``SPEC=envs/llamaserver.txt bash envs/setup.sh``), so its slot
-files hold the same sequence state format as the one ``llamacpp_state`` parses. The build writes a record
+files hold the same sequence state format as the one ``llamacpp.state`` parses. The build writes a record
 beside the binary (``llama-server.json``: the binding version, the vendored commit, the CMake flags and
 the CPU features); ``server_binary`` refuses a binary that is missing or was built for another version,
 and ``server_build`` gives the record every row of a server run names. No torch here.

@@ -1,0 +1,1 @@
+"""The llamacpp engine: llama.cpp's binding and what both llama.cpp engines share."""

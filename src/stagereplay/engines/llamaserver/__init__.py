@@ -1,0 +1,1 @@
+"""The llamaserver engine: llama.cpp's own HTTP server."""
