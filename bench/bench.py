@@ -599,7 +599,7 @@ def section_g(counts: list[int], root: Path, cores: int) -> None:
 
 
 def machine() -> str:
-    from stagereplay.cpuinfo import cpu_model
+    from stagereplay.engines.cpuinfo import cpu_model
 
     model = cpu_model()
     import torch

@@ -1,4 +1,4 @@
-"""The one reader of /proc/cpuinfo (stagereplay.cpuinfo): the model and flags of the first processor,
+"""The one reader of /proc/cpuinfo (stagereplay.engines.cpuinfo): the model and flags of the first processor,
 the Arm ids where no model is named, and nothing where there is no such file."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from stagereplay import cpuinfo
+from stagereplay.engines import cpuinfo
 
 X86 = """processor\t: 0
 vendor_id\t: AuthenticAMD

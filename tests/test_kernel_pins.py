@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from stagereplay.cpuinfo import cpu_flags
 from stagereplay.design.factors import KERNEL_LEVELS, OWN_KERNELS, factor_named
+from stagereplay.engines.cpuinfo import cpu_flags
 from stagereplay.experiments.kernel_worker import onednn_isa
 
 PROBE = "import torch; from stagereplay.experiments.kernel_worker import onednn_isa as i; print(i(), '|', torch.backends.cpu.get_cpu_capability())"

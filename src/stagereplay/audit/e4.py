@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from stagereplay.atomic import atomic_write_text
+from stagereplay.ledger.atomic import atomic_write_text
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.tables import SPREAD_SUFFIX, read_table, stored_rows_digest
 from stagereplay.report.stats import share

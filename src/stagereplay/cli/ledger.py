@@ -12,8 +12,8 @@ from stagereplay.cli.options import add_model_records, add_rebuild_runtime
 
 
 def cmd_store_caches_policy(args) -> None:
-    from stagereplay.atomic import atomic_write_text
     from stagereplay.design.storage import storage_document
+    from stagereplay.ledger.atomic import atomic_write_text
 
     atomic_write_text(args.out, json.dumps(storage_document(args.policy), indent=2) + "\n")
 
@@ -46,11 +46,11 @@ def add_provenance_command(sub) -> None:
 
 
 def cmd_apply_storage(args) -> None:
-    from stagereplay.atomic import atomic_write_text
     from stagereplay.audit.verify import verify_ledger
     from stagereplay.engines.runtime import runtime_from_args
     from stagereplay.experiments.recompute import ModelPool
     from stagereplay.experiments.storage_operation import apply_policy
+    from stagereplay.ledger.atomic import atomic_write_text
     from stagereplay.ledger.layout import LedgerLayout
     from stagereplay.ledger.store import ObjectStore
     from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA, read_table

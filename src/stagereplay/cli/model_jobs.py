@@ -42,8 +42,8 @@ def add_rebuild_command(sub) -> None:
 
 
 def cmd_select_transplants(args) -> None:
-    from stagereplay.atomic import atomic_write_text
     from stagereplay.experiments.transplants import select_divergent
+    from stagereplay.ledger.atomic import atomic_write_text
     from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, concat_tables
 
     live = concat_tables(args.live, TRAJECTORY_SCHEMA).to_pylist()

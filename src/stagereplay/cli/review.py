@@ -54,7 +54,7 @@ def cmd_verify(args) -> int:
     if report.faults:
         return 1
     if args.out:
-        from stagereplay.atomic import atomic_write_text
+        from stagereplay.ledger.atomic import atomic_write_text
 
         atomic_write_text(args.out, report.summary_line() + "\n")
     return 0

@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stagereplay.cpuinfo import cpu_flags
 from stagereplay.design.factors import FactorError, Level, check_levels
 from stagereplay.design.jobs import JobList, job_list
+from stagereplay.engines.cpuinfo import cpu_flags
 from stagereplay.engines.registry import spec_of
 from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
 from stagereplay.ledger.layout import LedgerLayout

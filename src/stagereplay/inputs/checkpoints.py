@@ -19,7 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from stagereplay.atomic import atomic_write, atomic_write_text
+from stagereplay.ledger.atomic import atomic_write, atomic_write_text
 from stagereplay.ledger.fingerprint import combine, file_digest
 
 # Files that define a model's behaviour: weights, architecture, tokenizer, chat template.

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from stagereplay.atomic import atomic_write
+from stagereplay.ledger.atomic import atomic_write
 
 LETTERS = ("A", "B", "C", "D")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stagereplay.atomic import atomic_write
+from stagereplay.ledger.atomic import atomic_write
 
 # Hugging Face Qwen2 parameter name (after "model.layers.N.") -> GGUF tensor name (after "blk.N.").
 LAYER_TENSORS = {

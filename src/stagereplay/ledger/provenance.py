@@ -19,7 +19,7 @@ from pathlib import Path
 
 import xxhash
 
-from stagereplay.atomic import atomic_write_text
+from stagereplay.ledger.atomic import atomic_write_text
 from stagereplay.ledger.fingerprint import file_digest
 from stagereplay.ledger.jsondiff import first_difference
 

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from stagereplay.atomic import atomic_write
+from stagereplay.ledger.atomic import atomic_write
 from stagereplay.ledger.fingerprint import fingerprint_tensors
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.tables import LedgerError, is_object_id

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from stagereplay.atomic import atomic_write
+from stagereplay.ledger.atomic import atomic_write
 
 # Every table carries the digest of its rows in its Parquet metadata, so an edited cell is detectable.
 ROWS_DIGEST_KEY = b"stagereplay.rows_xxh3"

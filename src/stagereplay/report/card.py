@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stagereplay.atomic import atomic_write_text
 from stagereplay.design.factors import is_control
 from stagereplay.engines.registry import SPECS
+from stagereplay.ledger.atomic import atomic_write_text
 from stagereplay.report.card_provenance import Provenance
 from stagereplay.report.controls import controls_card_row
 from stagereplay.report.factor_view import factor_item_blocks

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from stagereplay.atomic import atomic_write
+from stagereplay.ledger.atomic import atomic_write
 from stagereplay.report.text import level_name
 
 # File names are fixed so the Snakefile can name every output at parse time;

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stagereplay.cpuinfo import cpu_model
 from stagereplay.engines.base import Engine, Environment, Runtime
+from stagereplay.engines.cpuinfo import cpu_model
 from stagereplay.engines.llamacpp.binding import (
     PINNED_VERSION,
     LlamaCppError,

@@ -49,8 +49,8 @@ from pathlib import Path
 
 import torch
 
-from stagereplay.cpuinfo import cpu_model
 from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
+from stagereplay.engines.cpuinfo import cpu_model
 from stagereplay.engines.llamacpp.binding import PINNED_VERSION
 from stagereplay.engines.llamacpp.cache_types import CacheTypeError, cache_types, check_cache_precision
 from stagereplay.engines.llamacpp.engine import LlamaCppEngine, gguf_tokenizer

@@ -26,8 +26,8 @@ import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from stagereplay.cpuinfo import cpu_model
 from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
+from stagereplay.engines.cpuinfo import cpu_model
 from stagereplay.engines.transformers.spec import ATTENTION_LEVELS, RUN_ATTENTION
 from stagereplay.ledger.kvstate import KVState
 
