@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from stagereplay.design.cells import cell_label
 from stagereplay.design.factors import factor_named
 from stagereplay.design.projection import cache_object_bytes
+from stagereplay.engines.registry import SPECS
 from stagereplay.engines.shapes import checkpoint_shapes
 from stagereplay.ledger.layout import LedgerLayout
 
@@ -45,7 +46,7 @@ def minimum_positions(row: dict, contexts: dict[str, int]) -> int:
     if row["cell"] != cell_label(factor_named(row["factor"]).cells[0]):
         return continuation  # the level's first cell built the cache; the others continue it or the reference
     members = [contexts[member] for member in (row["item_id"], *row["companions"])]
-    built = sum(members) if row["engine"] == "llamacpp" else batch * max(members)  # llama.cpp: no padding
+    built = batch * max(members) if SPECS[row["engine"]].pads_batches else sum(members)
     return built + continuation
 
 

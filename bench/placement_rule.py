@@ -24,6 +24,7 @@ item where a prediction failed. Exit status 0 when none did.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -32,14 +33,23 @@ import pyarrow.parquet as pq
 
 from stagereplay.design.factors import factor_named
 
+# How a server under load recorded the item's prompt split (engines/llamaserver/batches.py), at a row's end.
+RECORDED_SPLIT = re.compile(r"the prompt in \d+ decode calls?: .*$")
+
 
 def predicted_differs(row: dict, contexts: dict[str, int], tile: int) -> bool:
     """Whether the rules predict other built bytes for the item of a ``test-ref`` row at its level."""
     factor, level, context = row["factor"], row["level"], contexts[row["item_id"]]
-    if factor == "kv_unified":
-        # The server puts the item's prompt after its companions' tokens: a micro-batch of its own.
+    if factor_named(factor).splits_by_sequence:
+        split = RECORDED_SPLIT.search(row["setting"] or "")
+        if split:
+            # The engine recorded how it cut the prompt (a server's batch log): the reference's one call, alone,
+            # or not.
+            return split.group(0) != f"the prompt in 1 decode call: {context} positions of slot 0 alone"
+        # split_equal, as the binding's batch meets it: the item beside its companions' prompts, so an item
+        # longer than its shortest companion is prefilled in two calls.
         shortest = min((contexts[name] for name in row["companions"]), default=context)
-        return row["engine"] != "llamaserver" and context > shortest
+        return context > shortest
     if factor_named(factor).removes_filler(level):
         return False  # the item's cells from cell 0 after the filler left
     return context >= tile and factor_named(factor).value(level) % tile != 0

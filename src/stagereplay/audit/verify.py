@@ -54,6 +54,7 @@ from stagereplay.audit.verify_documents import (
     verify_produced,
     verify_summary,
 )
+from stagereplay.design.factors import factor_named
 from stagereplay.design.storage import StorageError, caches_may_be_absent, read_policy
 from stagereplay.ledger.fingerprint import fingerprint_tensor, fingerprint_tensors
 from stagereplay.ledger.layout import RELATIVE, LedgerLayout
@@ -308,7 +309,7 @@ def verify_factor_row(where: str, row: dict, known: dict[str, StoredObject], fau
     where = f"{where} {row['factor']}={row['level']} {row['cell']}"
     _check_tokens(where, "suffix", row["suffix_object"], known, faults, expected=row["suffix_tokens"])
     _check_tokens(where, "prefix", row["prefix_object"], known, faults)
-    if row["factor"] == "prefix_reuse" and not (row["reused_tokens"] or 0) > 0:
+    if factor_named(row["factor"]).reuses_prefix and not (row["reused_tokens"] or 0) > 0:
         faults.append(Fault(where, "a prefix-cache hit that reused no tokens"))
     if row["build"] == "ref" and row["cache_digest"] != row["reference_cache"]:
         faults.append(Fault(where, "a cell built under the reference names another cache than the reference's"))

@@ -72,6 +72,9 @@ class Factor:
     cells: tuple[tuple[str, str], ...] = FULL  # the cells a level computes (the reference is E2's row)
     unbuilt_reason: str | None = None  # why the 2x2's other cells cannot be built (a server-only factor)
     cpu_only = False  # a setting of the CPU's own computation: nothing on a GPU run
+    reuses_prefix = False  # a test level takes positions from an earlier request's cache (each row says how many)
+    other_cache_type = False  # a test level stores another cache type: never the reference's bytes
+    splits_by_sequence = False  # a test level gives each sequence a KV stream of its own (llama.cpp's split_equal)
 
     def level_name(self, given) -> str:
         """A config level as its path component (4 -> "4"; YAML's on/off booleans -> on/off)."""
@@ -163,6 +166,7 @@ class WholeOrCount(Count):
 class PrefixReuse(Factor):
     name = "prefix_reuse"
     cells = (WRITE,)
+    reuses_prefix = True
 
     def level_name(self, given):
         return super().level_name(given).replace(":", "-")
@@ -360,6 +364,7 @@ class Ubatch(WholeOrCount):
 
 class CacheType(Factor):
     name = "cache_type"
+    other_cache_type = True
 
     def check(self, name, context):
         try:
@@ -436,6 +441,7 @@ class KvUnified(Factor):
     place from the company in the decode calls. ``off:1`` (the control) is the item alone on that path."""
 
     name = "kv_unified"
+    splits_by_sequence = True
     what = "off:B with B a batch size such as 2 or 4 (off:1 is the control)"
 
     def level_name(self, given):

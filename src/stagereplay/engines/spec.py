@@ -63,6 +63,9 @@ class EngineSpec:
     # keeps a sequence's first positions for a later request and saves/restores a sequence through its own
     # files (a server's prefix reuse): E6's restore levels need it
     keeps_sequences: bool = False
+    # Whether a batch of sequences of unequal lengths is padded to the longest (transformers' left padding),
+    # so a batched build feeds B times the longest; else each sequence's own positions.
+    pads_batches: bool = False
     # What a reader of the card must know of this engine's precisions (empty: nothing beyond their names).
     precision_note: str = ""
     # factor -> what its control exercises on this engine and what it does not: one for every factor it runs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from stagereplay.design.factors import factor_named
 from stagereplay.report.text import experiment_name, level_name, percent, points, under_load_text
 
 if TYPE_CHECKING:
@@ -433,7 +434,7 @@ def e6_level_reading(level: dict, correction: dict | None = None) -> str:
         if caches["count"]
         else f"the caches it builds are bit-identical to the reference on all {n} items"
     )
-    if level["factor"] == "cache_type" and level["level"] != level["reference_level"]:
+    if factor_named(level["factor"]).other_cache_type and level["level"] != level["reference_level"]:
         # Another cache type never has the reference's bytes: what says something is how far its values are.
         cache_text = (
             f"its caches are another type (max |Δ| of their values from the reference's"

@@ -62,6 +62,7 @@ TRANSFORMERS = TransformersSpec(
         "transformers_version",
     ),
     engine_class_path="stagereplay.engines.transformers.engine:TransformersEngine",
+    pads_batches=True,
     control_scopes={
         "attention": ControlScope(
             "the implementation switch (set_attn_implementation) set to the run's own around each build and read",
