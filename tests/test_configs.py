@@ -33,3 +33,22 @@ def test_the_all200_config_schedules_every_item_of_the_published_run(tmp_path):
         if len(line.split()) == 2 and line.split()[1].isdigit()
     )
     assert (counts["live"], counts["rebuild"], counts["transplant"]) == ("24", "48", "16")
+
+
+def test_the_schemas_precision_takes_what_the_registry_takes():
+    """The config schema spells the precision pattern once ($defs), and it must take exactly the precisions some
+    engine takes: every name and every K-V pair of the registry's, and none of a few that no engine takes."""
+    import itertools
+    import re
+
+    import yaml
+
+    from stagereplay.engines.registry import SPECS, any_precision
+
+    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    pattern = schema["$defs"]["precision"]["pattern"]
+    names = sorted({name for spec in SPECS.values() for name in spec.precisions})
+    candidates = [*names, *("-".join(pair) for pair in itertools.product(names, repeat=2)), "q5_1", "int8", "bf16-"]
+    for candidate in candidates:
+        assert (re.fullmatch(pattern.strip("^$"), candidate) is not None) == any_precision(candidate), candidate
+    assert yaml.safe_dump(schema).count(pattern) == 1
