@@ -12,7 +12,8 @@ import torch
 
 from stagereplay.audit.rerun import environment_difference
 from stagereplay.engines.transformers.engine import Environment, Runtime, configure_runtime
-from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA
+from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
+from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, TRANSPLANT_SCHEMA
 from stagereplay.report import card
 from stagereplay.report.summary import environment
 

@@ -15,7 +15,8 @@ from stagereplay.experiments.constructions import MarkerMatcher, StageBoundary, 
 from stagereplay.experiments.job import JobContext, ShardSpec
 from stagereplay.experiments.shards import run_construction_shard, run_live_shard
 from stagereplay.inputs.checkpoints import write_model_record
-from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, PROMPT_SCHEMA, TRAJECTORY_SCHEMA, read_table, write_table
+from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
+from stagereplay.ledger.tables import PROMPT_SCHEMA, TRAJECTORY_SCHEMA, read_table, write_table
 
 PROMPT = [257, 10, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 258, 10]
 MARKER = "</think>"

@@ -22,7 +22,8 @@ from workflow_helpers import REPO, snakemake
 
 from stagereplay.audit.e4 import e4_summary
 from stagereplay.inputs.checkpoints import read_model_record
-from stagereplay.ledger.tables import COMPARISON_SCHEMA, ENVIRONMENT_COLUMNS, TRAJECTORY_SCHEMA, read_table
+from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
+from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, read_table
 from stagereplay.report.card import E4_FIGURE, write_results_card
 from stagereplay.report.card_provenance import provenance
 from stagereplay.report.plots import PLOT_FILES, plot_transplant_follow_donor

@@ -23,12 +23,12 @@ import pyarrow as pa
 
 from stagereplay.design.jobs import trajectory_label
 from stagereplay.experiments.compare import first_divergence
+from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import (
     COMPARISON_KEY,
     COMPARISON_SCHEMA,
-    ENVIRONMENT_COLUMNS,
     FACTOR_CELL_KEY,
     FACTOR_KEY,
     FACTOR_SCHEMA,

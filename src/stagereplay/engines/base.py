@@ -14,39 +14,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 
 import torch
 
 from stagereplay.engines.runtime import Runtime
 from stagereplay.engines.spec import ModelError
+from stagereplay.ledger.environment import Environment
 from stagereplay.ledger.kvstate import KVState
 
 __all__ = ["ModelError", "Runtime"]  # defined with the specs (no torch), raised by every engine
-
-
-@dataclass(frozen=True)
-class Environment:
-    """What the numbers depend on besides the inputs; recorded per ledger row."""
-
-    device: str
-    device_name: str  # the GPU's name, or the CPU model
-    cpu_capability: str  # the SIMD level torch picked CPU kernels for (e.g. AVX2, AVX512)
-    precision: str
-    threads: int
-    attn_implementation: str
-    tf32: bool
-    # May bf16/fp16 matmuls reduce in reduced precision (cuBLAS split-K): changes sums on CUDA.
-    bf16_reduced_precision_reduction: bool
-    fp16_reduced_precision_reduction: bool
-    sdpa_backends: str  # enabled scaled-dot-product-attention kernels, e.g. "flash,mem_efficient,math,cudnn"
-    float32_matmul_precision: str  # torch.get_float32_matmul_precision(): highest, high or medium
-    deterministic: bool
-    torch_version: str
-    transformers_version: str
-    engine: str = "transformers"
-    engine_version: str = ""  # the engine library's version (transformers, llama-cpp-python)
-    engine_build: str = ""  # the engine's build options where it has its own (llama.cpp's CPU features)
 
 
 class Engine(ABC):

@@ -15,8 +15,8 @@ from stagereplay.engines.registry import spec_of
 from stagereplay.engines.runtime import Runtime
 from stagereplay.engines.spec import EngineSpec
 from stagereplay.inputs.checkpoints import read_model_record
+from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
 from stagereplay.ledger.store import ObjectStore
-from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS
 
 
 @dataclass(frozen=True)

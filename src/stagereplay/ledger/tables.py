@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from stagereplay.ledger.atomic import atomic_write
+from stagereplay.ledger.environment import ENVIRONMENT_FIELDS
 
 # Every table carries the digest of its rows in its Parquet metadata, so an edited cell is detectable.
 ROWS_DIGEST_KEY = b"stagereplay.rows_xxh3"
@@ -26,26 +27,6 @@ class LedgerError(RuntimeError):
 # What the numbers depend on besides the inputs (engines.base.Environment, less the precision,
 # which is a key column): recorded in every trajectory and transplant row, compared by
 # the audit, listed in summary.json and on the results card.
-_ENVIRONMENT_FIELDS = (
-    ("device", pa.string()),
-    ("device_name", pa.string()),
-    ("cpu_capability", pa.string()),
-    ("threads", pa.int32()),
-    ("attn_implementation", pa.string()),
-    ("tf32", pa.bool_()),
-    ("bf16_reduced_precision_reduction", pa.bool_()),
-    ("fp16_reduced_precision_reduction", pa.bool_()),
-    ("sdpa_backends", pa.string()),
-    ("float32_matmul_precision", pa.string()),
-    ("deterministic", pa.bool_()),
-    ("torch_version", pa.string()),
-    ("transformers_version", pa.string()),
-    # Which engine ran the model (a name of the engine registry), its version and its build options.
-    ("engine", pa.string()),
-    ("engine_version", pa.string()),
-    ("engine_build", pa.string()),
-)
-ENVIRONMENT_COLUMNS = tuple(name for name, _ in _ENVIRONMENT_FIELDS)
 
 # One row per (item, checkpoint, precision, construction, replica, prefix precision):
 # a boundary state and its continuation. ``prefix_precision`` names the live run
@@ -82,7 +63,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("readout_answer", pa.string()),
         ("readout_correct", pa.bool_()),
         ("readout_margin", pa.float32()),
-        *_ENVIRONMENT_FIELDS,
+        *ENVIRONMENT_FIELDS,
         ("model_seconds", pa.float64()),
     ]
 )
@@ -154,7 +135,7 @@ TRANSPLANT_SCHEMA = pa.schema(
         ("suffix_tokens", pa.list_(pa.int64())),
         ("suffix_stop", pa.string()),
         ("model_fingerprint", pa.string()),
-        *_ENVIRONMENT_FIELDS,
+        *ENVIRONMENT_FIELDS,
     ]
 )
 
@@ -216,7 +197,7 @@ FACTOR_SCHEMA = pa.schema(
         # and its continuation); test-ref also counts a reference cache rebuilt because it was not stored.
         ("forward_positions", pa.int64()),
         ("model_fingerprint", pa.string()),
-        *_ENVIRONMENT_FIELDS,
+        *ENVIRONMENT_FIELDS,
     ]
 )
 

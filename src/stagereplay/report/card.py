@@ -14,6 +14,7 @@ from pathlib import Path
 from stagereplay.design.factors import is_control
 from stagereplay.engines.registry import SPECS
 from stagereplay.ledger.atomic import atomic_write_text
+from stagereplay.ledger.environment import ENVIRONMENT_TITLES
 from stagereplay.report.card_provenance import Provenance
 from stagereplay.report.controls import controls_card_row
 from stagereplay.report.factor_view import factor_item_blocks
@@ -30,22 +31,7 @@ from stagereplay.report.text import level_name, percent, under_load_text
 ENVIRONMENT_COLUMNS = [
     ("checkpoint", "checkpoint"),
     ("precision", "precision"),
-    ("device", "device"),
-    ("device_name", "device name"),
-    ("cpu_capability", "CPU kernels"),
-    ("threads", "threads"),
-    ("attn_implementation", "attention"),
-    ("tf32", "TF32"),
-    ("bf16_reduced_precision_reduction", "bf16 reduced-precision reduction"),
-    ("fp16_reduced_precision_reduction", "fp16 reduced-precision reduction"),
-    ("sdpa_backends", "SDPA backends"),
-    ("float32_matmul_precision", "fp32 matmul precision"),
-    ("deterministic", "deterministic"),
-    ("torch_version", "torch version"),
-    ("transformers_version", "transformers version"),
-    ("engine", "engine"),
-    ("engine_version", "engine version"),
-    ("engine_build", "engine build"),
+    *(entry for entry in ENVIRONMENT_TITLES if entry[0] != "precision"),
     ("model_fingerprint", "model fingerprint"),
 ]
 # The columns every row has, whatever its engine; the others are each engine's own (EngineSpec.environment_fields).

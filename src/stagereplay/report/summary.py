@@ -29,7 +29,8 @@ from stagereplay.design.cells import (
 from stagereplay.design.factors import factor_named, is_control
 from stagereplay.engines.registry import DEFAULT_ENGINE, SPECS
 from stagereplay.ledger.atomic import atomic_write_text
-from stagereplay.ledger.tables import ENVIRONMENT_COLUMNS, checkpoint_order
+from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
+from stagereplay.ledger.tables import checkpoint_order
 from stagereplay.report.e5_summary import e5_summary
 from stagereplay.report.margins import bf16_logits, e1_flip_margins, e6_flip_margins, first_read_figures
 from stagereplay.report.stats import (
