@@ -14,7 +14,7 @@ from stagereplay.design.factors import FACTORS as FACTOR_NAMES
 from stagereplay.design.factors import factor_named
 from stagereplay.engines.registry import PRECISION_PATTERN
 from stagereplay.engines.runtime import runtime_options
-from stagereplay.ledger.layout import LedgerLayout
+from stagereplay.ledger.layout import LedgerLayout, construction_of_token
 from stagereplay.ledger.provenance import design_of
 
 REPO = Path(workflow.basedir)
@@ -109,7 +109,6 @@ TRANSPLANT = config["transplant"]
 SWEEP = TRANSPLANT["sweep"]
 BLIND = TRANSPLANT["outcome_blind"]
 BLIND_CHECKPOINT = BLIND["checkpoint"] or PRIMARY
-CROSS = TRANSPLANT["cross_precision"]
 ITEMS_SPEC = config["items"]
 # What the ledger records as the run's design (provenance.json; the audit reruns it).
 DESIGN = design_of(config)
@@ -130,7 +129,6 @@ REPLICATIONS = list(JOBS.replications)
 USED_CHECKPOINTS = sorted({PRIMARY} | ({BLIND_CHECKPOINT} if TRANSPLANT["enabled"] else set()))
 # The model records the audit compares (as before: the outcome-blind checkpoint's even without E5).
 AUDITED_CHECKPOINTS = sorted({PRIMARY, BLIND_CHECKPOINT})
-ITEMS = RUN.items
 SHARDS = RUN.shards
 CONSTRUCTIONS = RUN.constructions
 BLIND_IDS = RUN.blind_ids
@@ -213,39 +211,16 @@ COMPARE_REBUILDS = STORE_CACHES != "all"
 AUDIT_COMPARE_REBUILDS = AUDIT_STORE_CACHES != "all"
 
 
-def device_memory_mb(runtime):
-    """A model job's expected device memory (engines.shapes.job_memory_bytes: weights at the precision,
-    caches, activations), as the resource gpu_mem_mb: the profiles run as many model jobs per GPU as
-    fit. 0 on the CPU, and for a GGUF not converted yet (its shapes are unknown until then)."""
-    from stagereplay.engines.shapes import checkpoint_shapes, job_memory_bytes
-
-    def job_mb(checkpoint, precision):
-        shapes = checkpoint_shapes(CHECKPOINTS[checkpoint], model_folder(checkpoint))
-        return job_memory_bytes(shapes, precision, MAX_POSITIONS) // 2**20 if shapes else 0
-
-    def gpu_mem_mb(wildcards):
-        if runtime["device"] == "cpu":
-            return 0
-        if hasattr(wildcards, "checkpoint"):
-            return job_mb(wildcards.checkpoint, wildcards.precision)
-        # compare, rebuilding caches that are not stored: one model at a time, of any compared
-        # checkpoint and precision; it declares the largest of them.
-        precisions = {E1, *FIXED["precisions"]}
-        return max(job_mb(name, precision) for name in COMPARED_CHECKPOINTS for precision in precisions)
-
-    return gpu_mem_mb
-
-
 MODEL_RESOURCES = dict(
     mem_mb=RUNTIME["mem_mb"],
     runtime=RUNTIME["runtime_minutes"],
     gpu=1 if RUNTIME["device"] == "cuda" else 0,
-    gpu_mem_mb=device_memory_mb(RUNTIME),
+    gpu_mem_mb=RUN.device_memory_mb(RUNTIME, COMPARED_CHECKPOINTS),
 )
 AUDIT_MODEL_RESOURCES = {
     **MODEL_RESOURCES,
     "gpu": 1 if AUDIT_RUNTIME["device"] == "cuda" else 0,
-    "gpu_mem_mb": device_memory_mb(AUDIT_RUNTIME),
+    "gpu_mem_mb": RUN.device_memory_mb(AUDIT_RUNTIME, COMPARED_CHECKPOINTS),
 }
 
 

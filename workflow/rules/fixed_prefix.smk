@@ -3,8 +3,6 @@
 # (the fp32 arm upcasts the same checkpoint) and continues. The same job makes E1's
 # prefill side and E3's incremental side. Construction and precision are path components.
 
-from stagereplay.ledger.layout import construction_of_token
-
 
 rule rebuild:
     input:

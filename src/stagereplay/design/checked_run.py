@@ -55,6 +55,30 @@ class CheckedRun:
     def model_folder(self, checkpoint: str) -> str:
         return model_folder(self.config, self.repo, self.layout, checkpoint)
 
+    def device_memory_mb(self, runtime: dict, compared: list[str]):
+        """A model job's expected device memory in MiB as a function of its wildcards (the resource gpu_mem_mb,
+        from ``engines.shapes.job_memory_bytes``: weights at the precision, caches, activations), so the profiles
+        run as many model jobs per GPU as fit. 0 on the CPU, and for a GGUF not converted yet (its shapes are
+        unknown until then). A job without a checkpoint wildcard (compare, rebuilding caches that are not stored:
+        one model at a time, of any of the ``compared`` checkpoints and precisions) declares the largest."""
+        from stagereplay.engines.shapes import checkpoint_shapes, job_memory_bytes
+
+        checkpoints = self.config["checkpoints"]
+        precisions = {self.config["matched"]["precision"], *self.config["fixed_prefix"]["precisions"]}
+
+        def job_mb(checkpoint: str, precision: str) -> int:
+            shapes = checkpoint_shapes(checkpoints[checkpoint], self.model_folder(checkpoint))
+            return job_memory_bytes(shapes, precision, self.max_positions) // 2**20 if shapes else 0
+
+        def gpu_mem_mb(wildcards) -> int:
+            if runtime["device"] == "cpu":
+                return 0
+            if hasattr(wildcards, "checkpoint"):
+                return job_mb(wildcards.checkpoint, wildcards.precision)
+            return max(job_mb(name, precision) for name in compared for precision in precisions)
+
+        return gpu_mem_mb
+
 
 # The checkout this code runs from, when it does (an installed copy has none).
 SOURCE_TREE = Path(__file__).resolve().parents[3]
