@@ -76,19 +76,28 @@ class LlamaCppCache:
         self.positions = 0
 
 
-class LlamaCppEngine(Engine):
-    """A GGUF loaded in llama.cpp with one single-sequence context."""
-
-    keeps_sequences = True
+class GgufCheckpoint:
+    """What both llama.cpp engines do with a model record: its GGUF's own tokenizer, and the engine loaded at a
+    runtime by the engine's ``load_gguf`` (the binding's context, or a server)."""
 
     @classmethod
     def checkpoint_tokenizer(cls, record: dict, trust_remote_code: bool = False) -> tuple[object, int]:
         return gguf_tokenizer(record["gguf"])
 
     @classmethod
-    def load(cls, record: dict, runtime: Runtime) -> LlamaCppEngine:
+    def load(cls, record: dict, runtime: Runtime):
         """The record's GGUF as shipped (``gguf``)."""
-        return load_llamacpp(record["gguf"], runtime)
+        return cls.load_gguf(record["gguf"], runtime)
+
+
+class LlamaCppEngine(GgufCheckpoint, Engine):
+    """A GGUF loaded in llama.cpp with one single-sequence context."""
+
+    keeps_sequences = True
+
+    @staticmethod
+    def load_gguf(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:
+        return load_llamacpp(gguf, runtime)
 
     def __init__(self, gguf_path: str | Path, settings: EngineSettings):
         self.llama_cpp = llama_cpp = binding()

@@ -53,7 +53,7 @@ from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
 from stagereplay.engines.cpuinfo import cpu_model
 from stagereplay.engines.llamacpp.binding import PINNED_VERSION
 from stagereplay.engines.llamacpp.cache_types import CacheTypeError, cache_types, check_cache_precision
-from stagereplay.engines.llamacpp.engine import LlamaCppEngine, gguf_tokenizer
+from stagereplay.engines.llamacpp.engine import GgufCheckpoint, LlamaCppEngine
 from stagereplay.engines.llamacpp.settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
 from stagereplay.engines.llamacpp.state import SeqState, converted_state, part_format
 from stagereplay.engines.llamaserver.batches import decode_calls, describe_split, prompt_calls
@@ -92,18 +92,14 @@ class ServerCache:
         self.slot_tokens: list[int] | None = None
 
 
-class LlamaServerEngine(SlotSequences, Engine):
+class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
     """A GGUF served by one llama-server child process; its requests go to slot 0."""
 
     serves_concurrent_requests = True
 
-    @classmethod
-    def checkpoint_tokenizer(cls, record: dict, trust_remote_code: bool = False) -> tuple[object, int]:
-        return gguf_tokenizer(record["gguf"])
-
-    @classmethod
-    def load(cls, record: dict, runtime: Runtime) -> LlamaServerEngine:
-        return load_llamaserver(record["gguf"], runtime)
+    @staticmethod
+    def load_gguf(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
+        return load_llamaserver(gguf, runtime)
 
     def __init__(self, gguf_path: str | Path, settings: ServerSettings):
         gguf_path = Path(gguf_path)
