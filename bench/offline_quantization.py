@@ -20,7 +20,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of
+from stagereplay.ledger.block_format import BlockFormat
+from stagereplay.ledger.blocks import blocks_of
+from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.store import ObjectStore
 

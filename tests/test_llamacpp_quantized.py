@@ -14,8 +14,10 @@ from stagereplay.engines.llamacpp.state import parse_seq_state, write_seq_state
 from stagereplay.experiments.constructions import StageBoundary, build_boundary_state, build_live
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
+from stagereplay.ledger.block_format import BlockFormat
+from stagereplay.ledger.blocks import blocks_of, numeric, values_of
 from stagereplay.ledger.fingerprint import fingerprint_cache
-from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of, values_of
+from stagereplay.ledger.kvstate import KVState
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,10 +76,10 @@ def test_parsed_values_are_unrotated_and_close_to_the_fp16_cache(wide_gguf):
         values = reference.snapshot(cache)
         q_cache = quantized.empty_cache()
         quantized.forward(list(live.prefix[:-1]), q_cache)
-        numeric = quantized.snapshot(q_cache).numeric()
+        dequantized = numeric(quantized.snapshot(q_cache))
         # Layer 0 sees the same inputs under both caches: only the 8-bit rounding of rotated values
         # separates them (a block's step is its largest magnitude / 127).
-        for ours, theirs in ((numeric.keys[0], values.keys[0]), (numeric.values[0], values.values[0])):
+        for ours, theirs in ((dequantized.keys[0], values.keys[0]), (dequantized.values[0], values.values[0])):
             step = theirs.float().abs().amax() / 127
             assert float((ours - theirs.float()).abs().max()) <= float(step)
             # Left rotated, the values would sit in another basis, far from the fp16 cache's.
@@ -99,8 +101,8 @@ def test_rotation_off_stores_the_plain_basis(wide_gguf):
         assert without.formats == ("q8_0", "q8_0")
         assert not torch.equal(with_rotation.keys[0], without.keys[0])
         # Un-rotated, both hold layer 0's keys up to 8-bit rounding.
-        step = float(without.numeric().keys[0].abs().amax()) / 127
-        assert float((with_rotation.numeric().keys[0] - without.numeric().keys[0]).abs().max()) <= 2 * step
+        step = float(numeric(without).keys[0].abs().amax()) / 127
+        assert float((numeric(with_rotation).keys[0] - numeric(without).keys[0]).abs().max()) <= 2 * step
         # Unconverted, a rotated cache does not go into a context that does not rotate.
         from stagereplay.engines.llamacpp.binding import LlamaCppError
 

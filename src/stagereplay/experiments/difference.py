@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stagereplay.ledger.blocks import numeric
 from stagereplay.ledger.kvstate import KVState
 
 
@@ -47,7 +48,7 @@ def cache_difference(a: KVState, b: KVState) -> tuple[tuple[LayerDifference, ...
     if any(a.formats) or any(b.formats) or len(plain_types) > 1:
         # Raw blocks differ by what they encode, an fp16 and an fp32 cache by their width: compare the values
         # (float32 holds fp16 and dequantized values exactly).
-        a, b = _float32(a.numeric()), _float32(b.numeric())
+        a, b = _float32(numeric(a)), _float32(numeric(b))
     return (
         tuple(tensor_difference(x, y) for x, y in zip(a.keys, b.keys)),
         tuple(tensor_difference(x, y) for x, y in zip(a.values, b.values)),

@@ -18,15 +18,9 @@ gives the cached K and V in the model's own basis, as a float16 cache would hold
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
-import numpy as np
-import scipy.linalg
 import torch
-from gguf import quants as gguf_quants
-
-from stagereplay.ledger.block_format import BlockFormat, ggml_type
 
 
 @dataclass(frozen=True)
@@ -87,52 +81,7 @@ class KVState:
             value_format=formats["v"].pop() if formats["v"] else "",
         )
 
-    def numeric(self) -> KVState:
-        """The cache as values: parts in blocks dequantized (and un-rotated) to float32; plain parts as they are."""
-        if not any(self.formats):
-            return self
-
-        def part(tensors, block_format):
-            if not block_format:
-                return tensors
-            parsed = BlockFormat.parse(block_format)
-            return tuple(values_of(tensor, parsed) for tensor in tensors)
-
-        return KVState(part(self.keys, self.key_format), part(self.values, self.value_format))
-
 
 def to_host(state: KVState) -> KVState:
     """Copy to CPU for saving; a no-op for CPU tensors."""
     return state.to("cpu")
-
-
-# --- a part stored as quantized blocks ------------------------------------------------------------
-
-
-@functools.cache
-def hadamard(n: int) -> np.ndarray:
-    """The orthonormal n-point Walsh-Hadamard matrix in Sylvester's order, as llama.cpp builds it."""
-    return scipy.linalg.hadamard(n).astype(np.float64) / np.sqrt(n)
-
-
-def _rotate(values: np.ndarray, n: int) -> np.ndarray:
-    """Each run of n values along the last axis multiplied by the Hadamard matrix (symmetric: its own inverse)."""
-    runs = values.astype(np.float64).reshape(*values.shape[:-1], -1, n)
-    return (runs @ hadamard(n)).reshape(values.shape)
-
-
-def values_of(raw: torch.Tensor, block_format: BlockFormat) -> torch.Tensor:
-    """The float32 values [.., head_dim] of raw blocks [.., blocks x block bytes], un-rotated."""
-    values = gguf_quants.dequantize(raw.contiguous().numpy(), ggml_type(block_format.cache_type))
-    if block_format.rotation:
-        values = _rotate(values, block_format.rotation)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-
-
-def blocks_of(values: torch.Tensor, block_format: BlockFormat) -> torch.Tensor:
-    """Offline quantization: values [.., head_dim] rotated as llama.cpp would, then quantized by gguf's
-    reference quantizer into raw blocks [.., blocks x block bytes]."""
-    array = values.detach().cpu().float().numpy()
-    if block_format.rotation:
-        array = _rotate(array, block_format.rotation).astype(np.float32)
-    return torch.from_numpy(gguf_quants.quantize(np.ascontiguousarray(array), ggml_type(block_format.cache_type)))

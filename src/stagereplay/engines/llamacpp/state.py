@@ -39,7 +39,9 @@ import numpy as np
 import torch
 
 from stagereplay.engines.llamacpp.cache_types import CACHE_TYPES, QUANTIZED, cache_types
-from stagereplay.ledger.kvstate import BlockFormat, KVState, blocks_of
+from stagereplay.ledger.block_format import BlockFormat
+from stagereplay.ledger.blocks import blocks_of, numeric
+from stagereplay.ledger.kvstate import KVState
 
 FORMAT = "llama-cpp-python 0.3.36"
 CACHE_TYPE_IDS = {name: type_id for name, (type_id, _, _, _) in CACHE_TYPES.items()}
@@ -279,7 +281,7 @@ def converted_state(state: KVState, cache_type: str, formats: tuple[str, str]) -
     dtypes = (state.keys[0].dtype, state.values[0].dtype)
     if state.formats == formats and dtypes == (plain_dtype(types.k), plain_dtype(types.v)):
         return state
-    numeric = state.numeric()
+    values = numeric(state)
 
     def part(tensors, part_type, block_format):
         if block_format:
@@ -288,8 +290,8 @@ def converted_state(state: KVState, cache_type: str, formats: tuple[str, str]) -
 
     key_format, value_format = formats
     return KVState(
-        part(numeric.keys, types.k, key_format),
-        part(numeric.values, types.v, value_format),
+        part(values.keys, types.k, key_format),
+        part(values.values, types.v, value_format),
         key_format,
         value_format,
     )
