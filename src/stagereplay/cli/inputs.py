@@ -95,14 +95,14 @@ def add_random_qwen2_command(sub) -> None:
 
 
 def cmd_register_model(args) -> None:
-    from stagereplay.engines.registry import spec_named
+    from stagereplay.engines.registry import DEFAULT_ENGINE, spec_named
     from stagereplay.inputs.checkpoints import write_gguf_record, write_model_record
 
     spec = spec_named(args.engine)
     if spec.record_kind == "gguf":
         write_gguf_record(args.out, args.folder, args.source, spec.name)
     else:
-        write_model_record(args.out, args.folder, args.source)
+        write_model_record(args.out, args.folder, args.source, None if spec.name == DEFAULT_ENGINE else spec.name)
 
 
 def add_register_model_command(sub) -> None:

@@ -9,12 +9,41 @@ prompts job asks ``checkpoint_tokenizer`` for the tokenizer alone.
 from __future__ import annotations
 
 import re
+from importlib.metadata import entry_points
 
 from stagereplay.engines.llamacpp.spec import LLAMACPP, LLAMASERVER
 from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
 from stagereplay.engines.transformers.spec import TRANSFORMERS
 
-SPECS: dict[str, EngineSpec] = {spec.name: spec for spec in (TRANSFORMERS, LLAMACPP, LLAMASERVER)}
+# Engines from other distributions: each an entry point of this group naming its spec ("module:SPEC"), as
+# vLLM's plugins register. A new engine is its own folder (or package) and this one line of its metadata.
+ENTRY_POINT_GROUP = "stagereplay.engines"
+
+
+def _plugged_in() -> tuple[EngineSpec, ...]:
+    specs = []
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        spec = entry.load()
+        if not isinstance(spec, EngineSpec):
+            raise SpecError(
+                f"entry point {entry.name} ({entry.value}) is no EngineSpec — point it at the engine's spec"
+            )
+        specs.append(spec)
+    return tuple(specs)
+
+
+SPECS: dict[str, EngineSpec] = {}
+
+
+def register(spec: EngineSpec) -> None:
+    """Add an engine: its spec under its name (a name taken is refused in one line)."""
+    if spec.name in SPECS:
+        raise SpecError(f"engine {spec.name!r} is registered twice — give the new engine a name of its own")
+    SPECS[spec.name] = spec
+
+
+for _spec in (TRANSFORMERS, LLAMACPP, LLAMASERVER, *_plugged_in()):
+    register(_spec)
 DEFAULT_ENGINE = TRANSFORMERS.name
 ENGINES = tuple(SPECS)
 # Every precision some engine takes, as one regular expression (the workflow's precision wildcard).

@@ -197,14 +197,17 @@ def build_random_qwen2(
 NEAR_TIE_SPREAD = 0.01  # of the shared direction's scale: a few bf16 ulps of the logits, far above fp32's
 
 
-def write_model_record(record_path: str | Path, folder: str | Path, source: str) -> dict:
-    """The registration record every job reads: where the folder is and its fingerprint."""
+def write_model_record(record_path: str | Path, folder: str | Path, source: str, engine: str | None = None) -> dict:
+    """The registration record every job reads: where the folder is and its fingerprint; ``engine`` where it
+    is not the default one (a record naming none is the default engine's)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise CheckpointError(
             f"model folder {folder} not found or has no config.json — fix the checkpoint's folder path"
         )
     record = {"folder": _portable(folder, record_path), "fingerprint": model_fingerprint(folder), "source": source}
+    if engine is not None:
+        record["engine"] = engine
     atomic_write_text(record_path, json.dumps(record, indent=2) + "\n")
     return record
 
