@@ -119,7 +119,7 @@ def engine_names_in(source: str) -> list[str]:
 ENGINE_SEAMS_TO_CUT = [
     "stagereplay.design.factors:40: imports from stagereplay.engines.llamacpp.cache_types",
     "stagereplay.design.factors:43: imports from stagereplay.engines.transformers.spec",
-    "stagereplay.experiments.factor_settings:36: imports from stagereplay.engines.transformers.spec",
+    "stagereplay.experiments.factor_settings:34: imports from stagereplay.engines.transformers.spec",
 ]
 
 

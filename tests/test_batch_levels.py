@@ -8,8 +8,9 @@ import pytest
 
 from stagereplay.design.factors import FactorError, Level, check_levels
 from stagereplay.engines.base import Runtime
-from stagereplay.experiments.factor_settings import Setting, level_setting
+from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
 from stagereplay.experiments.level_job import LevelJob, Prefix
+from stagereplay.experiments.setting import Setting, level_setting
 from stagereplay.ledger.store import ObjectStore
 
 

@@ -15,8 +15,9 @@ from stagereplay.cli import main
 from stagereplay.design.factors import FACTOR_OBJECTS, Level, LevelContext, check_levels, is_control
 from stagereplay.engines.base import Runtime
 from stagereplay.engines.registry import spec_named
-from stagereplay.experiments.factor_settings import Setting, level_setting
+from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
 from stagereplay.experiments.level_job import LevelJob, Prefix
+from stagereplay.experiments.setting import Setting, level_setting
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import FACTOR_SCHEMA, write_table

@@ -18,11 +18,12 @@ from stagereplay.audit.faults import Report
 from stagereplay.audit.verify import verify_tables
 from stagereplay.design.factors import Level
 from stagereplay.engines.base import Runtime
+from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
 from stagereplay.experiments.cell_logits import first_read
 from stagereplay.experiments.decode import Decoded
 from stagereplay.experiments.factor_job import LevelSettings, ReferenceItem, item_cells
-from stagereplay.experiments.factor_settings import Setting, level_setting
 from stagereplay.experiments.level_job import Built, LevelJob, Prefix
+from stagereplay.experiments.setting import Setting, level_setting
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore

@@ -203,8 +203,9 @@ def test_controls_reproduce_the_reference_through_their_machinery(engine, factor
     bytes and continues like it, and goes through the factor's machinery to do so."""
     from stagereplay.design.factors import FACTOR_OBJECTS, Level
     from stagereplay.engines.runtime import Runtime
-    from stagereplay.experiments.factor_settings import Setting, level_setting
+    from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
     from stagereplay.experiments.level_job import LevelJob, Prefix
+    from stagereplay.experiments.setting import Setting, level_setting
     from stagereplay.ledger.store import ObjectStore
 
     runtime = Runtime(precision=engine.settings.cache_type, device="cpu", threads=1)

@@ -20,8 +20,10 @@ from workflow_helpers import skip_unless_required
 
 from stagereplay.design.factors import Level
 from stagereplay.engines.runtime import Runtime
-from stagereplay.experiments.factor_settings import Batch, KvOffset, Setting, level_setting
+from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
+from stagereplay.experiments.batch_settings import Batch, KvOffset
 from stagereplay.experiments.level_job import LevelJob, Prefix
+from stagereplay.experiments.setting import Setting, level_setting
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 from stagereplay.ledger.store import ObjectStore

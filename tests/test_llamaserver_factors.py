@@ -19,9 +19,11 @@ from workflow_helpers import snakemake
 from stagereplay.design.factors import Level
 from stagereplay.engines.llamacpp.engine import load_llamacpp
 from stagereplay.engines.runtime import Runtime
+from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
 from stagereplay.experiments.constructions import StageBoundary, build_live
-from stagereplay.experiments.factor_settings import CacheType, FlashAttn, HeldPrefix, Setting, Threads, Ubatch
+from stagereplay.experiments.factor_settings import CacheType, FlashAttn, HeldPrefix, Threads, Ubatch
 from stagereplay.experiments.level_job import Prefix
+from stagereplay.experiments.setting import Setting
 from stagereplay.ledger.store import ObjectStore
 
 BUDGET = 8

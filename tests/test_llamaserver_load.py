@@ -1,5 +1,5 @@
 """E6's batch on the llamaserver engine: concurrent load, other requests generating on the server's other slots
-while the item's requests run on slot 0 (``llamaserver.load``, ``factor_settings.ConcurrentLoad``).
+while the item's requests run on slot 0 (``llamaserver.load``, ``batch_settings.ConcurrentLoad``).
 
 Real llama-server and the tiny GGUF as tests/test_llamaserver_engine.py makes them; skipped without the server
 unless STAGEREPLAY_REQUIRE_LLAMASERVER=1.
@@ -15,10 +15,12 @@ from test_llamaserver_process import PROMPT
 
 from stagereplay.design.factors import Level
 from stagereplay.engines.runtime import Runtime
+from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
+from stagereplay.experiments.batch_settings import ConcurrentLoad
 from stagereplay.experiments.constructions import StageBoundary, build_live
 from stagereplay.experiments.decode import continue_from
-from stagereplay.experiments.factor_settings import ConcurrentLoad, Setting, level_setting
 from stagereplay.experiments.level_job import LevelJob, Prefix
+from stagereplay.experiments.setting import Setting, level_setting
 from stagereplay.ledger.store import ObjectStore
 
 BUDGET = 8

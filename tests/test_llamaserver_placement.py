@@ -15,8 +15,10 @@ from test_llamaserver_engine import _same, built, tiny_gguf  # noqa: F401 - fixt
 from stagereplay.design.factors import Level
 from stagereplay.engines.llamacpp.engine import load_llamacpp
 from stagereplay.engines.runtime import Runtime
-from stagereplay.experiments.factor_settings import ConcurrentLoad, KvOffset, Setting, level_setting
+from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
+from stagereplay.experiments.batch_settings import ConcurrentLoad, KvOffset
 from stagereplay.experiments.level_job import LevelJob
+from stagereplay.experiments.setting import Setting, level_setting
 from stagereplay.ledger.store import ObjectStore
 
 BUDGET = 6

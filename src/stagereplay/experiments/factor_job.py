@@ -20,14 +20,19 @@ from pathlib import Path
 from stagereplay.design.cells import READ, SERVER, WRITE, cell_label
 from stagereplay.design.factors import Level, reference_level
 from stagereplay.engines.base import Engine
+
+# Every factor's setting, registered by its module (setting.runs): switches, contexts, chunks, prefix reuse and
+# kernels; batches, load and placement.
+from stagereplay.experiments import batch_settings  # noqa: F401
 from stagereplay.experiments.cell_logits import NOT_DECODED, NOT_DIVERGED, first_read, margins_at_divergence
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.decode import Decoded
 from stagereplay.experiments.difference import cache_difference
-from stagereplay.experiments.factor_settings import Kernels, Setting, level_setting
+from stagereplay.experiments.factor_settings import Kernels
 from stagereplay.experiments.job import JobContext, environment_columns, progress_bar
 from stagereplay.experiments.level_job import LevelJob, Prefix
 from stagereplay.experiments.recompute import CacheSource, ModelPool
+from stagereplay.experiments.setting import Setting, level_setting
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore

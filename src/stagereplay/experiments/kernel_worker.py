@@ -17,8 +17,8 @@ import torch
 
 from stagereplay.engines.base import Runtime
 from stagereplay.engines.registry import load_checkpoint
-from stagereplay.experiments.factor_settings import Setting
 from stagereplay.experiments.level_job import Prefix
+from stagereplay.experiments.setting import Setting
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
