@@ -190,7 +190,7 @@ def test_the_spec_takes_the_bindings_precisions():
 
     server, binding = spec_named("llamaserver"), spec_named("llamacpp")
     assert server.precisions == binding.precisions and server.record_kind == "gguf"
-    assert server.factors == {
+    assert set(server.factors) == {
         "threads",
         "flash_attn",
         "ubatch",
@@ -200,6 +200,20 @@ def test_the_spec_takes_the_bindings_precisions():
         "kv_offset",
         "kv_unified",
     }  # tests/test_llamaserver_factors.py, tests/test_llamaserver_load.py, tests/test_llamaserver_placement.py
+    # Each as the server runs it: a per-process option is a restart, batch and its kin are load on the server,
+    # and a level the binding refuses the server refuses alike.
+    assert {name: knob.mechanism for name, knob in server.factors.items()} == {
+        "threads": "restart",
+        "flash_attn": "restart",
+        "ubatch": "restart",
+        "cache_type": "restart",
+        "prefix_reuse": "request",
+        "batch": "load",
+        "kv_offset": "load",
+        "kv_unified": "load",
+    }
+    refusal = server.factors["cache_type"].refusal("q5_1", "fp16", True)
+    assert refusal and refusal == binding.factors["cache_type"].refusal("q5_1", "fp16", True)
     assert server.head_bytes("q8_0", "k", 64) == binding.head_bytes("q8_0", "k", 64)
 
 

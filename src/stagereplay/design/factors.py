@@ -37,10 +37,8 @@ import re
 from dataclasses import dataclass, field
 
 from stagereplay.design.cells import FULL, SERVER, WRITE, cell_patterns
-from stagereplay.engines.llamacpp.cache_types import QUANTIZED, CacheTypeError, cache_types, check_cache_precision
 from stagereplay.engines.registry import SPECS, spec_named
 from stagereplay.engines.spec import EngineSpec
-from stagereplay.engines.transformers.spec import ATTENTION_LEVELS
 
 ON_OFF = ("on", "off")
 # The level of a build-only factor that builds the whole context at once (one chunk, one micro-batch, a
@@ -252,10 +250,6 @@ REPEATED = "same-"  # a batch level of the item repeated: same:B in a config, sa
 class Attention(Factor):
     name = "attention"
 
-    def check(self, name, context):
-        if name not in ATTENTION_LEVELS:
-            raise FactorError(f"factors.attention: unknown level {name!r} — use {', '.join(ATTENTION_LEVELS)}")
-
     def reference(self, runtime, cpu_capability):
         return runtime.get("attn_implementation", "sdpa")
 
@@ -344,14 +338,6 @@ class OnOff(Factor):
 class FlashAttn(OnOff):
     name = "flash_attn"
 
-    def check(self, name, context):
-        super().check(name, context)
-        if name == "off" and context.precision and cache_types(context.precision).v in QUANTIZED:
-            raise FactorError(
-                f"factors.flash_attn: the run's {context.precision} V cache needs flash attention, so off cannot run"
-                " — remove it"
-            )
-
     def reference(self, runtime, cpu_capability):
         return "on" if runtime.get("flash_attn") else "off"
 
@@ -366,12 +352,6 @@ class CacheType(Factor):
     name = "cache_type"
     other_cache_type = True
 
-    def check(self, name, context):
-        try:
-            check_cache_precision(name, context.flash_attn)
-        except CacheTypeError as error:
-            raise FactorError(f"factors.cache_type: {error}") from None
-
     def reference(self, runtime, cpu_capability):
         return runtime.get("precision", "fp16")
 
@@ -383,14 +363,6 @@ class Rotation(OnOff):
         "a cache llama.cpp wrote rotated is read only by a context that rotates, and a plain one only by one"
         " that does not: reading it across would re-quantize it, which neither setting does"
     )
-
-    def check(self, name, context):
-        super().check(name, context)
-        if not (context.precision and cache_types(context.precision).quantized):
-            raise FactorError(
-                f"factors.rotation: llama.cpp rotates only a quantized cache and the run's is"
-                f" {context.precision or 'not one'} — set matched.precision to a quantized type (q8_0), or remove rotation"
-            )
 
     def reference(self, runtime, cpu_capability):
         return "on"  # llama.cpp's default for a quantized cache
@@ -569,7 +541,11 @@ def check_levels(
         if len(set(names)) != len(names):
             raise FactorError(f"factors.{name}: a level is listed twice — list each once")
         control = factor.control(run)
+        knob = context.engine.factors[name]
         for level in names if control in names else [*names, control]:
-            factor.check(level, context)
+            factor.check(level, context)  # the level's grammar and the run's items
+            refusal = knob.refusal(level, precision, flash_attn)  # what this engine cannot run
+            if refusal:
+                raise FactorError(f"factors.{name}: {refusal}")
             levels.append(Level(name, level, control=level == control))
     return levels

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -34,6 +35,35 @@ class ControlScope(NamedTuple):
     does_not: str
 
 
+# How an engine runs an E6 factor's test level (``Knob.mechanism``).
+MECHANISMS = {
+    "switch": "a runtime switch, set around each build and read and set back",
+    "context": "a new context with the setting changed",
+    "restart": "a server restart with the option changed",
+    "worker": "a worker process of its own, started with the setting",
+    "request": "how the engine's own calls are made: chunked, reused, batched or placed",
+    "load": "other requests served beside the item's by the server itself",
+}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """How one engine runs one E6 factor: by which mechanism (``MECHANISMS``), under which name of its own, and
+    which levels it refuses. ``refuse(level, precision, flash_attn)`` gives the reason a level cannot run with the
+    run's precision and flash attention (one line, without the config key), or None."""
+
+    mechanism: str
+    setting: str = ""  # the engine's own name for what the level changes (n_ubatch, --ubatch-size, ...)
+    refuse: Callable[[str, str, bool], str | None] | None = None
+
+    def __post_init__(self):
+        if self.mechanism not in MECHANISMS:
+            raise ValueError(f"unknown knob mechanism {self.mechanism!r} — use one of {', '.join(MECHANISMS)}")
+
+    def refusal(self, level: str, precision: str, flash_attn: bool) -> str | None:
+        return self.refuse(level, precision, flash_attn) if self.refuse else None
+
+
 class ModelError(RuntimeError):
     """An engine cannot load or run as asked: one-line message naming the problem and the fix."""
 
@@ -54,7 +84,7 @@ class EngineSpec:
     precision_kind: str  # "weight dtype" or "KV-cache type": what a precision names here
     checkpoint_sources: tuple[str, ...]  # the config's checkpoint sources it runs
     record_kind: str  # what its model record names: "folder" (a safetensors folder) or "gguf"
-    factors: frozenset[str]  # E6 factors it runs
+    factors: dict[str, Knob]  # E6 factors it runs, each with how it runs it
     libraries: tuple[str, ...]  # distributions whose versions decide what it computes (provenance, audit)
     # runtime keys that are another engine's, each with the one-line refusal (the config key and the fix)
     refused_switches: dict[str, str] = field(default_factory=dict)

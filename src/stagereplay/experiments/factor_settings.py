@@ -31,7 +31,6 @@ import torch
 
 from stagereplay.design.factors import WHOLE, FactorError, Level, factor_named
 from stagereplay.engines.base import ModelError, Runtime
-from stagereplay.engines.transformers.spec import RUN_ATTENTION
 from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.experiments.decode import Decoded, greedy_choice
 from stagereplay.experiments.level_job import Built, Prefix
@@ -73,9 +72,8 @@ class Attention(Switched):
         return cls(engine, job.budget, job.eos, engine.use_attention, level.value, job.runtime.attn_implementation)
 
     def unavailable(self):
-        """An attention kernel whose package is absent (flash_attention_2) is recorded as not applicable."""
-        if self.value in RUN_ATTENTION:
-            return None  # built into transformers
+        """An attention kernel whose package is absent (flash_attention_2) is recorded as not applicable: the engine
+        refuses to switch to it."""
         try:
             self.engine.use_attention(self.value)
         except ModelError as error:

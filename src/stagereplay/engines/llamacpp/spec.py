@@ -14,12 +14,35 @@ from stagereplay.engines.llamacpp.cache_types import (
     rotation_size,
 )
 from stagereplay.engines.llamaserver.spec import DECLARED as LLAMASERVER_DECLARED
-from stagereplay.engines.spec import SHARED_ENVIRONMENT, ControlScope, EngineSpec, SpecError
+from stagereplay.engines.spec import SHARED_ENVIRONMENT, ControlScope, EngineSpec, Knob, SpecError
 from stagereplay.ledger.block_format import BlockFormat
 
 # A quantized cache type says nothing of the weights (the GGUF's own, as shipped): they are counted at fp16
 # width, as under llama.cpp's default fp16 cache, so a cache type changes a job's figure by its caches only.
 WEIGHT_BYTES = 2
+
+
+def _flash_attn_refusal(level: str, precision: str, flash_attn: bool) -> str | None:
+    if level == "off" and precision and cache_types(precision).v in QUANTIZED:
+        return f"the run's {precision} V cache needs flash attention, so off cannot run — remove it"
+    return None
+
+
+def _cache_type_refusal(level: str, precision: str, flash_attn: bool) -> str | None:
+    try:
+        check_cache_precision(level, flash_attn)
+    except CacheTypeError as error:
+        return str(error)
+    return None
+
+
+def _rotation_refusal(level: str, precision: str, flash_attn: bool) -> str | None:
+    if precision and cache_types(precision).quantized:
+        return None
+    return (
+        f"llama.cpp rotates only a quantized cache and the run's is {precision or 'not one'} — set"
+        " matched.precision to a quantized type (q8_0), or remove rotation"
+    )
 
 
 class LlamaCppSpec(EngineSpec):
@@ -82,20 +105,18 @@ LLAMACPP = LlamaCppSpec(
     precision_kind="KV-cache type",
     checkpoint_sources=("embedded", "gguf", "random_qwen2"),
     record_kind="gguf",
-    factors=frozenset(
-        {
-            "prefix_reuse",
-            "batch",
-            "threads",
-            "chunk",
-            "flash_attn",
-            "ubatch",
-            "cache_type",
-            "rotation",
-            "kv_offset",
-            "kv_unified",
-        }
-    ),
+    factors={
+        "prefix_reuse": Knob("request", "llama_memory_seq_rm: the sequence's first positions kept"),
+        "batch": Knob("request", "one llama_decode of B sequences"),
+        "threads": Knob("switch", "llama_set_n_threads"),
+        "chunk": Knob("request", "llama_decode calls of N tokens"),
+        "flash_attn": Knob("context", "flash_attn_type", _flash_attn_refusal),
+        "ubatch": Knob("context", "n_ubatch"),
+        "cache_type": Knob("context", "type_k, type_v", _cache_type_refusal),
+        "rotation": Knob("context", "LLAMA_ATTN_ROT_DISABLE", _rotation_refusal),
+        "kv_offset": Knob("request", "a filler sequence decoded first in a unified cache"),
+        "kv_unified": Knob("context", "kv_unified"),
+    },
     libraries=("llama_cpp_python",),
     environment_fields=(*SHARED_ENVIRONMENT, "attn_implementation"),
     engine_class_path="stagereplay.engines.llamacpp.engine:LlamaCppEngine",
@@ -158,6 +179,11 @@ LLAMASERVER = LlamaCppSpec(
     environment_fields=LLAMACPP.environment_fields,
     **{
         **LLAMASERVER_DECLARED,
+        # Each factor as the server runs it (its declared mechanism and option), refused as the binding refuses.
+        "factors": {
+            factor: Knob(mechanism, setting, LLAMACPP.factors[factor].refuse)
+            for factor, (mechanism, setting) in LLAMASERVER_DECLARED["factors"].items()
+        },
         "control_scopes": {
             factor: ControlScope(*scope) for factor, scope in LLAMASERVER_DECLARED["control_scopes"].items()
         },

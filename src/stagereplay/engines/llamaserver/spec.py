@@ -18,9 +18,17 @@ DECLARED = {
     "name": "llamaserver",
     "summary": "a GGUF through llama.cpp's own HTTP server",
     "record_kind": "gguf",
-    "factors": frozenset(
-        {"threads", "flash_attn", "ubatch", "cache_type", "prefix_reuse", "batch", "kv_offset", "kv_unified"}
-    ),
+    # factor -> (how the server runs it: a Knob's mechanism, its option); refusals are the binding's
+    "factors": {
+        "threads": ("restart", "-t/-tb"),
+        "flash_attn": ("restart", "-fa"),
+        "ubatch": ("restart", "-ub"),
+        "cache_type": ("restart", "-ctk/-ctv"),
+        "prefix_reuse": ("request", "the slot's prompt cache; slot save and restore"),
+        "batch": ("load", "-np B --kv-unified: B-1 other requests generating"),
+        "kv_offset": ("load", "another slot's idle cells before the item's (--no-cache-idle-slots)"),
+        "kv_unified": ("load", "-np B --no-kv-unified: B-1 other requests generating"),
+    },
     # The server is no Python distribution: its build (vendored commit, CMake flags, CPU features) is in every
     # row's engine_build; the binding it was built from, whose tokenizer the engine uses, is versioned here.
     "libraries": ("llama_cpp_python",),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stagereplay.engines.spec import SHARED_ENVIRONMENT, ControlScope, EngineSpec, SpecError
+from stagereplay.engines.spec import SHARED_ENVIRONMENT, ControlScope, EngineSpec, Knob, SpecError
 
 # A precision's width in bytes: the weights' and the cache's.
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -10,6 +10,10 @@ SAFETENSORS_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
 # The attention implementations a run may name (runtime.attn_implementation), and those an E6 level may switch to.
 RUN_ATTENTION = ("sdpa", "eager")
 ATTENTION_LEVELS = ("sdpa", "eager", "flash_attention_2")
+
+
+def _attention_refusal(level: str, precision: str, flash_attn: bool) -> str | None:
+    return None if level in ATTENTION_LEVELS else f"unknown level {level!r} — use {', '.join(ATTENTION_LEVELS)}"
 
 
 class TransformersSpec(EngineSpec):
@@ -43,7 +47,14 @@ TRANSFORMERS = TransformersSpec(
     precision_kind="weight dtype",
     checkpoint_sources=("embedded", "folder", "gguf", "random_qwen2"),
     record_kind="folder",
-    factors=frozenset({"prefix_reuse", "batch", "attention", "threads", "chunk", "kernels"}),
+    factors={
+        "prefix_reuse": Knob("request", "a kept cache extended by the rest of the prompt"),
+        "batch": Knob("request", "a left-padded batch (attention mask, per-row positions)"),
+        "attention": Knob("switch", "attn_implementation", _attention_refusal),
+        "threads": Knob("switch", "torch.set_num_threads"),
+        "chunk": Knob("request", "the prompt fed in chunks"),
+        "kernels": Knob("worker", "ATEN_CPU_CAPABILITY"),
+    },
     libraries=("torch", "transformers"),
     refused_switches={
         "flash_attn": "runtime.flash_attn is llama.cpp's flash attention — remove it, or set"
