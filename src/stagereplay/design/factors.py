@@ -184,7 +184,7 @@ class PrefixReuse(Factor):
                 f" prompt ({context.shortest_prompt} tokens), so a hit could reuse nothing — use block:N with N at most"
                 f" {context.shortest_prompt}"
             )
-        if self.restores(name) and not context.engine.keeps_sequences:
+        if self.restores(name) and context.engine.mechanism("prefix_reuse") != "kept":
             raise FactorError(
                 f"factors.prefix_reuse: {name.replace('-', ':', 1)} restores llama.cpp's saved sequence file — run it"
                 " on a llama.cpp checkpoint, or use prompt / block:N"

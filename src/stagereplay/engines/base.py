@@ -32,12 +32,6 @@ class Engine(ABC):
     environment: Environment  # recorded in every ledger row the engine's outputs fill
     # Token positions fed through the model so far, padding included: what E6's cost figures count.
     fed_positions: int = 0
-    # Can keep a sequence's first positions for a later request, and save and restore a sequence through
-    # its own files (``truncate``, ``save_sequence``, ``load_sequence``): a server's prefix reuse.
-    keeps_sequences: bool = False
-    # Serves other requests beside the engine's own (``in_flight``): E6's batch is then concurrent load through
-    # the server's continuous batching, not a batch the engine composes itself.
-    serves_concurrent_requests: bool = False
     # Where the engine's caches live. A state can come from the store (always on CPU) or from this engine (on
     # its device), and one batch may mix both (E6's batch level), so every method taking a state moves it here
     # first (``placed``): the one seam between stored states and the engine's tensors.

@@ -94,6 +94,15 @@ def precision_spec(precision: str) -> EngineSpec:
     raise refusal or SpecError(f"precision {precision!r} is taken by no engine")
 
 
+def spec_of_engine(engine: object) -> EngineSpec:
+    """The spec of a loaded engine: the one whose ``engine_class_path`` names the engine's own class."""
+    path = f"{type(engine).__module__}:{type(engine).__qualname__}"
+    for spec in SPECS.values():
+        if spec.engine_class_path == path:
+            return spec
+    raise ModelError(f"no registered engine runs {path} — register its spec (engines.registry.register)")
+
+
 def engine_class(record: dict) -> type:
     """The engine that runs the record's checkpoint (its module is imported only when asked for)."""
     return spec_of(record).engine_class()

@@ -43,6 +43,8 @@ MECHANISMS = {
     "worker": "a worker process of its own, started with the setting",
     "request": "how the engine's own calls are made: chunked, reused, batched or placed",
     "load": "other requests served beside the item's by the server itself",
+    "kept": "the engine's own kept sequences: a sequence's first positions kept for a later request, saved and"
+    " restored through the engine's own files",
 }
 
 
@@ -90,9 +92,6 @@ class EngineSpec:
     refused_switches: dict[str, str] = field(default_factory=dict)
     environment_fields: tuple[str, ...] = SHARED_ENVIRONMENT  # what its environment record means
     engine_class_path: str = ""  # "module:Class", imported only when a job loads the engine
-    # keeps a sequence's first positions for a later request and saves/restores a sequence through its own
-    # files (a server's prefix reuse): E6's restore levels need it
-    keeps_sequences: bool = False
     # Whether a batch of sequences of unequal lengths is padded to the longest (transformers' left padding),
     # so a batched build feeds B times the longest; else each sequence's own positions.
     pads_batches: bool = False
@@ -101,6 +100,11 @@ class EngineSpec:
     # factor -> what its control exercises on this engine and what it does not: one for every factor it runs
     # (tests/test_control_scopes.py); summary.json's E6.controls and the card's controls table read it.
     control_scopes: dict[str, ControlScope] = field(default_factory=dict)
+
+    def mechanism(self, factor: str) -> str | None:
+        """How this engine runs ``factor`` (a ``MECHANISMS`` key), or None: a factor it does not run."""
+        knob = self.factors.get(factor)
+        return knob.mechanism if knob else None
 
     def control_scope(self, factor: str) -> ControlScope | None:
         """What ``factor``'s control exercises on this engine, and what not (None: a factor it does not declare)."""

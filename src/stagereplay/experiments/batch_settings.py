@@ -49,7 +49,7 @@ class Batch(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        if job.engine.serves_concurrent_requests:
+        if job.mechanism(level.factor) == "load":
             return ConcurrentLoad(
                 job.engine,
                 job.budget,
@@ -193,7 +193,7 @@ class KvUnified(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        if job.engine.serves_concurrent_requests:
+        if job.mechanism(level.factor) == "load":
             return ConcurrentLoad(
                 job.engine, job.budget, job.eos, level.value, job.prefixes, unified=False, load_runs=job.load_runs
             )

@@ -184,7 +184,7 @@ class PrefixReuse(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        kind = HeldPrefix if job.engine.keeps_sequences else PrefixReuse
+        kind = HeldPrefix if job.mechanism("prefix_reuse") == "kept" else PrefixReuse
         return kind(
             job.engine, job.budget, job.eos, level, job.scratch, job.record["fingerprint"], job.runtime.precision
         )

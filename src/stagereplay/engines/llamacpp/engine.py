@@ -93,8 +93,6 @@ class GgufCheckpoint:
 class LlamaCppEngine(GgufCheckpoint, Engine):
     """A GGUF loaded in llama.cpp with one single-sequence context."""
 
-    keeps_sequences = True
-
     @staticmethod
     def load_gguf(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:
         return load_llamacpp(gguf, runtime)

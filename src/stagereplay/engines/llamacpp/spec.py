@@ -106,7 +106,7 @@ LLAMACPP = LlamaCppSpec(
     checkpoint_sources=("embedded", "gguf", "random_qwen2"),
     record_kind="gguf",
     factors={
-        "prefix_reuse": Knob("request", "llama_memory_seq_rm: the sequence's first positions kept"),
+        "prefix_reuse": Knob("kept", "llama_memory_seq_rm: the sequence's first positions kept"),
         "batch": Knob("request", "one llama_decode of B sequences"),
         "threads": Knob("switch", "llama_set_n_threads"),
         "chunk": Knob("request", "llama_decode calls of N tokens"),
@@ -120,7 +120,6 @@ LLAMACPP = LlamaCppSpec(
     libraries=("llama_cpp_python",),
     environment_fields=(*SHARED_ENVIRONMENT, "attn_implementation"),
     engine_class_path="stagereplay.engines.llamacpp.engine:LlamaCppEngine",
-    keeps_sequences=True,
     precision_note="its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped (not"
     " converted), so its fp16/fp32 rows are not a transformers fp16/fp32 run",
     control_scopes={

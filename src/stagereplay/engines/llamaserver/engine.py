@@ -95,8 +95,6 @@ class ServerCache:
 class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
     """A GGUF served by one llama-server child process; its requests go to slot 0."""
 
-    serves_concurrent_requests = True
-
     @staticmethod
     def load_gguf(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
         return load_llamaserver(gguf, runtime)

@@ -35,8 +35,6 @@ def kept_positions(state: KVState, positions: int) -> KVState:
 class SlotSequences:
     """``truncate``, ``save_sequence`` and ``load_sequence`` on the engine's slot (mixed into the engine)."""
 
-    keeps_sequences = True
-
     def truncate(self, cache, positions: int) -> None:
         """Keep the first ``positions`` of the slot for the next request (the server drops the rest then)."""
         self._check(cache)

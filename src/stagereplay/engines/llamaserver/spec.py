@@ -24,7 +24,7 @@ DECLARED = {
         "flash_attn": ("restart", "-fa"),
         "ubatch": ("restart", "-ub"),
         "cache_type": ("restart", "-ctk/-ctv"),
-        "prefix_reuse": ("request", "the slot's prompt cache; slot save and restore"),
+        "prefix_reuse": ("kept", "the slot's prompt cache; slot save and restore"),
         "batch": ("load", "-np B --kv-unified: B-1 other requests generating"),
         "kv_offset": ("load", "another slot's idle cells before the item's (--no-cache-idle-slots)"),
         "kv_unified": ("load", "-np B --no-kv-unified: B-1 other requests generating"),
@@ -33,7 +33,6 @@ DECLARED = {
     # row's engine_build; the binding it was built from, whose tokenizer the engine uses, is versioned here.
     "libraries": ("llama_cpp_python",),
     "engine_class_path": "stagereplay.engines.llamaserver.engine:LlamaServerEngine",
-    "keeps_sequences": True,  # its slot: prompt-cache reuse, save and restore (llamaserver.sequences)
     "precision_note": "its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped, run by"
     " llama-server built from the binding's vendored llama.cpp; its logits are read as log-probabilities"
     " (logits less a constant per position): margins and argmax hold, absolute logits do not",
