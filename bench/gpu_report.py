@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(markdown(header, rows(summary)))
     if "E6" in summary:  # the E6 sweep on the GPU: one sentence per factor level, as the card reads it
-        from stagereplay.report.reading import e6_reading
+        from stagereplay.report.factor_reading import e6_reading
 
         print("\n" + "\n".join(f"- {line}" for line in e6_reading(summary["E6"])))
     if any(entry["device"] == "cuda" and entry["tf32"] for entry in summary["environment"]):

@@ -75,6 +75,33 @@ def test_imports_have_no_cycle_and_at_most_eight_levels():
     assert max(deepest.values()) <= 8, sorted(deepest.items(), key=lambda item: -item[1])[:8]
 
 
+def package_floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each package of the library (``stagereplay.<package>``, the command line one with ``__main__``) on its
+    floor: one above the highest package it imports, as ``farm-studio look`` draws the house."""
+
+    def package(name: str) -> str:
+        parts = name.split(".")
+        return "cli" if parts[1:2] == ["__main__"] else parts[1] if len(parts) > 2 else ""
+
+    between: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        if package(name):
+            between.setdefault(package(name), set()).update(package(t) for t in targets if package(t) != package(name))
+    return levels({name: targets - {""} for name, targets in between.items()})
+
+
+def test_the_packages_stand_on_seven_floors():
+    floors = package_floors(import_graph())
+    assert max(floors.values()) <= 7, sorted(floors.items(), key=lambda item: -item[1])
+    assert floors["ledger"] == 1 and floors["cli"] == max(floors.values()), floors
+
+
+def test_design_factors_asks_the_knobs_and_imports_no_engine_but_the_spec():
+    """E6's factors are engine-neutral: what an engine does with a factor is its knob (``engines.spec.Knob``)."""
+    from_engines = {t for t in import_graph()["stagereplay.design.factors"] if t.startswith("stagereplay.engines")}
+    assert from_engines <= {"stagereplay.engines.spec", "stagereplay.engines.spec.EngineSpec"}, from_engines
+
+
 def test_packages_import_only_downward():
     rank = {package: index for index, package in enumerate(PACKAGE_ORDER)}
     upward = []

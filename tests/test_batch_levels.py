@@ -8,6 +8,7 @@ import pytest
 
 from stagereplay.design.factors import FactorError, Level, check_levels
 from stagereplay.engines.base import Runtime
+from stagereplay.engines.registry import spec_named
 from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
 from stagereplay.experiments.level_job import LevelJob, Prefix
 from stagereplay.experiments.setting import Setting, level_setting
@@ -15,7 +16,10 @@ from stagereplay.ledger.store import ObjectStore
 
 
 def _levels(given, item_count=2):
-    return [(level.name, level.control) for level in check_levels({"batch": given}, "transformers", item_count, 8)]
+    return [
+        (level.name, level.control)
+        for level in check_levels({"batch": given}, spec_named("transformers"), item_count, 8)
+    ]
 
 
 def test_same_b_is_a_level_of_its_own_and_needs_no_other_items():

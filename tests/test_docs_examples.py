@@ -19,15 +19,11 @@ from test_factor_verdicts import cache_differs, rows_of, served_as
 from stagereplay.audit.e4 import e4_summary
 from stagereplay.report.card import e4_panel
 from stagereplay.report.controls import controls_blocks, controls_card_row
-from stagereplay.report.reading import (
-    e2_reading,
-    e4_reading,
-    e6_level_reading,
-    flip_margins_reading,
-    sides_correction_reading,
-)
+from stagereplay.report.e6_summary import e6_controls, e6_level, sides_correction
+from stagereplay.report.factor_reading import e6_level_reading, flip_margins_reading, sides_correction_reading
+from stagereplay.report.reading import e2_reading, e4_reading
 from stagereplay.report.render import to_markdown
-from stagereplay.report.summary import e2_summary, e6_controls, e6_level, sides_correction
+from stagereplay.report.summary import e2_summary
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "report.md"
 

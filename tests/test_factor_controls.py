@@ -14,7 +14,7 @@ import pytest
 from stagereplay.cli import main
 from stagereplay.design.factors import FACTOR_OBJECTS, Level, LevelContext, check_levels, is_control
 from stagereplay.engines.base import Runtime
-from stagereplay.engines.registry import spec_named
+from stagereplay.engines.registry import SPECS, spec_named
 from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
 from stagereplay.experiments.level_job import LevelJob, Prefix
 from stagereplay.experiments.setting import Setting, level_setting
@@ -22,7 +22,7 @@ from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import FACTOR_SCHEMA, write_table
 from stagereplay.report.controls import ControlFailed, check_controls, controls_card_row
-from stagereplay.report.summary import e6_controls
+from stagereplay.report.e6_summary import e6_controls
 
 RUNTIME = {"threads": 2, "attn_implementation": "eager", "precision": "fp16", "flash_attn": True}
 # The control level of each factor on a run of RUNTIME at q8_0 with flash attention (rotation needs a quantized cache).
@@ -47,7 +47,7 @@ def test_every_factor_has_a_control_level_its_checks_accept():
     for name, factor in FACTOR_OBJECTS.items():
         control = factor.control({**RUNTIME, "precision": "q8_0"}, "AVX2")
         assert control == CONTROLS[name]
-        for engine in factor.engines():
+        for engine in factor.engines(SPECS.values()):
             factor.check(control, LevelContext(spec_named(engine), 4, 12, frozenset(), "cpu", "q8_0", True))
         # The summary tells a control apart from the row alone: its level and its reference level.
         reference = factor.reference({**RUNTIME, "precision": "q8_0"}, "AVX2")
@@ -57,7 +57,7 @@ def test_every_factor_has_a_control_level_its_checks_accept():
 def test_check_levels_adds_each_factors_control_once():
     levels = check_levels(
         {"threads": [1, 2], "chunk": [5], "prefix_reuse": ["prompt"], "kernels": ["default"]},
-        "transformers",
+        spec_named("transformers"),
         4,
         12,
         frozenset({"avx2", "fma"}),
@@ -75,7 +75,15 @@ def test_check_levels_adds_each_factors_control_once():
         ("kernels", "own", True),
     ]
     llamacpp = check_levels(
-        {"cache_type": ["q4_0"], "ubatch": [7]}, "llamacpp", 4, 12, None, "cpu", "q8_0", True, runtime=RUNTIME
+        {"cache_type": ["q4_0"], "ubatch": [7]},
+        spec_named("llamacpp"),
+        4,
+        12,
+        None,
+        "cpu",
+        "q8_0",
+        True,
+        runtime=RUNTIME,
     )
     assert [(level.name, level.control) for level in llamacpp] == [
         ("q4_0", False),

@@ -18,6 +18,7 @@ from stagereplay.audit.faults import Report
 from stagereplay.audit.verify import verify_tables
 from stagereplay.design.factors import Level
 from stagereplay.engines.base import Runtime
+from stagereplay.engines.registry import spec_named
 from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
 from stagereplay.experiments.cell_logits import first_read
 from stagereplay.experiments.decode import Decoded
@@ -28,6 +29,7 @@ from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import FACTOR_LOGIT_COLUMNS, FACTOR_SCHEMA, LedgerError, read_table, write_table
+from stagereplay.report.factor_reading import flip_margins_reading
 from stagereplay.report.margins import (
     bf16_logits,
     bf16_step,
@@ -37,7 +39,6 @@ from stagereplay.report.margins import (
     one_bf16_step_at_most_for_some_top,
     within_one_bf16_step,
 )
-from stagereplay.report.reading import flip_margins_reading
 from stagereplay.report.stats import share
 
 PREFIX = Prefix("item-0", tuple(range(5, 40)), 12, False)
@@ -200,8 +201,10 @@ def test_e1_flip_margins_count_ties_and_bound_the_bf16_steps():
     }
     assert e1_flip_margins(pairs, bf16=False)["one_bf16_step_at_most"] is None
     # Only a weight dtype of bf16 makes bf16 logits: llama.cpp's precision is its cache type, its logits float32.
-    assert bf16_logits("transformers", "bf16") and not bf16_logits("transformers", "fp32")
-    assert not bf16_logits("llamacpp", "fp16") and not bf16_logits("llamaserver", "q8_0")
+    transformers, llamacpp, llamaserver = (spec_named(name) for name in ("transformers", "llamacpp", "llamaserver"))
+    assert bf16_logits(transformers, "bf16") and not bf16_logits(transformers, "fp32")
+    assert not bf16_logits(llamacpp, "fp16") and not bf16_logits(llamaserver, "q8_0")
+    assert not bf16_logits(None, "bf16")  # an engine no spec names: not known to be bf16
 
 
 def factor_row(cell: str, divergence: int | None, margin: float | None = None, top: float | None = None, **logits):

@@ -23,6 +23,7 @@ from workflow_helpers import copy_run, job_counts, snakemake, stagereplay
 
 from stagereplay.audit.rerun import audit_factors
 from stagereplay.design.factors import FactorError, check_levels
+from stagereplay.engines.registry import SPECS, spec_named
 from stagereplay.experiments.kernel_worker import onednn_isa
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.fingerprint import fingerprint_cache
@@ -380,8 +381,18 @@ def test_the_audit_names_a_cell_that_does_not_reproduce(factor_run):
     [
         ({"speed": [1]}, "transformers", None, "unknown factor 'speed' — use one of prefix_reuse"),
         ({"batch": [9]}, "transformers", None, "a batch of 9 needs 9 items, the run has 4 — use at most 4"),
-        ({"kernels": ["avx2"]}, "llamacpp", None, "not supported on the llamacpp engine"),
-        ({"flash_attn": ["off"]}, "transformers", None, "not supported on the transformers engine"),
+        (
+            {"kernels": ["avx2"]},
+            "llamacpp",
+            None,
+            "not supported on the llamacpp engine — run it on a checkpoint of the transformers engine",
+        ),
+        (
+            {"flash_attn": ["off"]},
+            "transformers",
+            None,
+            "not supported on the transformers engine — run it on a checkpoint of the llamacpp, llamaserver engine",
+        ),
         ({"prefix_reuse": ["half"]}, "transformers", None, "use prompt (the cached prompt), block:N"),
         ({"kernels": ["avx512"]}, "transformers", frozenset({"avx2", "fma"}), "lacks avx512f"),
         ({"attention": ["flash"]}, "transformers", None, "use sdpa, eager, flash_attention_2"),
@@ -391,12 +402,12 @@ def test_the_audit_names_a_cell_that_does_not_reproduce(factor_run):
 )
 def test_bad_levels_get_one_line(factors, engine, flags, needle):
     with pytest.raises(FactorError, match=re.escape(needle)):
-        check_levels(factors, engine, 4, 12, flags)
+        check_levels(factors, spec_named(engine), 4, 12, flags, engines=SPECS.values())
 
 
 def test_cpu_settings_are_refused_on_a_gpu_run():
     with pytest.raises(FactorError, match="factors.kernels: sets how the CPU computes, but runtime.device is cuda"):
-        check_levels({"kernels": ["default"]}, "transformers", 4, 12, frozenset({"avx2"}), "cuda")
+        check_levels({"kernels": ["default"]}, spec_named("transformers"), 4, 12, frozenset({"avx2"}), "cuda")
 
 
 def test_a_bad_factor_stops_snakemake_before_any_job(factor_run, tmp_path):

@@ -15,6 +15,7 @@ from test_llamacpp import _binding_problem
 from workflow_helpers import skip_unless_required, snakemake, write_config
 
 from stagereplay.design.factors import FactorError, check_levels
+from stagereplay.engines.registry import SPECS, spec_named
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
@@ -231,7 +232,12 @@ def test_quantized_run_every_experiment_and_rotation(tmp_path):
         ({"flash_attn": ["off"]}, "q8_0", True, "needs flash attention, so off cannot run"),
         ({"flash_attn": ["maybe"]}, "fp16", True, "use on or off"),
         ({"ubatch": [0]}, "fp16", True, "not a positive integer"),
-        ({"attention": ["eager"]}, "fp16", True, "not supported on the llamacpp engine"),
+        (
+            {"attention": ["eager"]},
+            "fp16",
+            True,
+            "not supported on the llamacpp engine — run it on a checkpoint of the transformers engine",
+        ),
         ({"kv_offset": ["-3"]}, "fp16", True, r"kv_offset: level '-3' is not a positive integer — give a cell count"),
         ({"kv_unified": ["on"]}, "fp16", True, r"kv_unified: unknown level 'on' — use off:B"),
         ({"kv_unified": ["off:9"]}, "fp16", True, r"off:9 needs 9 items, the run has 4 — use at most off:4"),
@@ -239,12 +245,12 @@ def test_quantized_run_every_experiment_and_rotation(tmp_path):
 )
 def test_llamacpp_factor_config_errors(factors, precision, flash, message):
     with pytest.raises(FactorError, match=message):
-        check_levels(factors, "llamacpp", 4, 12, None, "cpu", precision, flash)
+        check_levels(factors, spec_named("llamacpp"), 4, 12, None, "cpu", precision, flash, engines=SPECS.values())
 
 
 def test_restore_on_transformers_is_refused():
     with pytest.raises(FactorError, match="restores llama.cpp's saved sequence file"):
-        check_levels({"prefix_reuse": ["restore:prompt"]}, "transformers", 4, 12)
+        check_levels({"prefix_reuse": ["restore:prompt"]}, spec_named("transformers"), 4, 12)
 
 
 def test_every_control_reproduces_the_reference(fp16_run):

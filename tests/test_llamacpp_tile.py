@@ -49,7 +49,7 @@ def embedded_gguf(tmp_path_factory):
 def _engine(gguf, n_ubatch: int = 0):
     from stagereplay.engines.llamacpp.engine import EngineSettings, LlamaCppEngine
 
-    settings = EngineSettings("fp16", 1, 1, 512, n_ubatch=n_ubatch, flash_attn=True)
+    settings = EngineSettings("fp16", 1, 1, 512, ubatch=n_ubatch, flash_attn=True)
     return LlamaCppEngine(gguf, settings)
 
 

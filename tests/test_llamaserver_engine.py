@@ -201,13 +201,14 @@ def test_the_spec_takes_the_bindings_precisions():
         "kv_unified",
     }  # tests/test_llamaserver_factors.py, tests/test_llamaserver_load.py, tests/test_llamaserver_placement.py
     # Each as the server runs it: a per-process option is a restart, batch and its kin are load on the server,
+    # prefix reuse is its own kept slot (save and restore),
     # and a level the binding refuses the server refuses alike.
     assert {name: knob.mechanism for name, knob in server.factors.items()} == {
         "threads": "restart",
         "flash_attn": "restart",
         "ubatch": "restart",
         "cache_type": "restart",
-        "prefix_reuse": "request",
+        "prefix_reuse": "kept",
         "batch": "load",
         "kv_offset": "load",
         "kv_unified": "load",

@@ -7,6 +7,7 @@ unless STAGEREPLAY_REQUIRE_LLAMASERVER=1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -16,12 +17,12 @@ from test_llamaserver_engine import _same, built, server_config, tiny_gguf  # no
 from test_llamaserver_process import PROMPT
 from workflow_helpers import snakemake
 
-from stagereplay.design.factors import Level
+from stagereplay.design.factors import Level, factor_named
 from stagereplay.engines.llamacpp.engine import load_llamacpp
 from stagereplay.engines.runtime import Runtime
 from stagereplay.experiments import batch_settings, factor_settings  # noqa: F401 - every setting registered
 from stagereplay.experiments.constructions import StageBoundary, build_live
-from stagereplay.experiments.factor_settings import CacheType, FlashAttn, HeldPrefix, Threads, Ubatch
+from stagereplay.experiments.factor_settings import CacheType, HeldPrefix, Reconfigured, Threads
 from stagereplay.experiments.level_job import Prefix
 from stagereplay.experiments.setting import Setting
 from stagereplay.ledger.store import ObjectStore
@@ -51,8 +52,9 @@ def _setting(engine, factor: str, value, runtime: Runtime = RUNTIME):
     eos = engine.eos_ids
     if factor == "threads":
         return Threads(engine, BUDGET, eos, engine.use_threads, value, runtime.threads)
-    kind = {"flash_attn": FlashAttn, "ubatch": Ubatch, "cache_type": CacheType}[factor]
-    return kind(engine, BUDGET, eos, kind.key, value, kind.reference_value_of(runtime))
+    kind = CacheType if factor == "cache_type" else Reconfigured
+    reference = factor_named(factor).value(factor_named(factor).reference(dataclasses.asdict(runtime), None))
+    return kind(engine, BUDGET, eos, factor, value, reference)
 
 
 def _cells(engine, factor, value, prefix, runtime: Runtime = RUNTIME):
@@ -125,14 +127,20 @@ def test_a_cache_from_before_a_restart_is_stale_and_its_state_restores(engines, 
 
 def test_the_spec_lists_the_restart_factors_prefix_reuse_and_load_only():
     from stagereplay.design.factors import FactorError, check_levels
+    from stagereplay.engines.registry import SPECS, spec_named
 
-    check_levels({"threads": [2], "flash_attn": ["on"], "ubatch": [7], "cache_type": ["fp32"]}, "llamaserver", 8, 20)
-    check_levels({"prefix_reuse": ["prompt", "block:4", "restore:prompt"]}, "llamaserver", 8, 20)
-    check_levels({"batch": [2, "same:4"]}, "llamaserver", 8, 20)
-    check_levels({"kv_offset": [37, 64, "removed:100"], "kv_unified": ["off:2"]}, "llamaserver", 8, 20)
+    server = spec_named("llamaserver")
+
+    check_levels({"threads": [2], "flash_attn": ["on"], "ubatch": [7], "cache_type": ["fp32"]}, server, 8, 20)
+    check_levels({"prefix_reuse": ["prompt", "block:4", "restore:prompt"]}, server, 8, 20)
+    check_levels({"batch": [2, "same:4"]}, server, 8, 20)
+    check_levels({"kv_offset": [37, 64, "removed:100"], "kv_unified": ["off:2"]}, server, 8, 20)
     for factor, levels in (("chunk", [4]), ("rotation", ["off"])):
-        with pytest.raises(FactorError, match=rf"^factors.{factor}: not supported on the llamaserver engine"):
-            check_levels({factor: levels}, "llamaserver", 8, 20)
+        with pytest.raises(
+            FactorError,
+            match=rf"^factors.{factor}: not supported on the llamaserver engine — run it on a checkpoint of the .*llamacpp",
+        ):
+            check_levels({factor: levels}, server, 8, 20, engines=SPECS.values())
 
 
 FACTORS = {

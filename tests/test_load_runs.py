@@ -13,8 +13,8 @@ import pyarrow as pa
 from stagereplay.audit.e4 import e4_summary
 from stagereplay.audit.rerun import audit_factors, audit_rows
 from stagereplay.ledger.tables import FACTOR_SCHEMA
+from stagereplay.report.e6_summary import e6_summary
 from stagereplay.report.figures import load_blocks
-from stagereplay.report.summary import e6_summary
 from stagereplay.report.text import under_load_text
 
 REFERENCE = "r" * 32

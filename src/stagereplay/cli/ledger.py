@@ -163,7 +163,8 @@ def cmd_summarize(args) -> None:
         read_table,
     )
     from stagereplay.report.controls import check_controls
-    from stagereplay.report.summary import e6_controls, summary, write_json
+    from stagereplay.report.e6_summary import e6_controls
+    from stagereplay.report.summary import summary, write_json
 
     factors = read_table(args.factors, FACTOR_SCHEMA) if args.factors else None
     if factors is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from stagereplay.design.factors import FactorError, Level, check_levels
 from stagereplay.design.jobs import JobList, job_list
 from stagereplay.engines.cpuinfo import cpu_flags
-from stagereplay.engines.registry import spec_of
+from stagereplay.engines.registry import SPECS, spec_of
 from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
 from stagereplay.ledger.layout import LedgerLayout
 
@@ -267,7 +267,7 @@ def check_factor_levels(config: dict, repo: Path, layout: LedgerLayout, items: l
     try:
         return check_levels(
             config["factors"],
-            engine_spec(config, repo, primary).name,
+            engine_spec(config, repo, primary),
             len(items),
             min(prompts),
             cpu_flags(),
@@ -275,6 +275,7 @@ def check_factor_levels(config: dict, repo: Path, layout: LedgerLayout, items: l
             config["matched"]["precision"],
             runtime["flash_attn"],
             runtime,
+            SPECS.values(),
         )
     except FactorError as error:
         raise RunRefused(str(error)) from None

@@ -55,7 +55,7 @@ class Knob:
     run's precision and flash attention (one line, without the config key), or None."""
 
     mechanism: str
-    setting: str = ""  # the engine's own name for what the level changes (n_ubatch, --ubatch-size, ...)
+    setting: str = ""  # the engine's own name for what the level changes (attn_implementation, -fa, ...)
     refuse: Callable[[str, str, bool], str | None] | None = None
 
     def __post_init__(self):

@@ -15,7 +15,7 @@ import torch
 from stagereplay.experiments.constructions import build_boundary, build_boundary_state
 from stagereplay.experiments.decode import Decoded, continue_from, decode_greedy, generate_greedy, greedy_choice
 from stagereplay.experiments.level_job import Built, Prefix
-from stagereplay.experiments.setting import Setting, runs
+from stagereplay.experiments.setting import Setting, mechanism, runs
 
 
 def items_after(order: list[str], item_id: str) -> Iterator[str]:
@@ -49,7 +49,7 @@ class Batch(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        if job.mechanism(level.factor) == "load":
+        if mechanism(job, level.factor) == "load":
             return ConcurrentLoad(
                 job.engine,
                 job.budget,
@@ -193,7 +193,7 @@ class KvUnified(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        if job.mechanism(level.factor) == "load":
+        if mechanism(job, level.factor) == "load":
             return ConcurrentLoad(
                 job.engine, job.budget, job.eos, level.value, job.prefixes, unified=False, load_runs=job.load_runs
             )

@@ -34,7 +34,7 @@ from stagereplay.engines.base import ModelError, Runtime
 from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.experiments.decode import Decoded, greedy_choice
 from stagereplay.experiments.level_job import Built, Prefix
-from stagereplay.experiments.setting import Setting, runs
+from stagereplay.experiments.setting import Setting, mechanism, runs, runs_by
 from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.kvstate import KVState, to_host
 from stagereplay.ledger.store import ObjectStore, store_cache
@@ -82,22 +82,20 @@ class Attention(Switched):
         return None
 
 
+@runs_by("context", "restart")
 class Reconfigured(Switched):
-    """A llama.cpp context setting (flash attention, micro-batch size, cache type, rotation): the engine
-    makes a new context with it around each build and read, then goes back to the reference's."""
+    """A factor an engine applies as a new context (llama.cpp) or a server restart (llama-server) around each build
+    and read, then goes back to the run's own value: flash attention, micro-batch size, cache type, rotation.
+    The engine takes the level's value under the factor's name (``reconfigure(flash_attn=False)``); the run's own value
+    is the factor's reference level, read by the factor's own grammar."""
 
-    key = ""  # the engine's name of the context setting
-
-    def __init__(self, engine, budget, eos, key: str, value, reference_value):
-        super().__init__(engine, budget, eos, lambda v: engine.reconfigure(**{key: v}), value, reference_value)
+    def __init__(self, engine, budget, eos, factor: str, value, reference_value):
+        super().__init__(engine, budget, eos, lambda v: engine.reconfigure(**{factor: v}), value, reference_value)
 
     @classmethod
     def for_level(cls, level, job):
-        return cls(job.engine, job.budget, job.eos, cls.key, level.value, cls.reference_value_of(job.runtime))
-
-    @staticmethod
-    def reference_value_of(runtime: Runtime):
-        raise NotImplementedError
+        reference = level.of.value(level.of.reference(dataclasses.asdict(job.runtime), None))
+        return cls(job.engine, job.budget, job.eos, level.factor, level.value, reference)
 
     def build(self, prefix):
         with self.active():
@@ -105,44 +103,11 @@ class Reconfigured(Switched):
             return Built(state, f"llama.cpp context: {self.engine.build_description()}")
 
 
-@runs("flash_attn")
-class FlashAttn(Reconfigured):
-    key = "flash_attn"
-
-    @staticmethod
-    def reference_value_of(runtime):
-        return runtime.flash_attn
-
-
-@runs("ubatch")
-class Ubatch(Reconfigured):
-    key = "n_ubatch"
-
-    @staticmethod
-    def reference_value_of(runtime):
-        return 0  # the whole prefix in one micro-batch
-
-
-@runs("rotation")
-class Rotation(Reconfigured):
-    key = "rotation"
-
-    @staticmethod
-    def reference_value_of(runtime):
-        return True
-
-
 @runs("cache_type")
 class CacheType(Reconfigured):
     """A KV cache type. Built natively in a context of that type; read across types after a conversion
     (the engine's ``converted``): a test-built cache dequantized for the reference's context (t, r), and
     the reference cache quantized offline, by gguf's reference quantizer, for the test context (r, t)."""
-
-    key = "cache_type"
-
-    @staticmethod
-    def reference_value_of(runtime):
-        return runtime.precision
 
     def for_reference(self, state):
         return self.engine.converted(state)
@@ -184,7 +149,7 @@ class PrefixReuse(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        kind = HeldPrefix if job.mechanism("prefix_reuse") == "kept" else PrefixReuse
+        kind = HeldPrefix if mechanism(job, "prefix_reuse") == "kept" else PrefixReuse
         return kind(
             job.engine, job.budget, job.eos, level, job.scratch, job.record["fingerprint"], job.runtime.precision
         )

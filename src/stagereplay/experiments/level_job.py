@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagereplay.engines.base import Engine, Runtime
-from stagereplay.engines.registry import spec_of_engine
 from stagereplay.experiments.decode import Decoded
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
@@ -53,7 +52,3 @@ class LevelJob:
     scratch: ObjectStore
     record: dict  # the model record, with "path": the model.json it was read from
     load_runs: int = 1  # how many times a level whose input is not pinned (concurrent load) runs each item
-
-    def mechanism(self, factor: str) -> str | None:
-        """How the job's engine runs ``factor`` (its knob's mechanism: ``engines.spec.MECHANISMS``)."""
-        return spec_of_engine(self.engine).mechanism(factor)

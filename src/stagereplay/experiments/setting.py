@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from stagereplay.design.factors import FactorError, Level
 from stagereplay.engines.base import Engine
+from stagereplay.engines.registry import spec_of_engine
 from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.experiments.decode import Decoded, continue_from
 from stagereplay.experiments.level_job import Built, LevelJob, Prefix
@@ -18,6 +19,8 @@ from stagereplay.ledger.kvstate import KVState
 
 # factor name -> the setting that runs its test levels (each class says which factor it runs)
 SETTINGS: dict[str, type[Setting]] = {}
+# knob mechanism -> the setting that runs a factor's levels by it, where no setting runs that factor by name
+BY_MECHANISM: dict[str, type[Setting]] = {}
 
 
 def runs(factor: str):
@@ -25,6 +28,17 @@ def runs(factor: str):
 
     def register(cls):
         SETTINGS[factor] = cls
+        return cls
+
+    return register
+
+
+def runs_by(*mechanisms: str):
+    """Register a setting class as the one that runs any factor an engine runs by one of ``mechanisms`` (a new
+    context, a server restart: the engine takes the factor's value under the factor's own name)."""
+
+    def register(cls):
+        BY_MECHANISM.update(dict.fromkeys(mechanisms, cls))
         return cls
 
     return register
@@ -84,8 +98,16 @@ class Setting:
         return state
 
 
+def mechanism(job: LevelJob, factor: str) -> str | None:
+    """How the job's engine runs ``factor``: its knob's mechanism (``engines.spec.MECHANISMS``), which picks the
+    setting of a factor two engines run by different means (a batch the engine composes, or load on a server)."""
+    return spec_of_engine(job.engine).mechanism(factor)
+
+
 def level_setting(level: Level, job: LevelJob) -> Setting:
-    """The setting that runs a factor's test level (``SETTINGS``: each factor's own class)."""
-    if level.factor not in SETTINGS:
+    """The setting that runs a factor's test level: the factor's own class (``SETTINGS``), else the class of the
+    mechanism the engine's knob names (``BY_MECHANISM``)."""
+    kind = SETTINGS.get(level.factor) or BY_MECHANISM.get(mechanism(job, level.factor))
+    if kind is None:
         raise FactorError(f"factors.{level.factor}: no setting of this factor runs in one process — see design.factors")
-    return SETTINGS[level.factor].for_level(level, job)
+    return kind.for_level(level, job)

@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from stagereplay.design.cells import CELL_LABELS
+from stagereplay.report.e6_summary import item_outcomes, level_label
 from stagereplay.report.item_view import spell, visible
-from stagereplay.report.summary import item_outcomes, level_label
 
 COLUMNS = [
     "Item",

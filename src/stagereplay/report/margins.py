@@ -16,18 +16,17 @@ import math
 import statistics
 
 from stagereplay.design.cells import READ, cell_label
-from stagereplay.engines.registry import SPECS
+from stagereplay.engines.spec import EngineSpec
 from stagereplay.report.stats import share
 
 BF16_FRACTION_BITS = 7
 
 
-def bf16_logits(engine: str | None, precision: str | None) -> bool:
+def bf16_logits(engine: EngineSpec | None, precision: str | None) -> bool:
     """Whether a run's logits are bf16 values: only where its precision is the model's weight dtype (the logits
     come out of a model computed in it) and that dtype is bf16. An engine whose precision names its KV-cache
     type (llama.cpp) computes float32 logits whatever the cache."""
-    spec = SPECS.get(engine)
-    return spec is not None and spec.precision_kind == "weight dtype" and precision == "bf16"
+    return engine is not None and engine.precision_kind == "weight dtype" and precision == "bf16"
 
 
 def bf16_step(top: float) -> float:

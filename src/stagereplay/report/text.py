@@ -30,3 +30,12 @@ def level_name(level: dict) -> str:
     """A factor level (or one run of a level under load) as summary.json names it; a summary written before
     runs were named has the factor and the level only."""
     return level.get("label") or f"{level['factor']} {level['level']}"
+
+
+def wilson_text(counted: dict) -> str:
+    """The Wilson interval of an x/N from summary.json, read for a count of 0 as an upper bound."""
+    count, n = counted["count"], counted["n"]
+    low, high = counted["wilson95"]
+    if count == 0:
+        return f"Wilson 95% upper bound {percent(high)}: consistent with none, and rates up to {percent(high)} are not ruled out by {n} items"
+    return f"Wilson 95% [{percent(low)}, {percent(high)}]"

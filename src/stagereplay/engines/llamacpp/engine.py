@@ -45,6 +45,7 @@ from stagereplay.engines.llamacpp.cache_types import (
     cache_types,
     check_cache_precision,
 )
+from stagereplay.engines.llamacpp.sequences import FILLER_SEQ, SEQ, ContextSequences, LlamaCppBatch, LlamaCppCache
 from stagereplay.engines.llamacpp.settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
 from stagereplay.engines.llamacpp.state import (
     CACHE_TYPE_IDS,
@@ -62,18 +63,6 @@ from stagereplay.ledger.kvstate import KVState
 # Architectures whose every layer is full attention over every position, with one-position cells:
 # the sequence state then holds exactly the boundary cache the parser reads.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-SEQ = 0
-# The sequence that holds a filler the engine's own sequence sits behind (E6's kv_offset).
-FILLER_SEQ = 1
-
-
-class LlamaCppCache:
-    """The engine's one sequence, valid until the engine starts another (a stale cache refuses to run)."""
-
-    def __init__(self, engine: LlamaCppEngine, generation: int):
-        self.engine = engine
-        self.generation = generation
-        self.positions = 0
 
 
 class GgufCheckpoint:
@@ -90,7 +79,7 @@ class GgufCheckpoint:
         return cls.load_gguf(record["gguf"], runtime)
 
 
-class LlamaCppEngine(GgufCheckpoint, Engine):
+class LlamaCppEngine(GgufCheckpoint, ContextSequences, Engine):
     """A GGUF loaded in llama.cpp with one single-sequence context."""
 
     @staticmethod
@@ -157,7 +146,7 @@ class LlamaCppEngine(GgufCheckpoint, Engine):
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = settings.n_ctx * settings.n_seq_max  # every sequence of a batch gets a whole context
         params.n_batch = params.n_ctx  # a whole prefix (or a batch's prefixes) in one decode call ...
-        params.n_ubatch = settings.n_ubatch or params.n_ctx  # ... and, unless told, in one micro-batch
+        params.n_ubatch = settings.ubatch or params.n_ctx  # ... and, unless told, in one micro-batch
         params.n_seq_max = settings.n_seq_max
         params.kv_unified = settings.n_seq_max > 1 and settings.kv_unified
         params.n_threads = settings.n_threads
@@ -336,72 +325,6 @@ class LlamaCppEngine(GgufCheckpoint, Engine):
         self.llama_cpp.llama_set_n_threads(self.context, threads, threads)
         self.settings = dataclasses.replace(self.settings, n_threads=threads, n_threads_batch=threads)
 
-    def truncate(self, cache: LlamaCppCache, positions: int) -> None:
-        """Keep only the first ``positions`` of the sequence, as a server slot does before a new request."""
-        self._check(cache)
-        if not self.llama_cpp.llama_memory_seq_rm(self.memory, SEQ, positions, -1):
-            raise LlamaCppError(f"llama.cpp refused to drop the positions after {positions}")
-        cache.positions = positions
-
-    def save_sequence(self, cache: LlamaCppCache, path: str | Path, tokens: list[int]) -> int:
-        """The sequence and its tokens saved to a file by llama.cpp (a server's slot save); the file's bytes."""
-        self._check(cache)
-        array = (self.llama_cpp.llama_token * len(tokens))(*tokens)
-        written = self.llama_cpp.llama_state_seq_save_file(self.context, str(path).encode(), SEQ, array, len(tokens))
-        if written == 0:
-            raise LlamaCppError(f"llama_state_seq_save_file could not write {path}")
-        return written
-
-    def load_sequence(self, path: str | Path, capacity: int) -> tuple[LlamaCppCache, list[int]]:
-        """A cache restored from a file ``save_sequence`` wrote (a server's slot restore), with its tokens."""
-        cache = self.empty_cache()
-        tokens = (self.llama_cpp.llama_token * capacity)()
-        count = ctypes.c_size_t(0)
-        read = self.llama_cpp.llama_state_seq_load_file(
-            self.context, str(path).encode(), SEQ, tokens, capacity, ctypes.byref(count)
-        )
-        if read == 0:
-            raise LlamaCppError(f"llama_state_seq_load_file could not restore {path} into this context")
-        cache.positions = count.value
-        return cache, list(tokens[: count.value])
-
-    def batch_forward(self, batch: LlamaCppBatch | None, rows: list[list[int]]) -> tuple[LlamaCppBatch, torch.Tensor]:
-        """Each row's tokens after what its sequence holds, all in one ``llama_decode`` (sequence i is row i)."""
-        if batch is None:
-            self._need_sequences(len(rows))
-            self.llama_cpp.llama_memory_clear(self.memory, True)
-            self.generation += 1
-            batch = LlamaCppBatch(self, self.generation, [0] * len(rows))
-        self._check(batch)
-        if len(rows) != len(batch.positions):
-            raise LlamaCppError(f"{len(rows)} rows fed to a batch of {len(batch.positions)} sequences")
-        self._decode([(seq, batch.positions[seq], tokens) for seq, tokens in enumerate(rows)])
-        ends = np.cumsum([len(tokens) for tokens in rows]) - 1
-        for seq, tokens in enumerate(rows):
-            batch.positions[seq] += len(tokens)
-        return batch, torch.stack([self._logits(int(end)) for end in ends])
-
-    def batch_of(self, states: list[KVState]) -> LlamaCppBatch:
-        self._need_sequences(len(states))
-        self.llama_cpp.llama_memory_clear(self.memory, True)
-        self.generation += 1
-        batch = LlamaCppBatch(self, self.generation, [0] * len(states))
-        for seq, state in enumerate(states):
-            self._set_sequence(write_seq_state(self._seq_state(state, seq)), seq)
-            batch.positions[seq] = state.num_positions
-        return batch
-
-    def batch_row(self, batch: LlamaCppBatch, row: int) -> KVState:
-        self._check(batch)
-        return self._parse(self._sequence_bytes(row), batch.positions[row]).kv
-
-    def _need_sequences(self, count: int) -> None:
-        if count > self.settings.n_seq_max:
-            raise LlamaCppError(
-                f"a batch of {count} sequences needs a context of as many (this one holds {self.settings.n_seq_max})"
-                " — reconfigure(n_seq_max=...) first"
-            )
-
     # The sequence state, raw and parsed.
 
     def _sequence_bytes(self, seq: int) -> bytes:
@@ -466,13 +389,6 @@ class LlamaCppEngine(GgufCheckpoint, Engine):
             self.model = None
 
 
-class LlamaCppBatch:
-    """Several sequences of one context (ids 0..n-1), each with its own positions."""
-
-    def __init__(self, engine: LlamaCppEngine, generation: int, positions: list[int]):
-        self.engine, self.generation, self.positions = engine, generation, positions
-
-
 def load_llamacpp(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:
     """A GGUF loaded at ``runtime`` (the precision is the cache type), with its environment record."""
     check_runtime(runtime, "llamacpp", "the llama.cpp engine")
@@ -490,16 +406,32 @@ def load_llamacpp(gguf: str | Path, runtime: Runtime) -> LlamaCppEngine:
 
 def environment_of(engine: LlamaCppEngine, runtime: Runtime) -> Environment:
     """What the engine's numbers depend on: its build, its context settings, and the cache's rotation."""
+    settings = engine.settings
+    return ggml_environment(
+        "llamacpp",
+        runtime.precision,
+        settings.n_threads,
+        settings.flash_attn,
+        build_info(),
+        f"llama-cpp-python {PINNED_VERSION}",
+        engine.build_description(),
+    )
+
+
+def ggml_environment(
+    name: str, precision: str, threads: int, flash_attn: bool, cpu_capability: str, version: str, build: str
+) -> Environment:
+    """The environment record of a llama.cpp engine (the binding or its server): on the CPU, what its build and
+    settings say; torch's own switches, which a ggml engine never reads, as their off values."""
     import transformers
 
-    settings = engine.settings
     return Environment(
         device="cpu",
         device_name=cpu_model(),
-        cpu_capability=build_info(),
-        precision=runtime.precision,
-        threads=settings.n_threads,
-        attn_implementation=f"llamacpp:flash_attn={'on' if settings.flash_attn else 'off'}",
+        cpu_capability=cpu_capability,
+        precision=precision,
+        threads=threads,
+        attn_implementation=f"{name}:flash_attn={'on' if flash_attn else 'off'}",
         tf32=False,
         bf16_reduced_precision_reduction=False,
         fp16_reduced_precision_reduction=False,
@@ -508,9 +440,9 @@ def environment_of(engine: LlamaCppEngine, runtime: Runtime) -> Environment:
         deterministic=False,
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
-        engine="llamacpp",
-        engine_version=f"llama-cpp-python {PINNED_VERSION}",
-        engine_build=engine.build_description(),
+        engine=name,
+        engine_version=version,
+        engine_build=build,
     )
 
 

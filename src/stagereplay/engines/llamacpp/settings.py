@@ -19,7 +19,7 @@ class EngineSettings:
     n_threads: int
     n_threads_batch: int
     n_ctx: int
-    n_ubatch: int = 0  # 0: n_ctx, so a prefix is one micro-batch
+    ubatch: int = 0  # llama.cpp's n_ubatch; 0: n_ctx, so a prefix is one micro-batch
     flash_attn: bool = False
     rotation: bool = True  # llama.cpp's Hadamard rotation of a quantized cache (off: LLAMA_ATTN_ROT_DISABLE=1)
     n_seq_max: int = 1  # more than 1: a unified cache of that many sequences, as llama.cpp's server runs
@@ -27,7 +27,7 @@ class EngineSettings:
 
     @property
     def micro_batch(self) -> int:
-        return self.n_ubatch or self.n_ctx
+        return self.ubatch or self.n_ctx
 
     def describe(self) -> str:
         return (

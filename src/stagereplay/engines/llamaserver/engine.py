@@ -50,10 +50,9 @@ from pathlib import Path
 import torch
 
 from stagereplay.engines.base import Engine, Environment, ModelError, Runtime
-from stagereplay.engines.cpuinfo import cpu_model
 from stagereplay.engines.llamacpp.binding import PINNED_VERSION
 from stagereplay.engines.llamacpp.cache_types import CacheTypeError, cache_types, check_cache_precision
-from stagereplay.engines.llamacpp.engine import GgufCheckpoint, LlamaCppEngine
+from stagereplay.engines.llamacpp.engine import GgufCheckpoint, LlamaCppEngine, ggml_environment
 from stagereplay.engines.llamacpp.settings import LLAMACPP_N_CTX, EngineSettings, check_runtime, chosen_rotation
 from stagereplay.engines.llamacpp.state import SeqState, converted_state, part_format
 from stagereplay.engines.llamaserver.batches import decode_calls, describe_split, prompt_calls
@@ -71,7 +70,7 @@ EXTRA_OPTIONS = ("--n-gpu-layers", "0", "--fit", "off", "--no-context-shift", "-
 # A JSON logprob of a token whose probability underflowed to 0 (the server's -FLT_MAX for JSON's lack of -inf).
 UNDERFLOW = -3.4028234663852886e38
 # The binding's ``reconfigure`` names the engine takes, each a restart with the matching option changed.
-SETTING_NAMES = ("flash_attn", "n_ubatch", "cache_type", "n_threads", "load_slots", "kv_unified")
+SETTING_NAMES = ("flash_attn", "ubatch", "cache_type", "n_threads", "load_slots", "kv_unified")
 # The slot that holds a filler the engine's slot 0 sits behind (E6's kv_offset).
 FILLER_SLOT = 1
 
@@ -131,7 +130,7 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
 
     def reconfigure(self, **changes) -> None:
         """Run the next requests on a new server with these settings changed (the binding's ``reconfigure``
-        names: ``flash_attn``, ``n_ubatch`` (0: the whole context), ``cache_type``, ``n_threads``; and ``load_slots``:
+        names: ``flash_attn``, ``ubatch`` (0: the whole context), ``cache_type``, ``n_threads``; and ``load_slots``:
         B slots sharing one unified cache of B contexts, for concurrent load, 0 the reference's one slot). A restart
         even when nothing changes, as the binding opens a new context then: a control goes through the same
         path (a new process, its cache allocated anew) as its test level. Every cache of the old server is
@@ -144,7 +143,7 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
             )
         fields = {}
         for name, value in changes.items():
-            if name == "n_ubatch":
+            if name == "ubatch":
                 fields["ubatch"] = value or LLAMACPP_N_CTX
             elif name == "n_threads":
                 fields["threads"] = fields["threads_batch"] = value
@@ -485,25 +484,13 @@ def load_llamaserver(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
 
 
 def environment_of(engine: LlamaServerEngine, runtime: Runtime) -> Environment:
-    import transformers
-
     build = server_build()
-    return Environment(
-        device="cpu",
-        device_name=cpu_model(),
-        cpu_capability=" ".join(build.cpu_features),
-        precision=runtime.precision,
-        threads=engine.settings.threads,
-        attn_implementation=f"llamaserver:flash_attn={'on' if engine.settings.flash_attn else 'off'}",
-        tf32=False,
-        bf16_reduced_precision_reduction=False,
-        fp16_reduced_precision_reduction=False,
-        sdpa_backends="none",
-        float32_matmul_precision="n/a",
-        deterministic=False,
-        torch_version=torch.__version__,
-        transformers_version=transformers.__version__,
-        engine="llamaserver",
-        engine_version=f"llama-server {build.version_output} (llama.cpp {build.llama_cpp_commit} of llama-cpp-python {PINNED_VERSION})",
-        engine_build=engine.build_description(),
+    return ggml_environment(
+        "llamaserver",
+        runtime.precision,
+        engine.settings.threads,
+        engine.settings.flash_attn,
+        " ".join(build.cpu_features),
+        f"llama-server {build.version_output} (llama.cpp {build.llama_cpp_commit} of llama-cpp-python {PINNED_VERSION})",
+        engine.build_description(),
     )
