@@ -40,7 +40,7 @@ import torch
 
 from stagereplay.engines.llamacpp.cache_types import CACHE_TYPES, QUANTIZED, cache_types
 from stagereplay.ledger.block_format import BlockFormat
-from stagereplay.ledger.blocks import blocks_of, numeric
+from stagereplay.ledger.blocks import numeric, part_codec
 from stagereplay.ledger.kvstate import KVState
 
 FORMAT = "llama-cpp-python 0.3.36"
@@ -283,10 +283,9 @@ def converted_state(state: KVState, cache_type: str, formats: tuple[str, str]) -
         return state
     values = numeric(state)
 
-    def part(tensors, part_type, block_format):
-        if block_format:
-            return tuple(blocks_of(tensor, BlockFormat.parse(block_format)).contiguous() for tensor in tensors)
-        return tuple(tensor.to(plain_dtype(part_type)) for tensor in tensors)
+    def part(tensors, part_type, part_format):
+        codec = part_codec(part_format, plain_dtype(part_type))
+        return tuple(codec.stored_of(tensor) for tensor in tensors)
 
     key_format, value_format = formats
     return KVState(
