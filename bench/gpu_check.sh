@@ -7,7 +7,7 @@
 #
 #   SPEC=envs/cuda.txt bash envs/setup.sh    # once, on the node (or a shared filesystem)
 #   bash bench/gpu_check.sh                  # extra arguments go to snakemake
-#   bash bench/gpu_check.sh audit            # ... targets too: E4 on the GPU check's ledger
+#   bash bench/gpu_check.sh --config mode=audit   # E4 on the GPU check's ledger
 #
 # The node needs no model hub. It needs the package index for the embedded GGUF,
 # unless ledger/downloads/embedded.gguf exists already (from the default run on a
@@ -30,7 +30,7 @@ fi
 started=$(date +%s)
 # Model jobs request gpu=1 on CUDA; the embedded model is small, so four share the GPU.
 # --resources=gpu=4 in one word: --resources takes any number of values, so written apart it would
-# swallow a target that follows ("$@" = audit) as a resource; a --resources of "$@" still overrides it.
+# swallow a target that follows as a resource; a --resources of "$@" still overrides it.
 "$python" -m snakemake --configfile config/gpu_check.yaml --cores 4 --resources=gpu=4 "$@"
 elapsed=$(( $(date +%s) - started ))
 

@@ -36,7 +36,7 @@ fi
 
 # The audit reads the finished ledger, so it runs second. gpu_report's tables go to stdout, snakemake to stderr.
 status=0
-{ bash bench/gpu_check.sh && bash bench/gpu_check.sh audit; } 2>"$out/gpu_check.log" | tee "$out/gpu_check.txt" || status=$?
+{ bash bench/gpu_check.sh && bash bench/gpu_check.sh --config mode=audit; } 2>"$out/gpu_check.log" | tee "$out/gpu_check.txt" || status=$?
 if [ "$status" -ne 0 ]; then
   tail -n 40 "$out/gpu_check.log" >&2
   # The failing job's own log says why; snakemake's log names only the job.

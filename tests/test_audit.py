@@ -57,7 +57,7 @@ def audited(test_run, tmp_path_factory):
     edited["stage"]["suffix_tokens"] += 3
     config.write_text(yaml.safe_dump(edited))
     before = saved_files(ledger)
-    result = snakemake(copy / "run", config, "audit")
+    result = snakemake(copy / "run", config, "--config", "mode=audit")
     assert result.returncode == 0, result.stderr[-4000:]
     return copy / "run", ledger, config, before, result
 
@@ -164,7 +164,7 @@ def test_verify_recomputes_e4_from_the_audit_table(audited, tmp_path):
 
 def test_a_complete_audit_is_not_rerun(audited):
     workdir, ledger, config, _, _ = audited
-    result = snakemake(workdir, config, "--dry-run", "audit")
+    result = snakemake(workdir, config, "--dry-run", "--config", "mode=audit")
     assert result.returncode == 0 and "Nothing to be done" in result.stdout + result.stderr
     # The main target never runs the audit: after it, a plain run only redraws the card once (the audit drew it
     # with e4.json as an input, a plain run takes e4.json's digest as a parameter), still with E4; then nothing.
@@ -178,6 +178,17 @@ def test_a_complete_audit_is_not_rerun(audited):
     assert stagereplay("verify", ledger).returncode == 0
 
 
+def test_the_audit_target_without_the_mode_flag_stops_naming_the_flag(test_run):
+    """The audit's jobs come from the design recorded in the ledger, chosen when the workflow is parsed, so the
+    audit is asked for by a flag; the bare target stops before any job, naming it, and writes nothing."""
+    workdir, ledger, config = test_run
+    result = snakemake(workdir, config, "--dry-run", "audit")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "MissingInputException" in output and "the-audit-runs-as--snakemake--config-mode=audit" in output, output
+    assert not (ledger / "audit").exists()
+
+
 def test_another_runtime_is_reported_as_environment(audited, tmp_path):
     workdir, ledger, _, _, _ = audited
     copy_ledger, _ = copy_run(workdir, tmp_path / "eager")
@@ -185,7 +196,7 @@ def test_another_runtime_is_reported_as_environment(audited, tmp_path):
         tmp_path / "eager.yaml", ledger_dir=str(copy_ledger), audit={"runtime": {"attn_implementation": "eager"}}
     )
     # A copy carries no snakemake metadata for its paths, so the changed params cannot trigger the rerun: force it.
-    result = snakemake(tmp_path / "eager", config, "audit", "--forcerun", "audit_register_model")
+    result = snakemake(tmp_path / "eager", config, "--config", "mode=audit", "--forcerun", "audit_register_model")
     assert result.returncode == 0, result.stderr[-3000:]
     e4 = json.loads((copy_ledger / "audit" / "e4.json").read_text())
     assert e4["audit_runtime"]["tiny-qwen2"]["attn_implementation"] == "eager"
@@ -257,7 +268,7 @@ def test_a_recomputed_difference_that_verify_cannot_see_is_found_by_the_audit(te
     verified = stagereplay("verify", ledger)
     assert verified.returncode == 0 and "ledger OK" in verified.stdout, verified.stderr
 
-    result = snakemake(tmp_path / "copy", config, "audit")
+    result = snakemake(tmp_path / "copy", config, "--config", "mode=audit")
     assert result.returncode == 0, result.stderr[-3000:]
     e4 = json.loads((ledger / "audit" / "e4.json").read_text())
     side = trajectory_label(row)

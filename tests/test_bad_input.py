@@ -229,7 +229,9 @@ def test_bad_input_stops_with_one_line_and_leaves_the_ledger(case, test_run, tmp
         result = stagereplay("verify", overrides.get("verify", ledger))
     else:
         config = write_config(tmp_path / "bad.yaml", **{"ledger_dir": str(ledger), **overrides})
-        result = snakemake(workdir, config, *bad.snakemake_args, *(["audit"] if bad.command == "audit" else []))
+        result = snakemake(
+            workdir, config, *bad.snakemake_args, *(["--config", "mode=audit"] if bad.command == "audit" else [])
+        )
     assert result.returncode != 0
     one_line_error(result.stdout + result.stderr, bad.needle)
     assert_ledger_kept(before, ledger_snapshot(ledger), bad.in_job)

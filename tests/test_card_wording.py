@@ -76,7 +76,7 @@ def test_a_full_reproduction_says_every_artifact_kind_and_an_older_e4_json_says_
     assert "worst reproduced" not in e4_line(figures)
     older = {key: value for key, value in figures.items() if key != "worst_artifact"}
     assert "worst artifact kind not recorded in this e4.json" in e4_panel(older)[2]
-    assert e4_panel(None)[2] == "not run yet (snakemake --cores N audit)"
+    assert e4_panel(None)[2] == "not run yet (snakemake --cores N --config mode=audit)"
 
 
 def test_the_worst_artifact_is_the_lowest_rate_then_the_most_mismatches():

@@ -59,7 +59,7 @@ def fp16_run(tmp_path_factory):
     )
     result = snakemake(workdir, config)
     assert result.returncode == 0, result.stderr[-4000:]
-    audit = snakemake(workdir, config, "audit")
+    audit = snakemake(workdir, config, "--config", "mode=audit")
     assert audit.returncode == 0, audit.stderr[-4000:]
     rows = pq.read_table(ledger / "tables" / "factors.parquet").to_pylist()
     return ledger, rows

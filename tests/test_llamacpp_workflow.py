@@ -66,7 +66,7 @@ def test_tiny_gguf_runs_every_experiment_and_the_audit_reproduces_it(tmp_path):
     card = (ledger / "results.md").read_text()
     assert "llama-cpp-python 0.3.36" in card
 
-    audit = snakemake(tmp_path, config, "audit")
+    audit = snakemake(tmp_path, config, "--config", "mode=audit")
     assert audit.returncode == 0, audit.stderr[-4000:]
     e4 = json.loads((ledger / "audit" / "e4.json").read_text())
     assert e4["status"] == "reproduced"

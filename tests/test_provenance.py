@@ -250,7 +250,7 @@ def test_the_audit_refuses_a_ledger_without_provenance_in_one_line(test_run, tmp
     workdir, _, _ = test_run
     ledger, config = copy_run(workdir, tmp_path / "run")
     (ledger / "provenance.json").unlink()
-    result = snakemake(tmp_path / "run", config, "audit")
+    result = snakemake(tmp_path / "run", config, "--config", "mode=audit")
     assert result.returncode != 0
     assert "provenance.json is missing, so the design to rerun is unknown — run snakemake once" in result.stderr
     assert not (ledger / "audit").exists()
@@ -262,7 +262,7 @@ def test_the_audit_refuses_other_engine_versions_naming_them(test_run, tmp_path)
     import torch
 
     rewrite_provenance(ledger, lambda record: record["environment"].update(torch="2.0.0"))
-    result = snakemake(tmp_path / "run", config, "audit")
+    result = snakemake(tmp_path / "run", config, "--config", "mode=audit")
     assert result.returncode != 0
     assert (
         f"audit: the ledger was computed with torch 2.0.0, this environment has {torch.__version__}"
@@ -274,7 +274,7 @@ def test_the_audit_refuses_a_missing_model_naming_it(test_run, tmp_path):
     workdir, _, _ = test_run
     ledger, config = copy_run(workdir, tmp_path / "run")
     shutil.rmtree(ledger / "models" / "tiny-qwen2" / "random")
-    result = snakemake(tmp_path / "run", config, "audit")
+    result = snakemake(tmp_path / "run", config, "--config", "mode=audit")
     assert result.returncode != 0
     assert (
         f"audit: the model of checkpoint 'tiny-qwen2' is missing ({ledger / 'models' / 'tiny-qwen2' / 'random'})"
@@ -287,7 +287,7 @@ def test_the_audit_never_reruns_a_saved_job(test_run, tmp_path):
     ledger, config = copy_run(workdir, tmp_path / "run")
     shard = next((ledger / "runs" / "live").rglob("rep0/shard-000.parquet"))
     shard.unlink()
-    result = snakemake(tmp_path / "run", config, "--dry-run", "audit")
+    result = snakemake(tmp_path / "run", config, "--dry-run", "--config", "mode=audit")
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "Missing input files for rule live" in output

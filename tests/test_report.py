@@ -280,7 +280,7 @@ def test_every_card_number_matches_the_ledger_tables(completed):
         **expected_e1(comparisons),
         **expected_e2_e3(comparisons),
         **expected_e5(transplants),
-        ("E4 audit", "not run", "snakemake --cores N audit"): ("—", "—", "—"),
+        ("E4 audit", "not run", "snakemake --cores N --config mode=audit"): ("—", "—", "—"),
     }
     card = card_figures((ledger / "results.md").read_text())
     assert set(card) == set(expected)  # every row accounted for, none missing
@@ -323,7 +323,7 @@ def test_card_reading_follows_the_numbers(completed):
                 f"Wilson 95% upper bound {high}: consistent with none, and rates up to {high} are not ruled out by"
                 f" {n} items" in reading
             )
-    assert "E4 audit: not run (snakemake --cores N audit)" in reading
+    assert "E4 audit: not run (snakemake --cores N --config mode=audit)" in reading
     assert "randomly initialised" in reading  # the test model's accuracy means nothing, and the card says so
 
 

@@ -162,7 +162,8 @@ def _run(tmp_path_factory, policy: str, *targets: str):
     ledger = workdir / "ledger"
     config = write_config(workdir / "config.yaml", ledger_dir=str(ledger), store_caches=policy)
     for target in targets or ("all",):
-        result = snakemake(workdir, config, target)
+        # the audit is the default target under --config mode=audit
+        result = snakemake(workdir, config, *(["--config", "mode=audit"] if target == "audit" else [target]))
         assert result.returncode == 0, result.stderr[-4000:]
     return workdir, ledger, config
 

@@ -36,7 +36,7 @@ def two_checkpoints(tmp_path_factory):
     )
     result = snakemake(workdir, config)
     assert result.returncode == 0, result.stderr[-4000:]
-    audit = snakemake(workdir, config, "audit")
+    audit = snakemake(workdir, config, "--config", "mode=audit")
     assert audit.returncode == 0, audit.stderr[-4000:]
     report = snakemake(workdir, config)  # redraws the card with E4
     assert report.returncode == 0, report.stderr[-4000:]

@@ -77,7 +77,7 @@ def test_verify_and_the_audit_name_the_damage(damage, test_run, tmp_path):
     faults = [line for line in result.stderr.splitlines() if line.startswith("stagereplay: fault:")]
     assert any(where in line and problem in line and "—" in line for line in faults), result.stderr
 
-    audit = snakemake(tmp_path / "copy", config, "audit")
+    audit = snakemake(tmp_path / "copy", config, "--config", "mode=audit")
     assert audit.returncode != 0
     assert any(where in line and problem in line for line in (audit.stdout + audit.stderr).splitlines()), audit.stderr[
         -3000:

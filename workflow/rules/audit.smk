@@ -1,4 +1,4 @@
-# E4 (audit): `snakemake --cores N audit` recomputes every saved shard from its saved
+# E4 (audit): `snakemake --cores N --config mode=audit` recomputes every saved shard from its saved
 # inputs into <ledger>/audit/ — never over the saved ledger — and compares every
 # fingerprint. The audit jobs are the run's own rules with other outputs: live from
 # the saved prompt tokens, rebuild from the saved live prefixes, transplant from the
@@ -28,6 +28,7 @@ if not AUDIT_COMPARE_REBUILDS:
 
 rule audit_verify:
     input:
+        AUDIT_NEEDS_MODE,
         LAYOUT.table("trajectories"),
         LAYOUT.table("comparisons"),
         LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
@@ -49,7 +50,7 @@ rule audit_verify:
 
 use rule register_model as audit_register_model with:
     input:
-        registered_folder_input,
+        lambda wildcards: RUN.registered_inputs(wildcards.checkpoint),
         LAYOUT.audit_verified,
     output:
         LAYOUT.audit.model_record("{checkpoint}"),
@@ -144,7 +145,7 @@ use rule factor as audit_factor with:
         runtime=lambda wildcards: audit_runtime_args(wildcards, replica=0),
         store=LAYOUT.audit.objects,
         source_store=LAYOUT.objects,
-        load_runs=config["load_runs"],
+        load_runs=LOAD_RUNS,
 
 
 use rule gather as audit_gather with:
@@ -203,7 +204,7 @@ use rule select_transplants as audit_select_transplants with:
 
 rule audit_ledger:
     input:
-        audit_inputs(),
+        RUN.audit_inputs,
     output:
         table=LAYOUT.table("audit"),
         e4=LAYOUT.e4,

@@ -1,6 +1,7 @@
 # Everything the rule files share (and nothing else) — the checked config, the ledger
 # layout (stagereplay.ledger.layout), parse-time checks, and the input functions and path
-# lists of every experiment. Rule files hold only rules and read only what is here.
+# lists of every experiment. Rule files hold only rules and read only what is here; what a
+# job's command line holds is stagereplay.design.job_args.
 
 import json
 import shlex
@@ -9,39 +10,24 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from stagereplay.design import checked_run
+from stagereplay.design import job_args
 from stagereplay.design.factors import FACTORS as FACTOR_NAMES
 from stagereplay.design.factors import factor_named
 from stagereplay.engines.registry import PRECISION_PATTERN
-from stagereplay.engines.runtime import runtime_options
-from stagereplay.ledger.layout import LedgerLayout, construction_of_token
+from stagereplay.ledger.layout import construction_of_token
 from stagereplay.ledger.provenance import design_of
 
 REPO = Path(workflow.basedir)
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 
 
-def _audit_requested():
-    """`snakemake audit` (or an audit rule as the target), or an audit job on a cluster node. The targets
-    are not known while the Snakefile is parsed (snakemake sets them after), so they are read from the
-    command line with snakemake's own parser; run any other way, the audit uses the config given."""
-    from snakemake.cli import get_argument_parser
-
-    try:
-        args, _ = get_argument_parser().parse_known_args(sys.argv[1:])
-    except SystemExit:
-        return False
-    names = {str(target) for target in args.targets or ()}
-    names |= {spec.rulename for spec in args.target_jobs or ()}
-    return any(name == "audit" or name.startswith("audit_") for name in names)
-
-
-# The audit reruns the design recorded in the ledger (provenance.json), never the config on disk:
-# a ledger handed over, or a config edited since the run, is audited as it was made.
-AUDITING = _audit_requested()
-
-
-def _take_recorded_design():
+def _run_config():
+    """The config this run computes. Under `--config mode=audit` (E4) that is the design recorded in the
+    ledger (provenance.json), never the config on disk: a ledger handed over, or a config edited since the
+    run, is audited as it was made. An explicit flag, because snakemake names its targets only after this
+    file is parsed (a cluster node parses it again with the same flag)."""
+    if config.get("mode", "run") != "audit":
+        return config
     from stagereplay.audit.design import AuditRefused, audit_config
 
     try:
@@ -50,12 +36,11 @@ def _take_recorded_design():
         raise WorkflowError(str(error)) from None
     if note:
         print(note, file=sys.stderr)
-    config.clear()
-    config.update(audited)
+    return audited
 
 
-if AUDITING:
-    _take_recorded_design()
+CONFIG = _run_config()
+AUDITING = CONFIG.get("mode") == "audit"
 
 
 def _checked_run():
@@ -66,8 +51,8 @@ def _checked_run():
     from stagereplay.design.schema import ConfigError, resolve_config
 
     try:
-        resolve_config(config, SCHEMA)
-        return check_run(config, REPO, AUDITING)
+        resolve_config(CONFIG, SCHEMA)
+        return check_run(CONFIG, REPO, AUDITING)
     except (ConfigError, RunRefused) as error:
         raise WorkflowError(str(error)) from None
 
@@ -90,7 +75,7 @@ def tail_log_on_failure(command, show_last_line=False):
 
 
 LAYOUT = RUN.layout
-# Under `snakemake audit`, each of the run's rules needs this file, which never exists; each saved file is then
+# Under `--config mode=audit`, each of the run's rules needs this file, which never exists; each saved file is then
 # an input the audit reads, never a job it may rerun (after a copy that changed file times, a config edited
 # since the run, a changed command). Snakemake refuses such a job before any job starts, naming this file.
 AUDIT_GUARD = (
@@ -98,61 +83,41 @@ AUDIT_GUARD = (
     if AUDITING
     else []
 )
-CHECKPOINTS = config["checkpoints"]
+# `snakemake audit` without the flag: the audit's first job needs this file, which never exists, so snakemake
+# stops before any job, naming the flag (the audit's jobs come from the recorded design, chosen at parse time).
+AUDIT_NEEDS_MODE = [] if AUDITING else [str(LAYOUT.root / "the-audit-runs-as--snakemake--config-mode=audit")]
+CHECKPOINTS = CONFIG["checkpoints"]
 PRIMARY = RUN.primary
-RUNTIME = config["runtime"]
-STAGE = config["stage"]
-MATCHED = config["matched"]
+RUNTIME = CONFIG["runtime"]
+STAGE = CONFIG["stage"]
+MATCHED = CONFIG["matched"]
 E1 = MATCHED["precision"]
-FIXED = config["fixed_prefix"]
-TRANSPLANT = config["transplant"]
+FIXED = CONFIG["fixed_prefix"]
+TRANSPLANT = CONFIG["transplant"]
 SWEEP = TRANSPLANT["sweep"]
 BLIND = TRANSPLANT["outcome_blind"]
-BLIND_CHECKPOINT = BLIND["checkpoint"] or PRIMARY
-ITEMS_SPEC = config["items"]
+BLIND_CHECKPOINT = RUN.blind_checkpoint
+ITEMS_SPEC = CONFIG["items"]
 # What the ledger records as the run's design (provenance.json; the audit reruns it).
-DESIGN = design_of(config)
-EMBEDDED_MODEL = config["embedded_model"]
-AUDIT_RUNTIME = {
-    **RUNTIME,
-    **{key: value for key, value in config["audit"]["runtime"].items() if value is not None},
-}
-# Which cache tensors are stored (stagereplay.design.storage says what each policy keeps). The audit
-# stores none of its recomputed caches unless audit.keep_caches asks it to.
-STORE_CACHES = config["store_caches"]
-AUDIT_STORE_CACHES = "all" if config["audit"]["keep_caches"] else "none"
+DESIGN = design_of(CONFIG)
+EMBEDDED_MODEL = CONFIG["embedded_model"]
+AUDIT_RUNTIME = RUN.audit_runtime
+# Which cache tensors are stored (stagereplay.design.storage says what each policy keeps).
+STORE_CACHES = CONFIG["store_caches"]
+AUDIT_STORE_CACHES = RUN.audit_store_caches
 # Every trajectory and transplant job the config schedules (the projection counts the same list).
 JOBS = RUN.jobs
 # Checkpoints other than the primary one: only the outcome-blind replication's, with E1 live and prefill (rep0).
 REPLICATIONS = list(JOBS.replications)
-# The checkpoints the run uses (a configured but unused checkpoint is never registered).
-USED_CHECKPOINTS = sorted({PRIMARY} | ({BLIND_CHECKPOINT} if TRANSPLANT["enabled"] else set()))
-# The model records the audit compares (as before: the outcome-blind checkpoint's even without E5).
-AUDITED_CHECKPOINTS = sorted({PRIMARY, BLIND_CHECKPOINT})
+USED_CHECKPOINTS = RUN.used_checkpoints
+AUDITED_CHECKPOINTS = RUN.audited_checkpoints
 SHARDS = RUN.shards
 CONSTRUCTIONS = RUN.constructions
 BLIND_IDS = RUN.blind_ids
 # The longest sequence a model job holds: the longest prompt, the stage and the suffix.
 MAX_POSITIONS = RUN.max_positions
 FACTOR_LEVELS = RUN.factor_levels
-
-
-def repo_path(path):
-    """Config paths are relative to the repository, not to where snakemake was started."""
-    return checked_run.repo_path(REPO, path)
-
-
-def checkpoint_source(name):
-    return checked_run.checkpoint_source(config, REPO, name)
-
-
-def engine_name(name):
-    return RUN.spec(name).name
-
-
-def model_folder(name):
-    """What register_model fingerprints: a safetensors folder, or the GGUF an engine runs as shipped."""
-    return RUN.model_folder(name)
+LOAD_RUNS = CONFIG["load_runs"]
 
 
 wildcard_constraints:
@@ -171,25 +136,7 @@ wildcard_constraints:
 
 
 def runtime_args(wildcards, replica=None, runtime=RUNTIME, store_caches=None):
-    """A model job's command-line runtime (stagereplay.engines.runtime.runtime_options) and shard. The run's
-    jobs are not told the store_caches policy (a job reads it from the ledger's storage.json when it stores),
-    so a new policy reruns no job: the storage rule applies it (ledger.smk). The audit names its own
-    (audit.keep_caches)."""
-    args = [
-        f"--checkpoint {wildcards.checkpoint}",
-        f"--precision {wildcards.precision}",
-        *runtime_options(runtime),
-        f"--shard {int(wildcards.shard)}",
-        f"--shard-size {config['shard_size']}",
-        f"--replica {int(wildcards.replica) if replica is None else replica}",
-        f"--suffix-tokens {STAGE['suffix_tokens']}",
-        f"--max-positions {MAX_POSITIONS}",
-    ]
-    if runtime["device_memory_gb"]:
-        args.append(f"--device-memory-gb {runtime['device_memory_gb']}")
-    if store_caches is not None:
-        args.append(f"--store-caches {store_caches}")
-    return " ".join(args)
+    return job_args.runtime_args(CONFIG, runtime, wildcards, MAX_POSITIONS, replica, store_caches)
 
 
 def audit_runtime_args(wildcards, replica=None):
@@ -197,52 +144,18 @@ def audit_runtime_args(wildcards, replica=None):
 
 
 def rebuild_args(ledger, runtime):
-    """What compare needs to rebuild a cache that is not stored: every checkpoint's model record in ``ledger``
-    (the saved one, or the audit tree's) and the runtime the rows were computed with."""
-    args = [f"--model {name} {shlex.quote(ledger.model_record(name))}" for name in COMPARED_CHECKPOINTS]
-    return " ".join(args + runtime_options(runtime))
+    return job_args.rebuild_args({name: ledger.model_record(name) for name in COMPARED_CHECKPOINTS}, runtime)
 
 
-# The checkpoints whose trajectories are compared.
-COMPARED_CHECKPOINTS = sorted({PRIMARY, *REPLICATIONS})
+COMPARED_CHECKPOINTS = RUN.compared_checkpoints
 # compare rebuilds caches that are not stored, so then it is a model job (a cluster job, not a local one):
 # a resource, not a rerun trigger (its inputs and command are the same at every policy).
 COMPARE_REBUILDS = STORE_CACHES != "all"
 AUDIT_COMPARE_REBUILDS = AUDIT_STORE_CACHES != "all"
 
 
-MODEL_RESOURCES = dict(
-    mem_mb=RUNTIME["mem_mb"],
-    runtime=RUNTIME["runtime_minutes"],
-    gpu=1 if RUNTIME["device"] == "cuda" else 0,
-    gpu_mem_mb=RUN.device_memory_mb(RUNTIME, COMPARED_CHECKPOINTS),
-)
-AUDIT_MODEL_RESOURCES = {
-    **MODEL_RESOURCES,
-    "gpu": 1 if AUDIT_RUNTIME["device"] == "cuda" else 0,
-    "gpu_mem_mb": RUN.device_memory_mb(AUDIT_RUNTIME, COMPARED_CHECKPOINTS),
-}
-
-
-# --- models (model.smk) --------------------------------------------------------------------------
-
-
-def gguf_for(wildcards):
-    spec = CHECKPOINTS[wildcards.checkpoint]
-    return repo_path(spec["gguf"]) if "gguf" in spec else LAYOUT.embedded_gguf
-
-
-def gguf_sha256(wildcards):
-    spec = CHECKPOINTS[wildcards.checkpoint]
-    return spec.get("sha256") or ("" if "gguf" in spec else EMBEDDED_MODEL["sha256"])
-
-
-def registered_folder_input(wildcards):
-    folder = model_folder(wildcards.checkpoint)
-    if checkpoint_source(wildcards.checkpoint) == "folder" and RUN.spec(wildcards.checkpoint).record_kind == "folder":
-        # A user folder is not ours to track as a directory; its config and weights are.
-        return sorted(str(path) for path in Path(folder).glob("*") if path.suffix in (".json", ".safetensors"))
-    return folder
+MODEL_RESOURCES = RUN.model_resources(RUNTIME)
+AUDIT_MODEL_RESOURCES = RUN.model_resources(AUDIT_RUNTIME)
 
 
 # --- the job list (stagereplay.design.jobs) as shard tables ------------------------------------
@@ -258,18 +171,6 @@ def all_shard_tables():
 
 
 # --- E5 (transplant.smk) -------------------------------------------------------------------------
-
-
-def sweep_args():
-    single = SWEEP["single_layers"]
-    args = ["--sweep", f"--single-layers {','.join(map(str, single)) if isinstance(single, list) else single}"]
-    if SWEEP["block_sizes"]:
-        args.append("--block-sizes " + " ".join(map(str, SWEEP["block_sizes"])))
-    if SWEEP["kv_only"]:
-        args.append("--kv-only")
-    if SWEEP["windows"]:
-        args.append("--windows " + " ".join(map(str, SWEEP["windows"])))
-    return " ".join(args)
 
 
 def transplant_pairs(wildcards):
@@ -324,19 +225,6 @@ def factor_threads(wildcards):
     return factor_named(wildcards.factor).threads(wildcards.level, RUNTIME["threads"])
 
 
-# --- E4 (audit.smk) ------------------------------------------------------------------------------
-
-
-def audit_inputs():
-    saved = [LAYOUT.table("trajectories"), LAYOUT.table("comparisons")]
-    saved += [LAYOUT.model_record(name) for name in AUDITED_CHECKPOINTS]
-    if TRANSPLANT["enabled"]:
-        saved += [LAYOUT.table("transplants"), LAYOUT.selection]
-    if FACTOR_LEVELS:
-        saved.append(LAYOUT.table("factors"))
-    return saved + [LAYOUT.audited(path) for path in saved]
-
-
 # --- the report (report.smk) ---------------------------------------------------------------------
 
 
@@ -347,7 +235,7 @@ def e4_option(wildcards):
 
 
 def e4_version(wildcards):
-    """A rerun trigger: after `snakemake audit` writes (or rewrites) e4.json, a plain run redraws the card."""
+    """A rerun trigger: after the audit writes (or rewrites) e4.json, a plain run redraws the card."""
     from stagereplay.ledger.fingerprint import file_digest
 
     path = Path(LAYOUT.e4)

@@ -28,7 +28,7 @@ rule factor:
         runtime=lambda wildcards: runtime_args(wildcards, replica=0),
         store=LAYOUT.objects,
         source_store=LAYOUT.objects,
-        load_runs=config["load_runs"],
+        load_runs=LOAD_RUNS,
     shell:
         tail_log_on_failure(
             "stagereplay factor --model-record {input.model:q} --items {input.item_file:q}"

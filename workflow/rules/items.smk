@@ -7,7 +7,7 @@ localrules:
 
 rule items:
     input:
-        repo_path(ITEMS_SPEC["source"]),
+        RUN.repo_path(ITEMS_SPEC["source"]),
         audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.items,

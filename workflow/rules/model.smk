@@ -26,7 +26,7 @@ rule embedded_gguf:
 
 rule convert_gguf:
     input:
-        gguf_for,
+        lambda wildcards: RUN.gguf_path(wildcards.checkpoint),
         audit_guard=AUDIT_GUARD,
     output:
         directory(LAYOUT.converted_model("{checkpoint}")),
@@ -37,7 +37,9 @@ rule convert_gguf:
         mem_mb=8000,
         runtime=60,
     params:
-        sha256=lambda wildcards: f"--sha256 {gguf_sha256(wildcards)}" if gguf_sha256(wildcards) else "",
+        sha256=lambda wildcards: (
+            f"--sha256 {RUN.gguf_sha256(wildcards.checkpoint)}" if RUN.gguf_sha256(wildcards.checkpoint) else ""
+        ),
     shell:
         tail_log_on_failure("stagereplay convert-gguf {input:q} {params.sha256} --out {output:q} > {log:q} 2>&1")
 
@@ -85,7 +87,7 @@ rule random_gguf:
 
 rule register_model:
     input:
-        registered_folder_input,
+        lambda wildcards: RUN.registered_inputs(wildcards.checkpoint),
         audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.model_record("{checkpoint}"),
@@ -96,9 +98,9 @@ rule register_model:
         mem_mb=1000,
         runtime=30,
     params:
-        folder=lambda wildcards: model_folder(wildcards.checkpoint),
-        source=lambda wildcards: checkpoint_source(wildcards.checkpoint),
-        engine=lambda wildcards: engine_name(wildcards.checkpoint),
+        folder=lambda wildcards: RUN.model_folder(wildcards.checkpoint),
+        source=lambda wildcards: RUN.checkpoint_source(wildcards.checkpoint),
+        engine=lambda wildcards: RUN.spec(wildcards.checkpoint).name,
     shell:
         tail_log_on_failure(
             "stagereplay register-model {params.folder:q} --source {params.source} --engine {params.engine}"

@@ -1,7 +1,7 @@
 # The findings report: the results card (results.md, and as HTML for `snakemake --report`)
 # and the plots, drawn from the ledger. Light and local. A plain run does not depend on the
 # audit (it never runs it): it shows E4 when audit/e4.json describes the current tables
-# (e4_option, e4_version in common.smk), else "not run". `snakemake audit` ends by redrawing
+# (e4_option, e4_version in common.smk), else "not run". `snakemake --config mode=audit` ends by redrawing
 # the card with the E4 it has just written.
 
 from stagereplay.report.plots import PLOT_FILES
@@ -21,7 +21,7 @@ rule report:
         models=[LAYOUT.model_record(name) for name in USED_CHECKPOINTS],
         vocab=[LAYOUT.vocab(name) for name in USED_CHECKPOINTS],
         item_file=LAYOUT.items,
-        # Under `snakemake audit` the card is redrawn after the audit, with E4.
+        # Under `--config mode=audit` the card is redrawn after the audit, with E4.
         e4=LAYOUT.e4 if AUDITING else [],
     output:
         **{

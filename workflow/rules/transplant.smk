@@ -52,7 +52,7 @@ rule transplant:
     params:
         runtime=lambda wildcards: runtime_args(wildcards, replica=0),
         pairs=transplant_pair_args,
-        sweep=lambda wildcards: sweep_args() if wildcards.selection == "selected" else "",
+        sweep=lambda wildcards: job_args.sweep_args(SWEEP) if wildcards.selection == "selected" else "",
         store=LAYOUT.objects,
         source_store=LAYOUT.objects,
     shell:

@@ -1,7 +1,7 @@
 """What the audit reruns: the design recorded in the ledger (provenance.json), not the config on disk.
 
-``snakemake audit`` hands the config it was given to ``audit_config``, which returns the config the
-audit runs instead: the ledger's recorded design, with only what is the audit's own to choose taken
+``snakemake --config mode=audit`` hands the config it was given to ``audit_config``, which returns the
+config the audit runs instead: the ledger's recorded design, with only what is the audit's own to choose taken
 from the given config (where the ledger lies, the ``audit`` block, and a job's memory and time
 limits). It refuses, in one line naming what differs, a ledger it cannot rerun: one not finished,
 one with no provenance record (or one of format 1, naming its migration), or one computed with
@@ -75,7 +75,7 @@ def audit_config(config: dict) -> tuple[dict, str | None]:
     design = copy.deepcopy(record["config"])
     given_runtime = config.get("runtime", {})
     design["runtime"].update({key: given_runtime[key] for key in RESOURCE_KEYS if key in given_runtime})
-    audited = {**design, "audit": copy.deepcopy(config.get("audit", {}))}
+    audited = {**design, "audit": copy.deepcopy(config.get("audit", {})), "mode": "audit"}
     if "ledger_dir" in config:
         audited["ledger_dir"] = config["ledger_dir"]
     given = _given_design(config)

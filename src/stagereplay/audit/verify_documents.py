@@ -61,7 +61,7 @@ def verify_produced(root: Path, summary: dict | None, documents: bool, report: R
     for relative, found in evidence.items():
         if found and not (root / relative).is_file():
             fix = (
-                "rerun snakemake --cores N audit"
+                "rerun snakemake --cores N --config mode=audit"
                 if relative == AUDIT
                 else "rerun snakemake (it rebuilds what is missing)"
             )
@@ -163,7 +163,7 @@ def _compare_figures(where: str, saved: dict, recomputed: dict, source: str, fix
         )
 
 
-REWRITE_E4 = "rerun snakemake --cores N audit --forcerun audit_ledger to rewrite it from the audit table"
+REWRITE_E4 = "rerun snakemake --cores N --config mode=audit --forcerun audit_ledger to rewrite it from the audit table"
 
 
 def verify_e4(root: Path, tables: dict[str, pa.Table], report: Report) -> None:

@@ -55,6 +55,83 @@ class CheckedRun:
     def model_folder(self, checkpoint: str) -> str:
         return model_folder(self.config, self.repo, self.layout, checkpoint)
 
+    def repo_path(self, path: str | Path) -> str:
+        """A config path, relative to the repository, not to where snakemake was started."""
+        return repo_path(self.repo, path)
+
+    def checkpoint_source(self, checkpoint: str) -> str:
+        return checkpoint_source(self.config, self.repo, checkpoint)
+
+    def gguf_path(self, checkpoint: str) -> str:
+        """The GGUF a checkpoint runs: its configured file, or the embedded default's, once extracted."""
+        entry = self.config["checkpoints"][checkpoint]
+        return self.repo_path(entry["gguf"]) if "gguf" in entry else self.layout.embedded_gguf
+
+    def gguf_sha256(self, checkpoint: str) -> str:
+        """The sha256 a GGUF must have: the configured one, the embedded default's, or "" (none given)."""
+        entry = self.config["checkpoints"][checkpoint]
+        return entry.get("sha256") or ("" if "gguf" in entry else self.config["embedded_model"]["sha256"])
+
+    def registered_inputs(self, checkpoint: str) -> str | list[str]:
+        """What registering a checkpoint reads: its model folder or GGUF; of a user's safetensors folder, which
+        is not ours to track as a directory, its config and weight files."""
+        folder = self.model_folder(checkpoint)
+        if self.checkpoint_source(checkpoint) == "folder" and self.spec(checkpoint).record_kind == "folder":
+            return sorted(str(path) for path in Path(folder).glob("*") if path.suffix in (".json", ".safetensors"))
+        return folder
+
+    @property
+    def audit_inputs(self) -> list[str]:
+        """What the audit's comparison reads: the saved tables and model records, and the audit tree's."""
+        saved = [self.layout.table("trajectories"), self.layout.table("comparisons")]
+        saved += [self.layout.model_record(name) for name in self.audited_checkpoints]
+        if self.config["transplant"]["enabled"]:
+            saved += [self.layout.table("transplants"), self.layout.selection]
+        if self.factor_levels:
+            saved.append(self.layout.table("factors"))
+        return saved + [self.layout.audited(path) for path in saved]
+
+    @property
+    def blind_checkpoint(self) -> str:
+        """The outcome-blind replication's checkpoint (E5): the one configured, else the primary."""
+        return self.config["transplant"]["outcome_blind"]["checkpoint"] or self.primary
+
+    @property
+    def used_checkpoints(self) -> list[str]:
+        """The checkpoints the run uses (a configured but unused checkpoint is never registered)."""
+        blind = {self.blind_checkpoint} if self.config["transplant"]["enabled"] else set()
+        return sorted({self.primary} | blind)
+
+    @property
+    def audited_checkpoints(self) -> list[str]:
+        """The model records the audit compares (the outcome-blind checkpoint's even without E5)."""
+        return sorted({self.primary, self.blind_checkpoint})
+
+    @property
+    def compared_checkpoints(self) -> list[str]:
+        """The checkpoints whose trajectories are compared: the primary and the outcome-blind replication's."""
+        return sorted({self.primary, *self.jobs.replications})
+
+    @property
+    def audit_runtime(self) -> dict:
+        """The audit's runtime: the run's, with what the audit block sets in its place."""
+        given = self.config["audit"]["runtime"]
+        return {**self.config["runtime"], **{key: value for key, value in given.items() if value is not None}}
+
+    @property
+    def audit_store_caches(self) -> str:
+        """The audit stores none of its recomputed caches unless audit.keep_caches asks it to."""
+        return "all" if self.config["audit"]["keep_caches"] else "none"
+
+    def model_resources(self, runtime: dict) -> dict:
+        """A model job's resources at ``runtime``: memory, time, a GPU and the device memory it expects."""
+        return {
+            "mem_mb": self.config["runtime"]["mem_mb"],
+            "runtime": self.config["runtime"]["runtime_minutes"],
+            "gpu": 1 if runtime["device"] == "cuda" else 0,
+            "gpu_mem_mb": self.device_memory_mb(runtime, self.compared_checkpoints),
+        }
+
     def device_memory_mb(self, runtime: dict, compared: list[str]):
         """A model job's expected device memory in MiB as a function of its wildcards (the resource gpu_mem_mb,
         from ``engines.shapes.job_memory_bytes``: weights at the precision, caches, activations), so the profiles

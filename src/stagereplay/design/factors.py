@@ -28,8 +28,10 @@ a harness artefact would otherwise look exactly like a finding. ``check_levels``
 configured factor.
 
 Adding a factor: one ``Factor`` here (its levels, reference, cells; the kinds of level grammar are
-``factor_grammar``'s), one setting in
-``experiments.factor_settings``, and its name in the specs of the engines that run it (``engines``).
+``factor_grammar``'s), and a ``Knob`` in the spec of each engine that runs it (``engines``: by which mechanism,
+under which name of its own, which levels it refuses). A factor an engine runs by a new context or a server
+restart needs no setting of its own (``experiments.factor_settings.Reconfigured`` hands the engine the level's
+value under the factor's name); any other gets one setting class in ``experiments``, registered by its name.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ OLD_FILE_DIGESTS = 1
 MIGRATE = "python -m stagereplay.audit.migrate"
 ITEM_FIELDS = ("question", "choices", "answer")
 # Outside the design: where the ledger lies, and what the audit itself may set (it is the audit's choice).
-NOT_DESIGN = ("ledger_dir", "audit")
+NOT_DESIGN = ("ledger_dir", "audit", "mode")
 # Libraries whose versions every record keeps besides the engines' own (engines.registry.ENGINE_LIBRARIES).
 LEDGER_LIBRARIES = ("gguf", "safetensors", "snakemake")
 # The files of a Hugging Face folder that make its tokenizer (the chat template is recorded on its own).

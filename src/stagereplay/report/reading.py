@@ -14,7 +14,7 @@ from stagereplay.report.text import experiment_name, percent, points, under_load
 if TYPE_CHECKING:
     from stagereplay.report.card_provenance import Provenance
 
-AUDIT_HOW = "snakemake --cores N audit"
+AUDIT_HOW = "snakemake --cores N --config mode=audit"
 
 
 def e1_reading(summary: dict) -> list[str]:

@@ -1,0 +1,57 @@
+"""A job's command line as the workflow's rules pass it: a model job's runtime and shard (``runtime_args``), the
+model records a comparison rebuilds caches from (``rebuild_args``), and E5's sweep (``sweep_args``). common.smk's
+params call these with the checked config; nothing here reads a file."""
+
+from __future__ import annotations
+
+import shlex
+
+from stagereplay.engines.runtime import runtime_options
+
+
+def runtime_args(
+    config: dict,
+    runtime: dict,
+    wildcards,
+    max_positions: int,
+    replica: int | None = None,
+    store_caches: str | None = None,
+) -> str:
+    """A model job's runtime (``engines.runtime.runtime_options``) and shard. The run's jobs are not told the
+    store_caches policy (a job reads it from the ledger's storage.json when it stores), so a new policy reruns no
+    job: the storage rule applies it. The audit names its own (audit.keep_caches)."""
+    args = [
+        f"--checkpoint {wildcards.checkpoint}",
+        f"--precision {wildcards.precision}",
+        *runtime_options(runtime),
+        f"--shard {int(wildcards.shard)}",
+        f"--shard-size {config['shard_size']}",
+        f"--replica {int(wildcards.replica) if replica is None else replica}",
+        f"--suffix-tokens {config['stage']['suffix_tokens']}",
+        f"--max-positions {max_positions}",
+    ]
+    if runtime["device_memory_gb"]:
+        args.append(f"--device-memory-gb {runtime['device_memory_gb']}")
+    if store_caches is not None:
+        args.append(f"--store-caches {store_caches}")
+    return " ".join(args)
+
+
+def rebuild_args(model_records: dict[str, str], runtime: dict) -> str:
+    """What compare needs to rebuild a cache that is not stored: each compared checkpoint's model record (the
+    saved one, or the audit tree's) and the runtime the rows were computed with."""
+    args = [f"--model {name} {shlex.quote(record)}" for name, record in model_records.items()]
+    return " ".join(args + runtime_options(runtime))
+
+
+def sweep_args(sweep: dict) -> str:
+    """E5's sweep of the transplant job: the single layers, block sizes, K/V alone, windows."""
+    single = sweep["single_layers"]
+    args = ["--sweep", f"--single-layers {','.join(map(str, single)) if isinstance(single, list) else single}"]
+    if sweep["block_sizes"]:
+        args.append("--block-sizes " + " ".join(map(str, sweep["block_sizes"])))
+    if sweep["kv_only"]:
+        args.append("--kv-only")
+    if sweep["windows"]:
+        args.append("--windows " + " ".join(map(str, sweep["windows"])))
+    return " ".join(args)
