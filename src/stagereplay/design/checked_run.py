@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stagereplay.design.factors import FactorError, Level, check_levels
-from stagereplay.design.jobs import JobList, job_list
+from stagereplay.design.jobs import JobList, job_list, outcome_blind_checkpoint
 from stagereplay.engines.cpuinfo import cpu_flags
 from stagereplay.engines.registry import SPECS, spec_of
 from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
@@ -94,7 +94,7 @@ class CheckedRun:
     @property
     def blind_checkpoint(self) -> str:
         """The outcome-blind replication's checkpoint (E5): the one configured, else the primary."""
-        return self.config["transplant"]["outcome_blind"]["checkpoint"] or self.primary
+        return outcome_blind_checkpoint(self.config)
 
     @property
     def used_checkpoints(self) -> list[str]:
@@ -229,7 +229,7 @@ def check_precisions(config: dict, repo: Path) -> None:
     primary = next(iter(checkpoints))
     e1 = config["matched"]["precision"]
     cross = transplant["cross_precision"] if transplant["enabled"] else None
-    blind = transplant["outcome_blind"]["checkpoint"] or primary
+    blind = outcome_blind_checkpoint(config)
     asked = {primary: {e1, *config["fixed_prefix"]["precisions"], *([cross] if cross else [])}}
     asked.setdefault(blind, set()).add(e1)
     try:
@@ -250,7 +250,7 @@ def check_precisions(config: dict, repo: Path) -> None:
 def check_audited_models(config: dict, repo: Path, layout: LedgerLayout) -> None:
     """The audit reruns the models the ledger names: a missing one is refused before any job."""
     primary = next(iter(config["checkpoints"]))
-    blind = config["transplant"]["outcome_blind"]["checkpoint"] or primary
+    blind = outcome_blind_checkpoint(config)
     for name in sorted({primary, blind}):
         path = Path(model_folder(config, repo, layout, name))
         if not path.exists():
@@ -301,7 +301,7 @@ def check_transplant_plan(config: dict, repo: Path, layout: LedgerLayout, items:
     checkpoints, transplant = config["checkpoints"], config["transplant"]
     primary = next(iter(checkpoints))
     blind, sweep = transplant["outcome_blind"], transplant["sweep"]
-    blind_checkpoint = blind["checkpoint"] or primary
+    blind_checkpoint = outcome_blind_checkpoint(config)
     if blind_checkpoint not in checkpoints:
         raise RunRefused(
             f"transplant.outcome_blind.checkpoint {blind_checkpoint!r} is not in checkpoints — add it there or fix the name"

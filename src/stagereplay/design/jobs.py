@@ -144,6 +144,11 @@ def replication_comparisons(checkpoint: str, e1: str) -> list[Comparison]:
     return comparisons(checkpoint, e1, 1, [], [])
 
 
+def outcome_blind_checkpoint(config: dict) -> str:
+    """E5's outcome-blind replication's checkpoint: the one configured, else the primary."""
+    return config["transplant"]["outcome_blind"]["checkpoint"] or next(iter(config["checkpoints"]))
+
+
 def job_list(config: dict) -> JobList:
     """Every trajectory and transplant job of a resolved config."""
     primary = next(iter(config["checkpoints"]))
@@ -151,7 +156,7 @@ def job_list(config: dict) -> JobList:
     replicas = config["matched"]["replicas"]
     fixed = config["fixed_prefix"]
     transplant = config["transplant"]
-    blind = transplant["outcome_blind"]["checkpoint"] or primary
+    blind = outcome_blind_checkpoint(config)
     replications = (blind,) if transplant["enabled"] and blind != primary else ()
 
     trajectories = {live(primary, e1, r) for r in range(replicas)}  # E1
