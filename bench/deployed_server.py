@@ -38,7 +38,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from stagereplay.engines.llamaserver.process import GREEDY, ServerProcess
+from stagereplay.engines.llamaserver.client import GREEDY
+from stagereplay.engines.llamaserver.process import ServerProcess
 from stagereplay.experiments.compare import first_divergence
 from stagereplay.inputs.checkpoints import read_model_record
 

@@ -30,7 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from stagereplay.engines.llamaserver.build import LlamaServerError
-from stagereplay.engines.llamaserver.process import GREEDY, HOST, ServerProcess
+from stagereplay.engines.llamaserver.client import GREEDY
+from stagereplay.engines.llamaserver.process import ServerProcess
 
 # Tokens each companion may generate: far more than an engine block decodes while they run (a build is one
 # call, a read one per token of the suffix budget); a companion reaching it fails the block (``Load``).
@@ -131,8 +132,8 @@ def _send(server: ServerProcess, slot: int, prompt: Sequence[int]) -> http.clien
         "stream": True,  # a closed connection then cancels it at the server's next write
         **GREEDY,
     }
-    connection = http.client.HTTPConnection(HOST, server.port, timeout=server.request_timeout)
-    connection.request("POST", "/completion", json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    connection = server.connection()
+    connection.request("POST", "/completion", json.dumps(payload).encode(), server.headers(json_body=True))
     return connection
 
 

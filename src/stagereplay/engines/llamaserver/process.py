@@ -7,8 +7,8 @@ an exit stops them (atexit), and on Linux the kernel kills the server when the t
 (PR_SET_PDEATHSIG), so a SIGKILL of this process takes the server with it. Every failure is one line
 (``LlamaServerError``, a ``ModelError``): a server that does not start (its log's first error and last
 line), a port in use, a request that errors or times out (the endpoint and the server's message), a server
-that died (its exit status). A slot is saved under a partial name and renamed, so no half-written slot file
-is left. The server's environment has every ``LLAMA_ARG_*`` variable removed: each would fill an option
+that died (its exit status). Its requests are ``ServerClient``'s (``llamaserver.client``), shared with a server
+someone else runs. The server's environment has every ``LLAMA_ARG_*`` variable removed: each would fill an option
 left off the command line, so only ``ServerSettings`` decides how the server runs.
 
 No torch here.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import http.client
-import json
 import os
 import re
 import signal
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from stagereplay.engines.llamacpp.cache_types import CACHE_TYPES, CacheTypeError, cache_types
 from stagereplay.engines.llamaserver.build import LlamaServerError, server_binary
+from stagereplay.engines.llamaserver.client import ServerClient
 
 HOST = "127.0.0.1"
 
@@ -183,7 +183,7 @@ def exit_status(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-class ServerProcess:
+class ServerProcess(ServerClient):
     """One llama-server for one GGUF, alive inside a ``with`` block.
 
     ``slot_dir`` is the server's ``--slot-save-path`` (slot files are saved to and restored from it);
@@ -204,20 +204,18 @@ class ServerProcess:
         binary: str | Path | None = None,
         port: int | None = None,
     ):
+        super().__init__(HOST, None, slot_dir=slot_dir, request_timeout=request_timeout)
         self.model = Path(model)
         self.settings = settings or ServerSettings()
-        self.slot_dir = Path(slot_dir) if slot_dir is not None else None
         self.log_path = Path(log_path) if log_path is not None else None
         self._own_log = log_path is None
         self._log_start = 0  # where this start's output begins in the log
         self._failed = False  # a failure was reported from the log: keep it
         self.start_timeout = start_timeout
-        self.request_timeout = request_timeout
         self.stop_grace = stop_grace
         self.binary = Path(binary) if binary is not None else None
         self.process: subprocess.Popen | None = None
         self.fixed_port = port  # None: a free port, chosen again if another process takes it first
-        self.port: int | None = None
 
     def __enter__(self) -> ServerProcess:
         self.start()
@@ -323,43 +321,6 @@ class ServerProcess:
         if self._own_log and not self._failed and self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
 
-    # Requests.
-
-    def request(self, endpoint: str, payload: dict | None = None, *, timeout: float | None = None) -> dict:
-        """POST ``payload`` as JSON (GET without one) and the JSON answer; one line on any failure."""
-        method = "GET" if payload is None else "POST"
-        what = f"{method} {endpoint}"
-        self._check_alive(what)
-        timeout = self.request_timeout if timeout is None else timeout
-        try:
-            status, body = self._exchange(method, endpoint, payload, timeout)
-        except TimeoutError:
-            self._check_alive(what, during=True)
-            raise LlamaServerError(
-                f"llama-server {what}: no answer within {timeout:g} s — raise the request timeout"
-            ) from None
-        except (OSError, http.client.HTTPException) as error:
-            self._check_alive(what, wait=1.0, during=True)
-            raise LlamaServerError(f"llama-server {what} failed: {error!r}") from None
-        try:
-            answer = json.loads(body) if body else {}
-        except ValueError:
-            raise LlamaServerError(f"llama-server {what}: HTTP {status}, not JSON: {body[:200]!r}") from None
-        if status != 200:
-            raise LlamaServerError(f"llama-server {what}: HTTP {status}: {_error_message(answer)}")
-        return answer
-
-    def _exchange(self, method: str, endpoint: str, payload: dict | None, timeout: float) -> tuple[int, bytes]:
-        connection = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
-        try:
-            body = None if payload is None else json.dumps(payload).encode()
-            headers = {"Content-Type": "application/json"} if body is not None else {}
-            connection.request(method, endpoint, body=body, headers=headers)
-            response = connection.getresponse()
-            return response.status, response.read()
-        finally:
-            connection.close()
-
     def _check_alive(self, what: str, wait: float = 0.0, during: bool = False) -> None:
         """One line if the server is gone: stopped by us, or died (its exit status and its log's reason)."""
         process = self.process
@@ -416,67 +377,16 @@ class ServerProcess:
             log.seek(max(mark, self._log_start))
             return log.read().decode("utf-8", errors="replace")
 
-    # Conveniences for the server's endpoints.
+    # The slots: every one of the server's.
 
-    def props(self) -> dict:
-        return self.request("/props")
+    def usable_slots(self) -> range:
+        return range(self.settings.parallel)
 
-    def complete(self, tokens: list[int], n_predict: int, *, slot: int = 0, cache_prompt: bool = True, **extra) -> dict:
-        """A greedy completion of a token-id prompt: the answer holds the generated ids in ``tokens``."""
-        payload = {
-            "prompt": list(tokens),
-            "n_predict": n_predict,
-            "id_slot": self._slot(slot),
-            "cache_prompt": cache_prompt,
-            "return_tokens": True,
-            **GREEDY,
-            **extra,
-        }
-        return self.request("/completion", payload)
-
-    def save_slot(self, slot: int, filename: str) -> dict:
-        """The slot's cache and tokens written to ``filename`` in the slot folder (``n_saved`` tokens, ``n_written``
-        bytes). The server writes the file in place, so it saves under a partial name that is renamed once the
-        save has answered: a stop or a failure mid-save leaves no half-written file under ``filename``."""
-        if self.slot_dir is None:
-            raise LlamaServerError("this llama-server has no slot folder — give ServerProcess a slot_dir")
-        partial = f"{filename}.partial"
-        try:
-            answer = self.request(f"/slots/{self._slot(slot)}?action=save", {"filename": partial})
-            os.replace(self.slot_dir / partial, self.slot_dir / filename)
-        finally:
-            (self.slot_dir / partial).unlink(missing_ok=True)
-        return {**answer, "filename": filename}
-
-    def restore_slot(self, slot: int, filename: str) -> dict:
-        return self.request(f"/slots/{self._slot(slot)}?action=restore", {"filename": filename})
-
-    def erase_slot(self, slot: int) -> dict:
-        return self.request(f"/slots/{self._slot(slot)}?action=erase", {})
-
-    def _slot(self, slot: int) -> int:
-        """The slot, refused if the server has no such slot: the server takes ids modulo its slot count, so
-        slot 7 of a one-slot server would silently be slot 0."""
+    def slot_refusal(self, slot: int) -> str:
         count = self.settings.parallel
-        if not 0 <= slot < count:
-            raise LlamaServerError(
-                f"slot {slot}: this server has {count} slot{'s' if count != 1 else ''} (0..{count - 1}) — start it with parallel={slot + 1} or more"
-            )
-        return slot
-
-
-# Pure greedy in this server: temperature 0 keeps only the first highest logit, and with no other sampler
-# in the chain that is the argmax over the whole vocabulary (ties to the lowest id), as the engines decode.
-GREEDY = {"temperature": 0.0, "samplers": ["temperature"]}
+        return f"this server has {count} slot{'s' if count != 1 else ''} (0..{count - 1}) — start it with parallel={slot + 1} or more"
 
 
 # A server log line: "0.00.004.351 E gguf_init_from_reader: ..." (minutes.seconds.milliseconds, level).
 _LOG_PREFIX = re.compile(r"^\d+\.\d+\.\d+\.\d+ [A-Z] ")
 _LOG_ERROR = re.compile(r"^\d+\.\d+\.\d+\.\d+ E ")
-
-
-def _error_message(answer: dict) -> str:
-    error = answer.get("error") if isinstance(answer, dict) else None
-    if isinstance(error, dict):
-        return str(error.get("message", error))
-    return str(error or answer)[:300]
