@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from stagereplay import __version__
-from stagereplay.cli import inputs, ledger, model_jobs, review
+from stagereplay.cli import attach, inputs, ledger, model_jobs, review
 
 # The order `stagereplay --help` lists the commands in: a run's, from its inputs to its card.
 HELP_ORDER = (
@@ -35,6 +35,7 @@ HELP_ORDER = (
     "compare",
     "summarize",
     "plan",
+    "probe",
     "verify",
     "show",
     "audit",
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagereplay", description=__doc__)
     parser.add_argument("--version", action="version", version=f"stagereplay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {**inputs.COMMANDS, **model_jobs.COMMANDS, **ledger.COMMANDS, **review.COMMANDS}
+    commands = {**attach.COMMANDS, **inputs.COMMANDS, **model_jobs.COMMANDS, **ledger.COMMANDS, **review.COMMANDS}
     for command in sorted(commands, key=HELP_ORDER.index):
         commands[command](sub)
     return parser

@@ -92,6 +92,11 @@ class ServerClient:
             answer = json.loads(body) if body else {}
         except ValueError:
             raise LlamaServerError(f"llama-server {what}: HTTP {status}, not JSON: {body[:200]!r}") from None
+        if status == 401:
+            raise LlamaServerError(
+                f"llama-server {what}: HTTP 401: {error_message(answer)} — the server wants an API key: name the"
+                " environment variable that holds it as the checkpoint's api_key_env"
+            )
         if status != 200:
             raise LlamaServerError(f"llama-server {what}: HTTP {status}: {error_message(answer)}")
         return answer
