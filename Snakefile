@@ -19,6 +19,7 @@ include: "workflow/rules/matched.smk"
 include: "workflow/rules/fixed_prefix.smk"
 include: "workflow/rules/transplant.smk"
 include: "workflow/rules/factors.smk"
+include: "workflow/rules/served.smk"
 include: "workflow/rules/ledger.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/audit.smk"
@@ -32,6 +33,7 @@ RUN_TARGETS = [
     # named here too: adding factors to a finished ledger must schedule E6 even where snakemake has no
     # record of summary.json's inputs (a copied ledger), and its new table then reruns the summary
     LAYOUT.table("factors") if FACTOR_LEVELS else [],
+    LAYOUT.table("served") if SERVED_SERVERS else [],
     rules.report.output,
 ]
 

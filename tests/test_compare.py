@@ -3,9 +3,10 @@ import pytest
 import torch
 from conftest import REPO
 
+from stagereplay.design.divergence import first_divergence
 from stagereplay.design.jobs import comparisons, job_list, replication_comparisons
 from stagereplay.design.schema import load_config
-from stagereplay.experiments.compare import compare_pair, comparison_table, first_divergence
+from stagereplay.experiments.compare import compare_pair, comparison_table
 from stagereplay.experiments.difference import cache_difference, tensor_difference
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore

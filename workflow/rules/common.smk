@@ -118,6 +118,9 @@ BLIND_IDS = RUN.blind_ids
 MAX_POSITIONS = RUN.max_positions
 FACTOR_LEVELS = RUN.factor_levels
 LOAD_RUNS = CONFIG["load_runs"]
+SERVED = CONFIG["served"]
+SERVED_SERVERS = RUN.served_servers
+SERVED_TOKENS = RUN.served_tokens
 
 
 wildcard_constraints:
@@ -127,6 +130,7 @@ wildcard_constraints:
     construction=r"incremental|prefill|chunked-[1-9][0-9]*",
     replica=r"\d+",
     shard=r"\d{3}",
+    server=r"[A-Za-z0-9][A-Za-z0-9._-]*",
     selection="selected|outcome_blind|cross_precision",
     factor="|".join(FACTOR_NAMES),
     level=r"[A-Za-z0-9_-]+",

@@ -173,6 +173,7 @@ rule summary:
         comparisons=LAYOUT.table("comparisons"),
         transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
         factors=LAYOUT.table("factors") if FACTOR_LEVELS else [],
+        served=LAYOUT.table("served") if SERVED_SERVERS else [],
         audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.summary,
@@ -185,8 +186,9 @@ rule summary:
     params:
         transplants=lambda wildcards, input: f"--transplants {input.transplants}" if TRANSPLANT["enabled"] else "",
         factors=lambda wildcards, input: f"--factors {input.factors}" if FACTOR_LEVELS else "",
+        served=lambda wildcards, input: f"--served {input.served}" if SERVED_SERVERS else "",
     shell:
         tail_log_on_failure(
             "stagereplay summarize --trajectories {input.trajectories:q} --comparisons {input.comparisons:q}"
-            " {params.transplants} {params.factors} --out {output:q} > {log:q} 2>&1"
+            " {params.transplants} {params.factors} {params.served} --out {output:q} > {log:q} 2>&1"
         )

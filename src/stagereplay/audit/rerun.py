@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from stagereplay.design.divergence import first_divergence
 from stagereplay.design.jobs import trajectory_label
-from stagereplay.experiments.compare import first_divergence
 from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.store import ObjectStore

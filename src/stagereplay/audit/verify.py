@@ -44,6 +44,7 @@ from stagereplay.audit.faults import RERUN, Fault, Report
 from stagereplay.audit.provenance_check import answer_key, verify_labels, verify_provenance
 from stagereplay.audit.verify_documents import (
     FACTORS,
+    SERVED,
     SUMMARY,
     TRAJECTORIES,
     TRANSPLANTS,
@@ -67,6 +68,8 @@ from stagereplay.ledger.tables import (
     FACTOR_SCHEMA,
     MIGRATE_FACTORS,
     PROMPT_SCHEMA,
+    SERVED_KEY,
+    SERVED_SCHEMA,
     TRAJECTORY_KEY,
     TRAJECTORY_SCHEMA,
     TRANSPLANT_KEY,
@@ -95,6 +98,7 @@ SCHEMA_OF_KIND = {
     "trajectories": TRAJECTORY_SCHEMA,
     "transplants": TRANSPLANT_SCHEMA,
     "factors": FACTOR_SCHEMA,
+    "served": SERVED_SCHEMA,
     "comparisons": COMPARISON_SCHEMA,
     "audit": AUDIT_SCHEMA,
     "prompts": PROMPT_SCHEMA,
@@ -292,6 +296,11 @@ def verify_rows(
                             f"{row['experiment']} {row['a']} vs {row['b']} compares different prefixes",
                         )
                     )
+        elif schema.equals(SERVED_SCHEMA):
+            keys = Counter(row_key(r, SERVED_KEY) for r in rows)
+            for row in rows:
+                if len(row["margins"]) != len(row["tokens"]):
+                    faults.append(Fault(_row_where(relative, row), "a margin is missing for some generated token"))
         elif schema.equals(PROMPT_SCHEMA):
             keys = Counter(r["item_id"] for r in rows)
         else:
@@ -319,7 +328,7 @@ def verify_factor_row(where: str, row: dict, known: dict[str, StoredObject], fau
 
 def verify_gathered(tables: dict[str, pa.Table], report: Report) -> None:
     """The gathered tables hold exactly rows of the shard tables (row counts and contents)."""
-    for gathered in (TRAJECTORIES, TRANSPLANTS, FACTORS):
+    for gathered in (TRAJECTORIES, TRANSPLANTS, FACTORS, SERVED):
         if gathered not in tables:
             continue
         kind = LedgerLayout.table_kind(gathered)

@@ -15,8 +15,8 @@ from stagereplay.ledger.jsondiff import first_difference, path_text, value_at
 from stagereplay.ledger.layout import RELATIVE
 from stagereplay.report.stamp import stamp_problem
 
-TRAJECTORIES, COMPARISONS, TRANSPLANTS, FACTORS, AUDIT = (
-    RELATIVE.table(name) for name in ("trajectories", "comparisons", "transplants", "factors", "audit")
+TRAJECTORIES, COMPARISONS, TRANSPLANTS, FACTORS, SERVED, AUDIT = (
+    RELATIVE.table(name) for name in ("trajectories", "comparisons", "transplants", "factors", "served", "audit")
 )
 CARDS = (RELATIVE.card, RELATIVE.card_html)
 SUMMARY = RELATIVE.summary
@@ -54,6 +54,7 @@ def verify_produced(root: Path, summary: dict | None, documents: bool, report: R
         COMPARISONS: present(SUMMARY),
         TRANSPLANTS: ["summary.json (its E5 figures)"] if summary and "E5" in summary else [],
         FACTORS: ["summary.json (its E6 figures)"] if summary and "E6" in summary else [],
+        SERVED: ["summary.json (its served figures)"] if summary and "served" in summary else [],
     }
     if documents:
         evidence[AUDIT] = present(E4)
@@ -94,6 +95,9 @@ def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Re
     factors = tables.get(FACTORS) if "E6" in summary else None
     if "E6" in summary and factors is None:
         return  # the factor table is missing or unreadable: already a fault
+    served = tables.get(SERVED) if "served" in summary else None
+    if "served" in summary and served is None:
+        return  # the served table is missing or unreadable: already a fault
     if counts_e6_one_sided(summary):
         # Every E6 level would differ from the recomputed one: one line with the cause, not the first key.
         report.faults.append(
@@ -122,6 +126,7 @@ def verify_summary(summary: dict | None, tables: dict[str, pa.Table], report: Re
         version=summary.get("stagereplay_version"),
         transplants=transplants,
         factors=factors,
+        served=served,
     )
     _compare_figures(SUMMARY, summary, json.loads(json.dumps(recomputed)), "the tables", REWRITE_SUMMARY, report)
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from stagereplay import __version__
-from stagereplay.cli import attach, inputs, ledger, model_jobs, review
+from stagereplay.cli import inputs, ledger, model_jobs, review, servers
 
 # The order `stagereplay --help` lists the commands in: a run's, from its inputs to its card.
 HELP_ORDER = (
@@ -31,6 +31,7 @@ HELP_ORDER = (
     "select-transplants",
     "transplant",
     "factor",
+    "served",
     "kernel-worker",
     "compare",
     "summarize",
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagereplay", description=__doc__)
     parser.add_argument("--version", action="version", version=f"stagereplay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {**attach.COMMANDS, **inputs.COMMANDS, **model_jobs.COMMANDS, **ledger.COMMANDS, **review.COMMANDS}
+    commands = {**servers.COMMANDS, **inputs.COMMANDS, **model_jobs.COMMANDS, **ledger.COMMANDS, **review.COMMANDS}
     for command in sorted(commands, key=HELP_ORDER.index):
         commands[command](sub)
     return parser

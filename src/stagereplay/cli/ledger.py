@@ -96,7 +96,7 @@ def cmd_gather(args) -> None:
 
 def add_gather_command(sub) -> None:
     p = sub.add_parser("gather", help="gather shard tables into one ledger table")
-    p.add_argument("--table", default="trajectories", choices=["trajectories", "transplants", "factors"])
+    p.add_argument("--table", default="trajectories", choices=["trajectories", "transplants", "factors", "served"])
     p.add_argument("--out", required=True, help="table to write (Parquet)")
     p.add_argument("shards", nargs="+")
     p.set_defaults(func=cmd_gather)
@@ -158,6 +158,7 @@ def cmd_summarize(args) -> None:
     from stagereplay.ledger.tables import (
         COMPARISON_SCHEMA,
         FACTOR_SCHEMA,
+        SERVED_SCHEMA,
         TRAJECTORY_SCHEMA,
         TRANSPLANT_SCHEMA,
         read_table,
@@ -173,7 +174,8 @@ def cmd_summarize(args) -> None:
     comparisons = read_table(args.comparisons, COMPARISON_SCHEMA)
     trajectories = read_table(args.trajectories, TRAJECTORY_SCHEMA)
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
-    write_json(summary(comparisons, trajectories, __version__, transplants, factors), args.out)
+    served = read_table(args.served, SERVED_SCHEMA) if args.served else None
+    write_json(summary(comparisons, trajectories, __version__, transplants, factors, served), args.out)
 
 
 def add_summarize_command(sub) -> None:
@@ -182,6 +184,7 @@ def add_summarize_command(sub) -> None:
     p.add_argument("--comparisons", required=True)
     p.add_argument("--transplants", default=None)
     p.add_argument("--factors", default=None, help="tables/factors.parquet (E6), when the config has factors")
+    p.add_argument("--served", default=None, help="tables/served.parquet, when the config serves requests")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_summarize)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from stagereplay.design.factors import FactorError, Level, check_levels
 from stagereplay.design.jobs import JobList, job_list, outcome_blind_checkpoint
+from stagereplay.design.served import ServedRefused, check_served, served_tokens
 from stagereplay.engines.cpuinfo import cpu_flags
 from stagereplay.engines.registry import SPECS, spec_of
 from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
@@ -44,6 +45,7 @@ class CheckedRun:
     max_positions: int
     factor_levels: list[Level]
     engines: dict[str, EngineSpec] = field(default_factory=dict)  # checkpoint -> its engine's spec
+    served_servers: list[str] = field(default_factory=list)  # the served block's servers, the reference first
 
     @property
     def primary(self) -> str:
@@ -90,6 +92,11 @@ class CheckedRun:
         if self.factor_levels:
             saved.append(self.layout.table("factors"))
         return saved + [self.layout.audited(path) for path in saved]
+
+    @property
+    def served_tokens(self) -> int:
+        """Greedy tokens per served request."""
+        return served_tokens(self.config)
 
     @property
     def blind_checkpoint(self) -> str:
@@ -379,6 +386,10 @@ def check_run(config: dict, repo: str | Path, auditing: bool = False) -> Checked
     lengths = prompt_lengths(config, repo, layout, items)
     stage = config["stage"]
     levels = check_factor_levels(config, repo, layout, items, lengths)
+    try:
+        served_servers = check_served(config, engines[next(iter(config["checkpoints"]))])
+    except ServedRefused as error:
+        raise RunRefused(str(error)) from None
     return CheckedRun(
         config=config,
         repo=repo,
@@ -393,4 +404,5 @@ def check_run(config: dict, repo: str | Path, auditing: bool = False) -> Checked
         max_positions=max(lengths) + stage["max_new_tokens"] + stage["suffix_tokens"],
         factor_levels=levels,
         engines=engines,
+        served_servers=served_servers,
     )

@@ -94,6 +94,14 @@ def precision_spec(precision: str) -> EngineSpec:
     raise refusal or SpecError(f"precision {precision!r} is taken by no engine")
 
 
+def serving_spec() -> EngineSpec:
+    """The engine whose servers take whole requests (the config's ``served`` servers, ``stagereplay probe``)."""
+    for spec in SPECS.values():
+        if spec.server_module:
+            return spec
+    raise ModelError("no engine here serves whole requests — install one that does (see docs/engines.md)")
+
+
 def spec_of_engine(engine: object) -> EngineSpec:
     """The spec of a loaded engine: the one whose ``engine_class_path`` names the engine's own class."""
     path = f"{type(engine).__module__}:{type(engine).__qualname__}"

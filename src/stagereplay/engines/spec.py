@@ -100,6 +100,10 @@ class EngineSpec:
     # factor -> what its control exercises on this engine and what it does not: one for every factor it runs
     # (tests/test_control_scopes.py); summary.json's E6.controls and the card's controls table read it.
     control_scopes: dict[str, ControlScope] = field(default_factory=dict)
+    # The module that serves whole requests to a running server of this engine, deployed by the workflow or
+    # attached at a URL (``serve``, ``check_server``, ``probe_text``: the config's ``served`` block and
+    # ``stagereplay probe``); empty: the engine serves none.
+    server_module: str = ""
 
     def mechanism(self, factor: str) -> str | None:
         """How this engine runs ``factor`` (a ``MECHANISMS`` key), or None: a factor it does not run."""
@@ -163,6 +167,10 @@ class EngineSpec:
                 f"checkpoint {checkpoint!r}: the {self.name} engine runs {self.summary} — use"
                 f" {', '.join(self.checkpoint_sources)} as its source"
             )
+
+    def server_protocol(self):
+        """The module that serves whole requests to this engine's servers (imported now)."""
+        return importlib.import_module(self.server_module)
 
     def engine_class(self) -> type:
         """The engine itself, an ``engines.base.Engine`` (its module, and torch, are imported now)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -16,13 +15,7 @@ from stagereplay.experiments.constructions import build_boundary, build_boundary
 from stagereplay.experiments.decode import Decoded, continue_from, decode_greedy, generate_greedy, greedy_choice
 from stagereplay.experiments.level_job import Built, Prefix
 from stagereplay.experiments.setting import Setting, mechanism, runs
-
-
-def items_after(order: list[str], item_id: str) -> Iterator[str]:
-    """The items after ``item_id`` in ``order``, wrapping round without end: a batch's companions, a filler's
-    sources (a fixed function of the item list, not of the ledger's item count)."""
-    start = order.index(item_id)
-    return (order[(start + offset) % len(order)] for offset in itertools.count(1))
+from stagereplay.inputs.items import items_after
 
 
 @runs("batch")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from stagereplay.design.divergence import first_divergence
 from stagereplay.design.jobs import Comparison
 from stagereplay.experiments.difference import cache_difference
 from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_KEY, LedgerError, row_key
@@ -17,14 +18,6 @@ from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_KEY, LedgerE
 
 def index_trajectories(trajectories: pa.Table) -> dict[tuple, dict]:
     return {row_key(row, TRAJECTORY_KEY): row for row in trajectories.to_pylist()}
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token; the shorter length if one is a prefix of the other."""
-    for index, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return index
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _at(values: list, index: int | None):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagereplay.design.cells import READ, SERVER, WRITE, cell_label
+from stagereplay.design.divergence import first_divergence
 from stagereplay.design.factors import Level, reference_level
 from stagereplay.engines.base import Engine
 
@@ -25,7 +26,6 @@ from stagereplay.engines.base import Engine
 # kernels; batches, load and placement.
 from stagereplay.experiments import batch_settings  # noqa: F401
 from stagereplay.experiments.cell_logits import NOT_DECODED, NOT_DIVERGED, first_read, margins_at_divergence
-from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.decode import Decoded
 from stagereplay.experiments.difference import cache_difference
 from stagereplay.experiments.factor_settings import Kernels

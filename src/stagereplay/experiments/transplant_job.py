@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagereplay.design.divergence import first_divergence
 from stagereplay.design.jobs import trajectory_label
 from stagereplay.design.names import check_plan
 from stagereplay.design.storage import transplant_jobs_store
-from stagereplay.experiments.compare import first_divergence
 from stagereplay.experiments.decode import Decoded, continue_from
 from stagereplay.experiments.job import JobContext, environment_columns, progress_bar
 from stagereplay.experiments.recompute import CacheSource, ModelPool

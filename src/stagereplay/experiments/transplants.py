@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stagereplay.design.divergence import first_divergence
 from stagereplay.design.names import SweepPlan, TransplantError
-from stagereplay.experiments.compare import first_divergence
 from stagereplay.ledger.kvstate import KVState
 
 KV_PARTS = ("kv", "k", "v")

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import os
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,3 +222,10 @@ def load_items(
 
     items = [item for _, item in rows]
     return items if limit is None else items[:limit]
+
+
+def items_after(order: list[str], item_id: str) -> Iterator[str]:
+    """The items after ``item_id`` in ``order``, wrapping round without end: a batch's companions, a filler's
+    sources, a served request's other clients (a fixed function of the item list, not of the ledger's item count)."""
+    start = order.index(item_id)
+    return (order[(start + offset) % len(order)] for offset in itertools.count(1))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-TABLES = ("trajectories", "comparisons", "transplants", "factors", "audit")
+TABLES = ("trajectories", "comparisons", "transplants", "factors", "served", "audit")
 # What a ledger holds Parquet tables in (verify reads every table under them).
 TABLE_FOLDERS = ("tables", "runs", "prompts", "vocab")
 
@@ -134,6 +134,9 @@ class LedgerLayout:
     def factor_table(self, checkpoint: str, precision: str, factor: str, level: str, shard: str) -> str:
         return self._path("runs", "factor", checkpoint, precision, factor, level, f"shard-{shard}.parquet")
 
+    def served_table(self, server: str) -> str:
+        return self._path("runs", "served", f"{server}.parquet")
+
     @property
     def selection(self) -> str:
         return self._path("transplants", "selection.json")
@@ -151,11 +154,11 @@ class LedgerLayout:
     @staticmethod
     def table_kind(relative: str | Path) -> str | None:
         """What the table at ``relative`` (inside a ledger) holds: a shard's or the gathered
-        ``trajectories``, ``transplants``, ``factors``, ``comparisons``, ``audit``, ``prompts`` or ``vocab``; None
+        ``trajectories``, ``transplants``, ``factors``, ``served``, ``comparisons``, ``audit``, ``prompts`` or ``vocab``; None
         for a file that is no table of a ledger."""
         parts = Path(relative).parts
         if len(parts) > 1 and parts[0] == "runs":
-            return {"transplant": "transplants", "factor": "factors"}.get(parts[1], "trajectories")
+            return {"transplant": "transplants", "factor": "factors", "served": "served"}.get(parts[1], "trajectories")
         if parts[0] in ("prompts", "vocab"):
             return parts[0]
         if parts[0] == "tables" and Path(relative).stem in TABLES:
@@ -219,7 +222,7 @@ class LedgerLayout:
         return [path for path in sorted(folder.rglob("*.tsv")) if path.relative_to(folder).parts[0] != "audit"]
 
     def job_kind(self, table: str | Path) -> str:
-        """The kind of model job a shard table under runs/ comes from: live, rebuild, transplant or factor."""
+        """The kind of model job a shard table under runs/ comes from: live, rebuild, transplant, factor or served."""
         return Path(table).relative_to(self._path("runs")).parts[0]
 
     def shard_tables(self) -> list[Path]:

@@ -218,6 +218,26 @@ FACTOR_LATER_COLUMNS = (
     ("the run of a cell under load", ("run",)),
 )
 
+# Served requests (experiments.served): one row per (server, item, cell, run), a whole greedy request as a client
+# sends it to a llama-server deployed or attached, with what came back.
+SERVED_SCHEMA = pa.schema(
+    [
+        ("server", pa.string()),  # the config's name for it (served.servers); the first is the reference
+        ("item_id", pa.string()),
+        ("cell", pa.string()),  # alone, control (alone again), load (amid other clients), hit (prompt-cache hit)
+        ("run", pa.int32()),  # the load schedule (0..load_runs-1); 0 for the other cells
+        ("tokens", pa.list_(pa.int64())),  # the greedy tokens generated
+        ("margins", pa.list_(pa.float32())),  # at each step, top-1 minus top-2 log-probability: logits
+        ("reused", pa.int32()),  # prompt positions the server took from its cache (timings.cache_n)
+        ("decoded", pa.int32()),  # prompt positions it computed (timings.prompt_n)
+        ("seconds", pa.float64()),  # the request's wall time
+        ("others", pa.list_(pa.string())),  # load: the other clients' items, by arrival; hit: the items between
+        ("arrivals", pa.list_(pa.float64())),  # load: their arrivals, seconds from the item's
+        ("server_record", pa.string()),  # JSON: how the server was started or where it was attached, what it said
+        ("model_fingerprint", pa.string()),
+    ]
+)
+
 # One row per checkpoint and item: the integers every stage (and the audit) starts from.
 PROMPT_SCHEMA = pa.schema(
     [
@@ -274,6 +294,7 @@ TRANSPLANT_KEY = ("selection", "checkpoint", "item_id", "donor", "recipient", "p
 # A factor cell, and (with its run) a factor row.
 FACTOR_CELL_KEY = ("checkpoint", "precision", "factor", "level", "item_id", "cell")
 FACTOR_KEY = (*FACTOR_CELL_KEY, "run")
+SERVED_KEY = ("server", "item_id", "cell", "run")
 
 
 def row_key(row: dict, columns: tuple[str, ...]) -> tuple:
@@ -285,6 +306,7 @@ SCHEMAS = {
     "comparisons": COMPARISON_SCHEMA,
     "transplants": TRANSPLANT_SCHEMA,
     "factors": FACTOR_SCHEMA,
+    "served": SERVED_SCHEMA,
     "prompts": PROMPT_SCHEMA,
     "audit": AUDIT_SCHEMA,
 }

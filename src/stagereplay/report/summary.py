@@ -20,6 +20,7 @@ from stagereplay.ledger.tables import checkpoint_order
 from stagereplay.report.e5_summary import e5_summary
 from stagereplay.report.e6_summary import e6_controls, e6_summary
 from stagereplay.report.margins import bf16_logits, e1_flip_margins
+from stagereplay.report.served_summary import served_summary
 from stagereplay.report.stats import (
     MCNEMAR,
     mcnemar_exact,
@@ -208,6 +209,7 @@ def summary(
     version: str,
     transplants: pa.Table | None = None,
     factors: pa.Table | None = None,
+    served: pa.Table | None = None,
 ) -> dict:
     """Every figure of a run, from its tables alone (so verify can recompute and check it)."""
     order = checkpoint_order(comparisons)
@@ -231,6 +233,8 @@ def summary(
     if factors is not None:
         result["E6"] = e6_summary(factors)
         result["E6"]["controls"] = e6_controls(factors.to_pylist())
+    if served is not None:
+        result["served"] = served_summary(served)
     result["environment"] = environment(trajectories)
     return result
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -30,6 +31,8 @@ from stagereplay.engines.llamaserver.client import ServerClient
 
 # How long a status request (/health, /props, /slots) may take before the server counts as not answering.
 STATUS_TIMEOUT = 10.0
+# How long a server that stopped answering is given to answer /health again before the job gives up on it.
+RECONNECT_SECONDS = 10.0
 # A slot action no server knows: asked only to learn whether slot actions are on (``slot_files_on``).
 NO_ACTION = "stagereplay-probe"
 
@@ -92,6 +95,9 @@ class AttachedServer(ServerClient):
         self.url = f"{parts.scheme}://{parts.netloc}"
         self.secure = parts.scheme == "https"
         self.slots = tuple(slots)
+        # What the server said of itself when the job began (``record_identity``): a request that gets no answer
+        # is then checked against it once the server answers again.
+        self.recorded: ServerIdentity | None = None
 
     @property
     def address(self) -> str:
@@ -124,6 +130,11 @@ class AttachedServer(ServerClient):
             n_ctx_per_slot=int(props.get("default_generation_settings", {}).get("n_ctx", 0)),
             chat_template_sha256=hashlib.sha256(template.encode()).hexdigest(),
         )
+
+    def record_identity(self) -> ServerIdentity:
+        """What the server says of itself now, kept: every lost request is checked against it."""
+        self.recorded = self.identity()
+        return self.recorded
 
     def slot_states(self) -> list[dict]:
         """``GET /slots``: each slot's id, context and whether it is processing (the server must allow it)."""
@@ -167,20 +178,27 @@ class AttachedServer(ServerClient):
         )
 
     def _check_alive(self, what: str, wait: float = 0.0, during: bool = False) -> None:
-        """After a request that got no answer: one line if ``/health`` gets none either."""
+        """After a request that got no answer: one line if ``/health`` gets none for ``RECONNECT_SECONDS``, or if
+        the server that answers again is not the one recorded (restarted with another model or build)."""
         if not during:
             return
-        try:
-            status, _ = self._exchange("GET", "/health", None, STATUS_TIMEOUT)
-        except (OSError, http.client.HTTPException) as error:
-            raise LlamaServerError(
-                f"no llama-server answers at {self.url} ({type(error).__name__}): {what} got no answer — start the"
-                " server, or fix the checkpoint's url"
-            ) from None
-        if status != 200:
-            raise LlamaServerError(
-                f"the llama-server at {self.url} is not healthy (HTTP {status}): {what} got no answer"
-            )
+        deadline = time.monotonic() + RECONNECT_SECONDS
+        while True:
+            try:
+                status, _ = self._exchange("GET", "/health", None, STATUS_TIMEOUT)
+                problem = None if status == 200 else f"HTTP {status}"
+            except (OSError, http.client.HTTPException) as error:
+                problem = type(error).__name__
+            if problem is None:
+                break
+            if time.monotonic() > deadline:
+                raise LlamaServerError(
+                    f"no llama-server answers at {self.url} ({problem}): {what} got no answer — start the server,"
+                    " or fix its url"
+                )
+            time.sleep(0.2)
+        if self.recorded is not None:
+            self.check_unchanged(self.recorded)
 
 
 def api_key_from(variable: str | None, checkpoint: str) -> str | None:

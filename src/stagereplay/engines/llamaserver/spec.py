@@ -33,6 +33,8 @@ DECLARED = {
     # row's engine_build; the binding it was built from, whose tokenizer the engine uses, is versioned here.
     "libraries": ("llama_cpp_python",),
     "engine_class_path": "stagereplay.engines.llamaserver.engine:LlamaServerEngine",
+    # Whole requests to a server deployed by the workflow or attached at a URL (the served block, stagereplay probe).
+    "server_module": "stagereplay.engines.llamaserver.served",
     "precision_note": "its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped, run by"
     " llama-server built from the binding's vendored llama.cpp; its logits are read as log-probabilities"
     " (logits less a constant per position): margins and argmax hold, absolute logits do not",

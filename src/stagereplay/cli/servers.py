@@ -1,0 +1,67 @@
+"""Servers as deployed or attached: what one allows (probe), and whole requests served on one (served)."""
+
+from __future__ import annotations
+
+import json
+
+
+def cmd_probe(args) -> None:
+    from stagereplay.engines.registry import serving_spec
+
+    print(serving_spec().server_protocol().probe_text(args.url, tuple(args.slots), args.api_key_env, args.timeout))
+
+
+def add_probe_command(sub) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="say what a running llama-server allows (experiments, E6 levels) before attaching a run to it;"
+        " it sends status requests only and writes nothing on the server",
+    )
+    p.add_argument("url", help="the server's address, http://HOST:PORT")
+    p.add_argument(
+        "--slots",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="the slots a run may use (default: 0); a guest uses no other",
+    )
+    p.add_argument(
+        "--api-key-env",
+        default=None,
+        help="the environment variable holding the server's API key, where it wants one (never the key itself)",
+    )
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds a request may take (default: 30)")
+    p.set_defaults(func=cmd_probe)
+
+
+def cmd_served(args) -> None:
+    from stagereplay.experiments.served import ServedDesign, run_served
+    from stagereplay.inputs.checkpoints import read_model_record
+
+    design = ServedDesign(tokens=args.tokens, clients=args.clients, seed=args.seed, load_runs=args.load_runs)
+    run_served(
+        read_model_record(args.model_record), args.prompts, args.server, json.loads(args.server_spec), design, args.out
+    )
+
+
+def add_served_command(sub) -> None:
+    p = sub.add_parser(
+        "served",
+        help="serve every item on one llama-server, deployed (started here with its defaults and the given flags)"
+        " or attached (at its URL): alone, again, amid other clients, as a prompt-cache hit",
+    )
+    p.add_argument("--model-record", required=True, help="the primary checkpoint's model.json: its GGUF")
+    p.add_argument("--prompts", required=True, help="its prompt tokens table (Parquet)")
+    p.add_argument("--server", required=True, help="the server's name in served.servers")
+    p.add_argument(
+        "--server-spec", required=True, help="its entry, as JSON: {flags: [...]} or {url: ..., slots: [...]}"
+    )
+    p.add_argument("--tokens", type=int, required=True, help="greedy tokens per request")
+    p.add_argument("--clients", type=int, required=True, help="other clients amid which the item is served")
+    p.add_argument("--seed", type=int, required=True, help="the load schedule's seed")
+    p.add_argument("--load-runs", type=int, required=True, help="load schedules per item")
+    p.add_argument("--out", required=True, help="the server's table (Parquet)")
+    p.set_defaults(func=cmd_served)
+
+
+COMMANDS = {"probe": add_probe_command, "served": add_served_command}

@@ -1,0 +1,52 @@
+"""The config's ``served`` block, checked before any job: its servers and what they need.
+
+The servers are the serving engine's (``registry.serving_spec``); whether an entry can run is that engine's
+answer (``check_server``: deployed flags, an attached URL and its slots), asked without sending a request. The
+requests carry the primary checkpoint's prompt tokens, so it must be a GGUF the servers run. No torch.
+"""
+
+from __future__ import annotations
+
+import re
+
+from stagereplay.engines.registry import serving_spec
+from stagereplay.engines.spec import EngineSpec, ModelError
+
+# A server's name is a path component of its table (runs/served/NAME.parquet).
+SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class ServedRefused(ValueError):
+    """One line: what in the served block cannot run, and the fix."""
+
+
+def check_served(config: dict, primary_spec: EngineSpec) -> list[str]:
+    """The served servers' names, in the config's order (the first is the reference); [] without any."""
+    served = config["served"]
+    servers = served["servers"]
+    if not servers:
+        return []
+    if primary_spec.record_kind != "gguf":
+        raise ServedRefused(
+            "served: the servers run the primary checkpoint's GGUF and its prompt tokens — make the first checkpoint"
+            " a GGUF one (engine llamacpp or llamaserver), or remove served"
+        )
+    try:
+        protocol = serving_spec().server_protocol()
+    except ModelError as error:
+        raise ServedRefused(f"served: {error}") from None
+    for name, entry in servers.items():
+        if not SERVER_NAME.fullmatch(name):
+            raise ServedRefused(
+                f"served.servers: {name!r} is no server name — use letters, digits, '.', '_' and '-', starting with a"
+                " letter or digit"
+            )
+        problem = protocol.check_server(name, entry or {}, served["clients"])
+        if problem:
+            raise ServedRefused(problem)
+    return list(servers)
+
+
+def served_tokens(config: dict) -> int:
+    """Greedy tokens per served request: the block's, else the stage's suffix budget."""
+    return config["served"]["tokens"] or config["stage"]["suffix_tokens"]

@@ -1,0 +1,160 @@
+"""Whole requests to a llama-server as a client sends them: the engine's side of the config's ``served`` block
+(``experiments.served``) and of ``stagereplay probe``.
+
+A server is either **deployed** (the workflow starts ``llama-server -m MODEL`` with the server's own defaults and
+an operator's flags: ``deployed.DeployedServer``) or **attached** (someone else's, at its URL: never started,
+restarted or stopped: ``attached.AttachedServer``). On each, per item, whole greedy requests of the item's prompt
+tokens (``serve_items``):
+
+- ``alone``: sent while nothing else is in flight, without prompt reuse; ``control``: the same again, which must
+  give the same tokens (the A/A control: it exercises the request path, the slot the server picks and its cache
+  being rewritten, not other clients);
+- ``load``: amid ``clients`` other clients, each sending one other item (the items after it, by id, wrapping
+  round: a fixed function of the item list), their arrivals drawn from a seeded schedule around the item's
+  (``traffic.amid_clients``), ``load_runs`` times, each with its own schedule;
+- ``hit``: the item with prompt reuse, then two other items, then the item again with prompt reuse: the server
+  takes its prompt from a slot or its host prompt cache (``reused`` positions).
+
+A deployed server is recorded from itself: ``/props`` and its startup log; an attached one from ``/props``,
+``/v1/models`` and the model file where it is readable here (its bytes must be the checkpoint's GGUF), and it
+must say the same of itself at the end of the job (a restart under the run is one line). No torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+from stagereplay.engines.llamaserver.attached import AttachedServer, api_key_from
+from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
+from stagereplay.engines.llamaserver.client import ServerClient
+from stagereplay.engines.llamaserver.deployed import RESERVED_FLAGS, DeployedServer
+from stagereplay.engines.llamaserver.traffic import amid_clients, ask
+from stagereplay.inputs.items import items_after
+
+HIT_OTHERS = 2  # other items sent between the item's two requests of a prompt-cache hit
+# Flash attention where no -fa is given: auto, resolved at start; neither the default log nor /props says to what.
+FLASH_ATTN_AUTO = "auto (resolved at start; not in the default log or /props)"
+
+
+def check_server(name: str, entry: dict, clients: int) -> str | None:
+    """Why a ``served.servers`` entry cannot run (one line, with the fix), None if it can; no request is sent."""
+    where = f"served.servers.{name}"
+    if "url" in entry:
+        if "flags" in entry:
+            return f"{where}: a server at a url runs with its own flags — give url (attached) or flags (deployed), not both"
+        try:
+            AttachedServer(entry["url"], slots=tuple(entry.get("slots", (0,))))
+        except LlamaServerError as error:
+            return f"{where}.url: {error}"
+        if clients and len(entry.get("slots", (0,))) < 2:
+            return (
+                f"{where}.slots: {clients} other clients need a slot besides the item's — list 2 or more slots of"
+                " the server that are yours to use, or set served.clients: 0"
+            )
+        return None
+    if "slots" in entry or "api_key_env" in entry:
+        return f"{where}: slots and api_key_env belong to an attached server — give its url, or remove them"
+    taken = [flag for flag in entry.get("flags", ()) if flag in RESERVED_FLAGS]
+    if taken:
+        return f"{where}.flags: {', '.join(taken)} is set by stagereplay itself (the model, a loopback address) — remove it"
+    return None
+
+
+def serve(model_record: dict, prompts: dict[str, list[int]], order: list[str], name: str, entry: dict, design, on_item):
+    """Serve ``order``'s items on the server of ``entry``: (item, cell, run, answer) for each request, and the
+    server's record."""
+    if "url" in entry:
+        return _on_attached(model_record, prompts, order, name, entry, design, on_item)
+    return _on_deployed(model_record, prompts, order, entry, design, on_item)
+
+
+def serve_items(server: ServerClient, prompts, order, design, slots=None, on_item=None) -> list[tuple]:
+    """(item, cell, run, answer) for every item of ``order`` on ``server``; ``slots``: a guest's (the item's
+    requests on the first, the other clients' on the rest), None: the server picks, as for any client."""
+    own = slots[0] if slots else None
+    others_slot = slots[1 % len(slots)] if slots else None
+    answers = []
+    for item_id in order:
+        prompt = prompts[item_id]
+        following = itertools.islice(items_after(order, item_id), design.clients)
+        others = {other: prompts[other] for other in following}
+        alone = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
+        control = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
+        answers += [(item_id, "alone", 0, alone), (item_id, "control", 0, control)]
+        for run in range(design.load_runs):
+            rng = random.Random(f"{design.seed}:{item_id}:{run}")
+            answers.append(
+                (item_id, "load", run, amid_clients(server, prompt, others, design.tokens, alone.seconds, rng, slots))
+            )
+        ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
+        between = list(others)[:HIT_OTHERS]
+        for other in between:
+            ask(server, others[other], design.tokens, cache_prompt=True, slot=others_slot)
+        hit = ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
+        hit.others = between
+        answers.append((item_id, "hit", 0, hit))
+        if on_item:
+            on_item()
+    return answers
+
+
+def _on_deployed(model_record, prompts, order, entry, design, on_item):
+    with DeployedServer(model_record["gguf"], tuple(entry.get("flags") or ())) as server:
+        props = server.props()
+        record = {
+            "started": "llama-server -m MODEL " + " ".join(server.flags),
+            "build_info": props.get("build_info"),
+            "build": server_build().describe(),
+            "total_slots": props.get("total_slots"),
+            "n_ctx_per_slot": props.get("default_generation_settings", {}).get("n_ctx"),
+            "startup_log": server.resolved(),
+            "flash_attn": _flag_value(server.flags, "-fa", "--flash-attn") or FLASH_ATTN_AUTO,
+        }
+        answers = serve_items(server, prompts, order, design, on_item=on_item)
+    return answers, record
+
+
+def _on_attached(model_record, prompts, order, name, entry, design, on_item):
+    from stagereplay.ledger.fingerprint import file_digest
+
+    slots = tuple(entry.get("slots", (0,)))
+    where = f"served.servers.{name}"
+    server = AttachedServer(entry["url"], api_key=api_key_from(entry.get("api_key_env"), where), slots=slots)
+    server.health()
+    identity = server.record_identity()
+    missing = [slot for slot in slots if not 0 <= slot < identity.total_slots]
+    if missing:
+        raise LlamaServerError(
+            f"{where}.slots lists {missing}, which the llama-server at {server.url} does not have"
+            f" ({identity.total_slots} slots) — list slots 0..{identity.total_slots - 1} only"
+        )
+    model_file = Path(identity.model_path)
+    hashed = file_digest(model_file) if model_file.is_file() else None
+    if hashed is not None and hashed != file_digest(model_record["gguf"]):
+        raise LlamaServerError(
+            f"the llama-server at {server.url} serves {model_file}, whose bytes are not the checkpoint's GGUF"
+            f" ({model_record['gguf']}) — serve it in a ledger of its own model"
+        )
+    record = {"attached": server.url, "slots": list(slots), **identity.record(), "model_file_xxh3": hashed}
+    answers = serve_items(server, prompts, order, design, slots=slots, on_item=on_item)
+    server.check_unchanged(identity)
+    return answers, record
+
+
+def _flag_value(flags: tuple[str, ...], *names: str) -> str | None:
+    for index, flag in enumerate(flags[:-1]):
+        if flag in names:
+            return flags[index + 1]
+    return None
+
+
+def probe_text(url: str, slots: tuple[int, ...], api_key_env: str | None, timeout: float) -> str:
+    """``stagereplay probe``'s report on the server at ``url``."""
+    from stagereplay.engines.llamaserver.probe import probe
+
+    server = AttachedServer(
+        url, api_key=api_key_from(api_key_env, "--api-key-env"), slots=slots, request_timeout=timeout
+    )
+    return probe(server).render()

@@ -1,0 +1,117 @@
+"""Whole greedy requests to a llama-server, alone or amid other clients' requests on a seeded schedule.
+
+``ask`` sends one greedy request of token ids and keeps what an operator's client gets back: the tokens, the
+top-1 minus top-2 log-probability at each step (pre-sampling: the difference of two log-probabilities of one
+softmax is the difference of the two logits, so the margin is in logits), how many prompt positions the server
+took from its cache (``timings.cache_n``) and the wall time. ``amid_clients`` sends the item's request with
+``others`` each sent by a client of its own, their arrivals drawn from a seeded uniform schedule over
+[-L, L] seconds around the item's arrival (L: the item's alone latency), so some are generating when it
+arrives and some arrive while it runs. No request names a slot unless the server is a guest's (``slots``):
+a deployed server picks one as it does for any client.
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from stagereplay.engines.llamaserver.build import LlamaServerError
+from stagereplay.engines.llamaserver.client import GREEDY, ServerClient
+
+
+@dataclass
+class Answer:
+    tokens: list[int]
+    margins: list[float]  # top-1 minus top-2 log-probability at each step (logits)
+    seconds: float
+    reused: int  # prompt positions the server took from its cache (timings.cache_n)
+    decoded: int  # prompt positions it computed (timings.prompt_n)
+    others: list[str] = field(default_factory=list)  # the other clients' items, in order of arrival
+    arrivals: list[float] = field(default_factory=list)  # their arrivals, seconds from the item's
+
+
+def ask(server: ServerClient, prompt: list[int], budget: int, cache_prompt: bool, slot: int | None = None) -> Answer:
+    """One greedy request of ``budget`` tokens (end-of-generation ignored, so every answer has its full length)."""
+    start = time.monotonic()
+    payload = {
+        "prompt": list(prompt),
+        "n_predict": budget,
+        "cache_prompt": cache_prompt,
+        "n_probs": 2,
+        "post_sampling_probs": False,
+        "ignore_eos": True,
+        "return_tokens": True,
+        **GREEDY,
+    }
+    if slot is not None:
+        payload["id_slot"] = server._slot(slot)
+    answer = server.request("/completion", payload)
+    seconds = time.monotonic() - start
+    tokens = list(answer.get("tokens", []))
+    steps = answer.get("completion_probabilities") or []
+    if len(steps) != len(tokens):
+        raise LlamaServerError(
+            f"llama-server returned log-probabilities for {len(steps)} of {len(tokens)} tokens — margins need all"
+        )
+    margins = []
+    for token, step in zip(tokens, steps):
+        top = step["top_logprobs"]
+        if top[0]["id"] != token:
+            raise LlamaServerError(
+                f"llama-server chose token {token}, its highest logit is token {top[0]['id']}: not greedy"
+            )
+        margins.append(float(top[0]["logprob"] - top[1]["logprob"]))
+    timings = answer.get("timings", {})
+    return Answer(tokens, margins, seconds, int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0)))
+
+
+def amid_clients(
+    server: ServerClient,
+    prompt: list[int],
+    others: dict[str, list[int]],
+    budget: int,
+    latency: float,
+    rng: random.Random,
+    slots: tuple[int, ...] | None = None,
+) -> Answer:
+    """The item's request with each of ``others`` sent by its own client on a seeded schedule around its arrival.
+    ``slots`` (a guest's): the item on the first, the others on the rest in turn."""
+    names = list(others)
+    offsets = [rng.uniform(-latency, latency) for _ in names]
+    start = time.monotonic() - min([0.0, *offsets])  # the earliest arrival at time 0
+    item = "\0item"  # the item's own key among the clients' names
+    result: dict[str, Answer] = {}
+    errors: list[BaseException] = []
+
+    def client(name: str, tokens: list[int], at: float, slot: int | None) -> None:
+        time.sleep(max(0.0, start + at - time.monotonic()))
+        try:
+            result[name] = ask(server, tokens, budget, cache_prompt=False, slot=slot)
+        except BaseException as error:  # raised below, in the caller's thread
+            errors.append(error)
+
+    def slot_of(index: int) -> int | None:
+        if slots is None:
+            return None
+        return slots[0] if index < 0 else slots[1 + index % (len(slots) - 1)]
+
+    threads = [
+        threading.Thread(target=client, args=(name, others[name], offset, slot_of(index)))
+        for index, (name, offset) in enumerate(zip(names, offsets))
+    ]
+    threads.append(threading.Thread(target=client, args=(item, prompt, 0.0, slot_of(-1))))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    answer = result[item]
+    arrival_order = sorted(zip(offsets, names))
+    answer.others = [name for _, name in arrival_order]
+    answer.arrivals = [round(offset, 3) for offset, _ in arrival_order]
+    return answer

@@ -1,0 +1,69 @@
+"""Served requests: does another client's traffic, or a prompt-cache hit, change a greedy answer on a server as it
+is deployed? An operator's question, asked per item of each server the config's ``served`` block lists.
+
+The servers are the serving engine's (``registry.serving_spec``: llama-server), each deployed by the workflow
+with an operator's flags or attached at its URL; the engine's server module sends the requests
+(``serve``: per item, ``alone`` twice, amid other clients ``load_runs`` times, and as a prompt-cache hit) and says
+what the server was. This module reads the item's prompt tokens from the primary checkpoint's prompts table, and
+writes one row per (server, item, cell, run) (``ledger.tables.SERVED_SCHEMA``) atomically. The figures are
+``report.served_summary``'s. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from stagereplay.engines.registry import serving_spec
+from stagereplay.ledger.tables import PROMPT_SCHEMA, SERVED_SCHEMA, read_table, write_table
+
+
+@dataclass(frozen=True)
+class ServedDesign:
+    tokens: int  # greedy tokens per request
+    clients: int  # other clients amid which the item is served
+    seed: int  # the load schedule's seed
+    load_runs: int  # schedules per item
+
+
+def run_served(
+    model_record: dict, prompts_path: str | Path, server_name: str, entry: dict, design: ServedDesign, out_path
+) -> Path:
+    """Serve every item of the prompts table on the server ``entry`` describes and write its rows."""
+    prompts = {
+        row["item_id"]: list(row["prompt_tokens"]) for row in read_table(prompts_path, PROMPT_SCHEMA).to_pylist()
+    }
+    order = sorted(prompts)
+    done = iter(range(1, len(order) + 1))
+
+    def on_item() -> None:
+        print(f"served {server_name}: {next(done)}/{len(order)} items", file=sys.stderr, flush=True)
+
+    protocol = serving_spec().server_protocol()
+    answers, record = protocol.serve(model_record, prompts, order, server_name, entry, design, on_item)
+    return write_table(served_rows(server_name, answers, record, model_record["fingerprint"]), SERVED_SCHEMA, out_path)
+
+
+def served_rows(server_name: str, answers, server_record: dict, model_fingerprint: str) -> list[dict]:
+    """The served table's rows: one per (item, cell, run, answer) of ``answers``."""
+    record = json.dumps(server_record, sort_keys=True)
+    return [
+        {
+            "server": server_name,
+            "item_id": item_id,
+            "cell": cell,
+            "run": run,
+            "tokens": answer.tokens,
+            "margins": answer.margins,
+            "reused": answer.reused,
+            "decoded": answer.decoded,
+            "seconds": answer.seconds,
+            "others": answer.others,
+            "arrivals": answer.arrivals,
+            "server_record": record,
+            "model_fingerprint": model_fingerprint,
+        }
+        for item_id, cell, run, answer in answers
+    ]

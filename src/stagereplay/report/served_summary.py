@@ -1,0 +1,101 @@
+"""The served requests' figures (``experiments.served``), from the served table alone, per server.
+
+Per server: the A/A control (``control`` gives ``alone``'s tokens), then each cell that could change an answer,
+counted over items against the item's ``alone`` answer on the same server: ``load`` per item in every run, in
+some runs only (unstable under load) or in none; ``hit`` (a prompt-cache hit); and, for every server after the
+first (the reference), its ``alone`` against the reference's ``alone``: what the server's own flags change.
+At each item's first divergent step, the top-1 minus top-2 log-probability margin of both answers (logits), and
+the tokens per second a client saw alone and amid load. No torch.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pyarrow as pa
+
+from stagereplay.design.divergence import first_divergence
+
+MARGIN_UNIT = "logits (top-1 minus top-2 log-probability of one softmax)"
+
+
+def served_summary(table: pa.Table) -> dict:
+    rows = table.to_pylist()
+    servers = list(dict.fromkeys(row["server"] for row in rows))
+    by_cell = {(row["server"], row["item_id"], row["cell"], row["run"]): row for row in rows}
+    reference = servers[0] if servers else None
+    result = {"reference": reference, "margin_unit": MARGIN_UNIT, "servers": {}}
+    for server in servers:
+        items = sorted({row["item_id"] for row in rows if row["server"] == server})
+        runs = sorted({row["run"] for row in rows if row["server"] == server and row["cell"] == "load"})
+        alone = {item: by_cell[(server, item, "alone", 0)] for item in items}
+        control_differs = [item for item in items if _differs(by_cell[(server, item, "control", 0)], alone[item])]
+        load_counts = {
+            item: sum(_differs(by_cell[(server, item, "load", run)], alone[item]) for run in runs) for item in items
+        }
+        hit_differs = [item for item in items if _differs(by_cell[(server, item, "hit", 0)], alone[item])]
+        first_load_flip = {
+            item: next(
+                by_cell[(server, item, "load", run)]
+                for run in runs
+                if _differs(by_cell[(server, item, "load", run)], alone[item])
+            )
+            for item in items
+            if load_counts[item]
+        }
+        entry = {
+            "items": len(items),
+            "record": json.loads(rows[[row["server"] for row in rows].index(server)]["server_record"]),
+            "control_identical": len(items) - len(control_differs),
+            "control_differs_items": control_differs,
+            "load_runs": len(runs),
+            "load_every_run": sorted(item for item, count in load_counts.items() if count == len(runs) and runs),
+            "load_some_runs": sorted(item for item, count in load_counts.items() if 0 < count < len(runs)),
+            "load_margins": _margins([(alone[item], row) for item, row in first_load_flip.items()]),
+            "hit_differs_items": hit_differs,
+            "hit_margins": _margins([(alone[item], by_cell[(server, item, "hit", 0)]) for item in hit_differs]),
+            "hit_reused_median": statistics.median(by_cell[(server, item, "hit", 0)]["reused"] for item in items)
+            if items
+            else None,
+            "tokens_per_second_alone": _rate([alone[item] for item in items]),
+            "tokens_per_second_load": _rate([by_cell[(server, item, "load", run)] for item in items for run in runs]),
+        }
+        if server != reference:
+            reference_alone = {
+                item: by_cell[(reference, item, "alone", 0)]
+                for item in items
+                if (reference, item, "alone", 0) in by_cell
+            }
+            flips = [item for item in reference_alone if _differs(alone[item], reference_alone[item])]
+            entry["vs_reference_items"] = len(reference_alone)
+            entry["vs_reference_differs_items"] = flips
+            entry["vs_reference_margins"] = _margins([(reference_alone[item], alone[item]) for item in flips])
+        result["servers"][server] = entry
+    return result
+
+
+def _differs(a: dict, b: dict) -> bool:
+    return first_divergence(list(a["tokens"]), list(b["tokens"])) is not None
+
+
+def _margins(pairs: list[tuple[dict, dict]]) -> dict:
+    """At each pair's first divergent step: the margin of the first (the answer it is compared with) and of the
+    second, in logits; the medians and the count of flips where both answers have a margin there."""
+    at_flip = []
+    for base, served in pairs:
+        step = first_divergence(list(served["tokens"]), list(base["tokens"]))
+        if step is not None and step < len(base["margins"]) and step < len(served["margins"]):
+            at_flip.append((float(base["margins"][step]), float(served["margins"][step])))
+    if not at_flip:
+        return {"flips": 0, "base_median": None, "served_median": None}
+    return {
+        "flips": len(at_flip),
+        "base_median": statistics.median(base for base, _ in at_flip),
+        "served_median": statistics.median(served for _, served in at_flip),
+    }
+
+
+def _rate(rows: list[dict]) -> float | None:
+    seconds = sum(row["seconds"] for row in rows)
+    return sum(len(row["tokens"]) for row in rows) / seconds if seconds > 0 else None

@@ -1,0 +1,89 @@
+"""The card's table of served requests (summary.json's ``served``): per server, what changed a greedy answer.
+
+An operator's table: each server as it was started (or the URL it was attached at), the A/A control, the items
+whose answer amid other clients differs from their answer alone (in every run, or in some only: unstable under
+load), the margins at the flip, the prompt-cache hits that differ, each server's own flags against the
+reference server, and the tokens per second a client saw alone and amid load. No torch.
+"""
+
+from __future__ import annotations
+
+COLUMNS = [
+    "server",
+    "as",
+    "slots",
+    "alone twice: identical",
+    "amid load: differs in every run / some runs",
+    "margin at the flip, alone / amid load",
+    "prompt-cache hit: differs",
+    "positions reused (median)",
+    "alone, against the reference server's: differs",
+    "tokens/s alone / amid load",
+]
+
+
+def served_blocks(summary: dict) -> list[tuple]:
+    served = summary.get("served")
+    if not served or not served.get("servers"):
+        return []
+    rows = [_row(name, entry, name == served["reference"]) for name, entry in served["servers"].items()]
+    listed = [
+        f"`{name}`: amid load in every run {_items(entry['load_every_run'])}; in some runs"
+        f" {_items(entry['load_some_runs'])}; prompt-cache hit {_items(entry['hit_differs_items'])}"
+        + (
+            f"; against the reference {_items(entry['vs_reference_differs_items'])}"
+            if "vs_reference_differs_items" in entry
+            else ""
+        )
+        for name, entry in served["servers"].items()
+    ]
+    return [
+        ("heading", 2, "Served requests: what changes a greedy answer on the server as started"),
+        (
+            "paragraph",
+            f"Each item's prompt sent as a whole greedy request, end-of-generation ignored, to each server: alone"
+            f" (twice: the A/A control), amid other clients' requests on a seeded schedule (each run its own), and as"
+            f" a prompt-cache hit. Counted against the item's answer alone on the same server; the first server,"
+            f" `{served['reference']}`, is the reference for the others' own flags. Margins are in"
+            f" {served['margin_unit']}, medians over the flips.",
+        ),
+        ("table", COLUMNS, rows),
+        ("bullets", listed),
+    ]
+
+
+def _row(name: str, entry: dict, reference: bool) -> list[str]:
+    record = entry["record"]
+    how = record.get("started") or f"attached at {record.get('attached')}"
+    slots = record.get("total_slots")
+    if "attached" in record:
+        slots = f"{record['total_slots']} (used: {', '.join(map(str, record['slots']))})"
+    n = entry["items"]
+    load = f"{len(entry['load_every_run'])}/{n} / {len(entry['load_some_runs'])}/{n} ({entry['load_runs']} runs)"
+    against = "reference" if reference else f"{len(entry['vs_reference_differs_items'])}/{entry['vs_reference_items']}"
+    return [
+        name,
+        how,
+        str(slots),
+        f"{entry['control_identical']}/{n}",
+        load,
+        _margins(entry["load_margins"]),
+        f"{len(entry['hit_differs_items'])}/{n}",
+        "—" if entry["hit_reused_median"] is None else f"{entry['hit_reused_median']:g}",
+        against,
+        f"{_rate(entry['tokens_per_second_alone'])} / {_rate(entry['tokens_per_second_load'])}",
+    ]
+
+
+def _margins(margins: dict) -> str:
+    if not margins["flips"]:
+        return "—"
+    return f"{margins['base_median']:.3g} / {margins['served_median']:.3g} ({margins['flips']} flips)"
+
+
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def _items(items: list[str]) -> str:
+    return ", ".join(f"`{item}`" for item in items) if items else "none"

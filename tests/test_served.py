@@ -1,0 +1,265 @@
+"""The config's served block through the real workflow: whole greedy requests to llama-servers as deployed (started
+by the job with the server's own defaults and an operator's flags) and as attached (someone else's, started here by
+the test as another user would: 4 slots, the default unified and host prompt caches), on the tiny GGUF.
+
+What must hold: the A/A control on every server; a prompt-cache hit reuses the prompt; without a unified cache,
+other clients change no answer (each slot's cells from cell 0 of its own stream: docs/findings.md's mechanism);
+an attached server is never started, restarted or stopped by the run, its record says what it is, and each of its
+faults (nothing at the URL, a missing API key, a server killed mid-job, one restarted with another model) fails
+its job in one line with no table written. Skipped without the built server unless STAGEREPLAY_REQUIRE_LLAMASERVER=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from test_llamaserver_attach import SOMEONE_ELSES_FLAGS, SomeoneElsesServer
+from test_llamaserver_engine import built  # noqa: F401 - fixture
+from test_llamaserver_workflow_faults import _servers_under
+from workflow_helpers import REPO, snakemake, snakemake_command, stagereplay, write_config
+
+from stagereplay.engines.llamaserver.process import free_port
+from stagereplay.inputs.checkpoints import build_random_qwen2
+from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
+
+SERVED = {"tokens": 6, "clients": 2, "seed": 0, "load_runs": 2}
+WAIT_SECONDS = 300
+DEPLOYED = {
+    "default": {},
+    "no-kv-unified": {"flags": ["--no-kv-unified"]},
+    "np-4-no-kv-unified": {"flags": ["-np", "4", "--no-kv-unified"]},
+    "fa-off": {"flags": ["-fa", "off"]},
+}
+
+
+def served_config(tmp_path: Path, servers: dict, **overrides) -> tuple[Path, Path]:
+    """The binding on a random 2-layer GGUF, 4 items in one shard, E1 and E2 only, and the served block."""
+    ledger = tmp_path / "ledger"
+    config = write_config(
+        tmp_path / "config.yaml",
+        ledger_dir=str(ledger),
+        checkpoints={"tiny": {"engine": "llamacpp", "random_qwen2": {"seed": 2, "layers": 2, "hidden": 64}}},
+        matched={"precision": "fp16", "replicas": 1},
+        fixed_prefix={"precisions": ["fp16"]},
+        transplant={"enabled": False},
+        served={**SERVED, "servers": servers},
+        **overrides,
+    )
+    return ledger, config
+
+
+def _llama_servers(folder: Path) -> set[int]:
+    return set(_servers_under(folder))
+
+
+@pytest.fixture(scope="module")
+def deployed_run(built, tmp_path_factory):  # noqa: F811
+    tmp_path = tmp_path_factory.mktemp("served")
+    ledger, config = served_config(tmp_path, DEPLOYED)
+    result = snakemake(tmp_path, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return tmp_path, ledger, config
+
+
+def _summary(ledger: Path) -> dict:
+    return json.loads((ledger / "summary.json").read_text())["served"]
+
+
+@pytest.mark.slow
+def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_started(deployed_run):
+    _, ledger, _ = deployed_run
+    served = _summary(ledger)
+    # The first server is the reference (the helper writes the config with its keys sorted: default first).
+    assert sorted(served["servers"]) == sorted(DEPLOYED) and served["reference"] == "default"
+    for name, entry in served["servers"].items():
+        assert entry["items"] == 4 and entry["control_identical"] == 4, name
+        assert entry["hit_reused_median"] > 0, name  # the cached prompt was taken, not recomputed
+    default = served["servers"]["default"]["record"]
+    assert default["started"] == "llama-server -m MODEL --no-repack"  # nothing but the one flag the card names
+    assert default["total_slots"] == 4 and default["startup_log"]["kv_unified"] == "true"
+    assert default["flash_attn"].startswith("auto")  # -fa auto: the default log and /props do not say to what
+    assert served["servers"]["fa-off"]["record"]["flash_attn"] == "off"
+    # With its slots left to auto, the server takes 4 slots and a unified cache whatever --no-kv-unified says
+    # (server.cpp: "n_parallel is set to auto, using n_parallel = 4 and kv_unified = true"); its own log says so.
+    assert served["servers"]["no-kv-unified"]["record"]["startup_log"]["kv_unified"] == "true"
+    assert served["servers"]["np-4-no-kv-unified"]["record"]["startup_log"]["kv_unified"] == "false"
+    rows = pq.read_table(ledger / "tables" / "served.parquet").to_pylist()
+    assert {len(row["tokens"]) for row in rows} == {SERVED["tokens"]}
+    assert all(len(row["margins"]) == len(row["tokens"]) for row in rows)
+    loads = [row for row in rows if row["cell"] == "load"]
+    assert len(loads) == len(DEPLOYED) * 4 * SERVED["load_runs"] and all(
+        len(row["others"]) == SERVED["clients"] for row in loads
+    )
+    card = (ledger / "results.md").read_text()
+    assert "## Served requests: what changes a greedy answer on the server as started" in card
+    assert "| default | llama-server -m MODEL --no-repack | 4 | 4/4 |" in card
+    verified = stagereplay("verify", str(ledger))
+    assert verified.returncode == 0 and "ledger OK" in verified.stdout, verified.stdout + verified.stderr
+
+
+@pytest.mark.slow
+def test_without_a_unified_cache_other_clients_change_no_answer(deployed_run):
+    _, ledger, _ = deployed_run
+    entry = _summary(ledger)["servers"]["np-4-no-kv-unified"]
+    assert entry["load_every_run"] == [] and entry["load_some_runs"] == []
+
+
+@pytest.mark.slow
+def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp_path):
+    workdir, ledger, config = deployed_run
+    gguf = next((ledger / "models").rglob("*.gguf"))
+    started_before = _llama_servers(workdir)
+    with SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+        servers = {**DEPLOYED, "theirs": {"url": theirs.address, "slots": [0, 1, 2]}}
+        _, config = served_config(workdir, servers)
+        seen: set[int] = set()
+        done = threading.Event()
+
+        def watch() -> None:  # every llama-server alive while the run runs
+            while not done.is_set():
+                seen.update(_llama_servers(workdir))
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            result = snakemake(workdir, config)
+        finally:
+            done.set()
+            watcher.join()
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert seen - started_before == {theirs.pid}  # the run started no server of its own
+        assert theirs.process.poll() is None  # ... and stopped nothing
+    assert "rule served:" in result.stderr and result.stderr.count("wildcards: server=") == 1  # only the new one ran
+    entry = _summary(ledger)["servers"]["theirs"]
+    assert entry["control_identical"] == 4 and entry["hit_reused_median"] > 0
+    record = entry["record"]
+    assert record["attached"] == theirs.address and record["slots"] == [0, 1, 2] and record["total_slots"] == 4
+    assert record["model_path"] == str(gguf) and record["model_file_xxh3"]
+    # The same flags as the deployed default (4 slots, one unified cache): alone, the same answers item by item.
+    assert entry["vs_reference_differs_items"] == []
+    verified = stagereplay("verify", str(ledger))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def _failed_attached(ledger: Path, entry: dict, expected: str, during=None) -> str:
+    """A run whose only new job is the attached server's: it fails in one line, with nothing of it written.
+    ``during``: called on this thread once the job has served its first item (the job's log says so)."""
+    workdir = ledger.parent
+    _, config = served_config(workdir, {**DEPLOYED, "theirs": entry})
+    log_path = ledger / "logs" / "served" / "theirs.log"
+    log_path.unlink(missing_ok=True)
+    run = subprocess.Popen(
+        snakemake_command(workdir, config), cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    if during is not None:
+        deadline = time.monotonic() + WAIT_SECONDS
+        while not (log_path.is_file() and "served theirs: 1/" in log_path.read_text()):
+            assert run.poll() is None and time.monotonic() < deadline, "the attached server's job never served an item"
+            time.sleep(0.05)
+        during()
+    _, stderr = run.communicate(timeout=WAIT_SECONDS)
+    assert run.returncode != 0
+    errors = [line for line in log_path.read_text().splitlines() if line.startswith("stagereplay: error:")]
+    assert len(errors) == 1 and expected in errors[0], log_path.read_text()[-2000:] + stderr.decode()[-2000:]
+    assert not (ledger / "runs" / "served" / "theirs.parquet").exists()
+    assert not [path for path in ledger.rglob("*") if ".partial" in path.name or path.name.startswith(".tmp")]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_nothing_at_the_url_is_one_line(deployed_run, tmp_path):
+    _, ledger, _ = deployed_run
+    url = f"http://127.0.0.1:{free_port()}"
+    _failed_attached(ledger, {"url": url, "slots": [0, 1]}, f"no llama-server answers at {url}")
+
+
+@pytest.mark.slow
+def test_a_missing_api_key_is_one_line(deployed_run, tmp_path, monkeypatch):
+    _, ledger, _ = deployed_run
+    gguf = next((ledger / "models").rglob("*.gguf"))
+    monkeypatch.delenv("THEIR_KEY", raising=False)
+    flags = [*SOMEONE_ELSES_FLAGS, "--api-key", "their-secret"]
+    with SomeoneElsesServer(gguf, flags, tmp_path / "theirs.log") as theirs:
+        entry = {"url": theirs.address, "slots": [0, 1], "api_key_env": "THEIR_KEY"}
+        _failed_attached(ledger, entry, "names the environment variable THEIR_KEY, which is not set")
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_job_is_one_line(deployed_run, tmp_path):
+    _, ledger, _ = deployed_run
+    gguf = next((ledger / "models").rglob("*.gguf"))
+    with SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+        entry = {"url": theirs.address, "slots": [0, 1]}
+        _failed_attached(
+            ledger, entry, "no llama-server answers at", during=lambda: os.kill(theirs.pid, signal.SIGKILL)
+        )
+
+
+@pytest.mark.slow
+def test_a_server_restarted_with_another_model_is_one_line(deployed_run, tmp_path):
+    _, ledger, _ = deployed_run
+    gguf = next((ledger / "models").rglob("*.gguf"))
+    other = write_qwen2_gguf(build_random_qwen2(tmp_path / "other", seed=5, layers=2, hidden=64), tmp_path / "o.gguf")
+    port = free_port()
+    theirs = SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "a.log", port=port)
+    replaced = SomeoneElsesServer(other, SOMEONE_ELSES_FLAGS, tmp_path / "b.log", port=port)
+
+    def restart() -> None:  # the server replaced under the run, at the same address
+        theirs.stop()
+        replaced.start()
+
+    theirs.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        error = _failed_attached(ledger, {"url": url, "slots": [0, 1]}, "is not the one this run recorded", restart)
+    finally:
+        theirs.stop()
+        replaced.stop()
+    assert f"model_path {str(other)!r} (was {str(gguf)!r})" in error
+
+
+# The served block refused before any job, each in one line with its fix (no request sent, no server needed).
+
+REFUSED = [
+    (
+        {"theirs": {"url": "http://127.0.0.1:1", "flags": ["-np", "2"]}},
+        "give url (attached) or flags (deployed), not both",
+    ),
+    ({"theirs": {"url": "http://127.0.0.1:1", "slots": [0]}}, "2 other clients need a slot besides the item's"),
+    ({"theirs": {"url": "127.0.0.1:8080", "slots": [0, 1]}}, "give it as http://HOST:PORT"),
+    ({"mine": {"flags": ["--port", "9"]}}, "--port is set by stagereplay itself"),
+    ({"mine": {"slots": [0, 1]}}, "slots and api_key_env belong to an attached server"),
+    ({"my server": {}}, "'my server' is no server name"),
+]
+
+
+@pytest.mark.parametrize(("servers", "expected"), REFUSED)
+def test_a_served_block_that_cannot_run_is_refused_in_one_line(tmp_path, servers, expected):
+    from stagereplay.design.checked_run import RunRefused, check_run
+    from stagereplay.design.schema import load_config
+
+    _, config = served_config(tmp_path, servers)
+    with pytest.raises(RunRefused) as error:
+        check_run(load_config(config), REPO)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_served_needs_a_gguf_primary_checkpoint(tmp_path):
+    from stagereplay.design.checked_run import RunRefused, check_run
+    from stagereplay.design.schema import load_config
+
+    config = write_config(
+        tmp_path / "config.yaml", ledger_dir=str(tmp_path / "ledger"), served={"servers": {"default": {}}}
+    )
+    with pytest.raises(RunRefused) as error:
+        check_run(load_config(config), REPO)
+    assert "served: the servers run the primary checkpoint's GGUF" in str(error.value)
