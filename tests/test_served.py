@@ -150,6 +150,35 @@ def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
+@pytest.mark.slow
+def test_the_audit_reproduces_the_pinned_requests_and_refuses_another_server(deployed_run, tmp_path):
+    """After the attached run: the audit (E4) recomputes every server's requests. At the recorded URL, a server of
+    another model is refused in one line; the one the ledger records reproduces every pinned request."""
+    workdir, ledger, config = deployed_run
+    gguf = next((ledger / "models").rglob("*.gguf"))
+    url = _summary(ledger)["servers"]["theirs"]["record"]["attached"]
+    port = int(url.rsplit(":", 1)[1])
+    other = write_qwen2_gguf(build_random_qwen2(tmp_path / "other", seed=5, layers=2, hidden=64), tmp_path / "o.gguf")
+    with SomeoneElsesServer(other, SOMEONE_ELSES_FLAGS, tmp_path / "other.log", port=port):
+        refused = snakemake(workdir, config, "--config", "mode=audit")
+    assert refused.returncode != 0
+    log = (ledger / "logs" / "audit" / "served" / "theirs.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("stagereplay: error:")]
+    assert len(errors) == 1 and f"the llama-server at {url} is not the one the ledger records" in errors[0], log
+    assert f"model_path {str(other)!r} (recorded {str(gguf)!r})" in errors[0]
+    assert not (ledger / "audit" / "runs" / "served" / "theirs.parquet").exists()
+    with SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log", port=port):
+        audited = snakemake(workdir, config, "--config", "mode=audit")
+    assert audited.returncode == 0, audited.stderr[-4000:]
+    e4 = json.loads((ledger / "audit" / "e4.json").read_text())
+    artifacts = e4["artifacts"]
+    pinned = 3 * 4 * (len(DEPLOYED) + 1)  # alone, control, hit of 4 items on every server
+    assert artifacts["served_tokens"]["count"] == artifacts["served_tokens"]["n"] == pinned
+    assert artifacts["served_margins"]["count"] == pinned
+    assert artifacts["served_server"]["count"] == len(DEPLOYED) + 1
+    assert e4["under_load"]["artifacts"]["served_tokens"]["n"] == 4 * SERVED["load_runs"] * (len(DEPLOYED) + 1)
+
+
 def _failed_attached(ledger: Path, entry: dict, expected: str, during=None) -> str:
     """A run whose only new job is the attached server's: it fails in one line, with nothing of it written.
     ``during``: called on this thread once the job has served its first item (the job's log says so)."""

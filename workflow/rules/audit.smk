@@ -14,6 +14,7 @@ localrules:
     audit_gather,
     audit_gather_transplants,
     audit_gather_factors,
+    audit_gather_served,
     audit_select_transplants,
     audit_ledger,
     audit,
@@ -33,6 +34,7 @@ rule audit_verify:
         LAYOUT.table("comparisons"),
         LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
         LAYOUT.table("factors") if FACTOR_LEVELS else [],
+        LAYOUT.table("served") if SERVED_SERVERS else [],
     output:
         LAYOUT.audit_verified,
     log:
@@ -230,3 +232,30 @@ rule audit:
     input:
         rules.audit_ledger.output,
         rules.report.output,
+
+
+use rule served as audit_served with:
+    input:
+        model=LAYOUT.audit.model_record(PRIMARY),
+        prompts=LAYOUT.prompts(PRIMARY),
+        # the saved record of this server: an attached server that says something else of itself is refused
+        recorded=LAYOUT.served_table("{server}"),
+    output:
+        LAYOUT.audit.served_table("{server}"),
+    log:
+        LAYOUT.job_log(LAYOUT.audit.served_table("{server}")),
+    benchmark:
+        LAYOUT.job_benchmark(LAYOUT.audit.served_table("{server}"))
+    params:
+        entry=lambda wildcards: shlex.quote(json.dumps(SERVED["servers"][wildcards.server] or {})),
+        design=SERVED_DESIGN_ARGS,
+        recorded=lambda wildcards, input: f"--recorded {shlex.quote(input.recorded)}",
+
+
+use rule gather_served as audit_gather_served with:
+    input:
+        [LAYOUT.audit.served_table(name) for name in SERVED_SERVERS],
+    output:
+        LAYOUT.audit.table("served"),
+    log:
+        LAYOUT.audit_log("gather_served"),

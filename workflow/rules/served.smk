@@ -24,11 +24,12 @@ rule served:
         **MODEL_RESOURCES,
     params:
         entry=lambda wildcards: shlex.quote(json.dumps(SERVED["servers"][wildcards.server] or {})),
-        design=f"--tokens {SERVED_TOKENS} --clients {SERVED['clients']} --seed {SERVED['seed']} --load-runs {SERVED['load_runs']}",
+        design=SERVED_DESIGN_ARGS,
+        recorded="",  # the audit's: the saved table whose server record the server must match
     shell:
         tail_log_on_failure(
             "stagereplay served --model-record {input.model:q} --prompts {input.prompts:q} --server {wildcards.server}"
-            " --server-spec {params.entry} {params.design} --out {output:q} 2> {log:q}"
+            " --server-spec {params.entry} {params.design} {params.recorded} --out {output:q} 2> {log:q}"
         )
 
 

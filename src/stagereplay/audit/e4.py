@@ -174,7 +174,7 @@ def e4_line(figures: dict) -> str:
 # reader (the results card) can tell whether they still describe the ledger: after the ledger changes,
 # the card says "not run" until the next audit, as summary.json used to when it held E4.
 
-SAVED_TABLES = ("trajectories", "comparisons", "transplants", "factors")
+SAVED_TABLES = ("trajectories", "comparisons", "transplants", "factors", "served")
 
 
 def saved_table_digests(tables: dict[str, pa.Table | None]) -> dict[str, str | None]:

@@ -99,10 +99,11 @@ def add_show_command(sub) -> None:
 def cmd_audit(args) -> None:
     from stagereplay.audit.e4 import audit_runtime, e4_document, e4_line, e4_summary, ledger_table_digests, write_e4
     from stagereplay.audit.rerun import audit_ledger, audit_rows
+    from stagereplay.audit.served_audit import audit_served_ledger
     from stagereplay.ledger.layout import LedgerLayout
     from stagereplay.ledger.tables import AUDIT_SCHEMA, read_table, write_table
 
-    rows = audit_rows(audit_ledger(args.ledger, args.checkpoints))
+    rows = audit_rows(audit_ledger(args.ledger, args.checkpoints) + audit_served_ledger(args.ledger))
     audited = LedgerLayout(args.ledger).audit.table("trajectories")
     runtime = audit_runtime(read_table(audited).to_pylist()) if Path(audited).is_file() else None
     figures = e4_summary(rows, runtime)

@@ -39,9 +39,8 @@ def cmd_served(args) -> None:
     from stagereplay.inputs.checkpoints import read_model_record
 
     design = ServedDesign(tokens=args.tokens, clients=args.clients, seed=args.seed, load_runs=args.load_runs)
-    run_served(
-        read_model_record(args.model_record), args.prompts, args.server, json.loads(args.server_spec), design, args.out
-    )
+    record = read_model_record(args.model_record)
+    run_served(record, args.prompts, args.server, json.loads(args.server_spec), design, args.out, args.recorded)
 
 
 def add_served_command(sub) -> None:
@@ -61,6 +60,9 @@ def add_served_command(sub) -> None:
     p.add_argument("--seed", type=int, required=True, help="the load schedule's seed")
     p.add_argument("--load-runs", type=int, required=True, help="load schedules per item")
     p.add_argument("--out", required=True, help="the server's table (Parquet)")
+    p.add_argument(
+        "--recorded", default=None, help="the audit's: the saved table of this server, whose record it must still match"
+    )
     p.set_defaults(func=cmd_served)
 
 

@@ -91,6 +91,8 @@ class CheckedRun:
             saved += [self.layout.table("transplants"), self.layout.selection]
         if self.factor_levels:
             saved.append(self.layout.table("factors"))
+        if self.served_servers:
+            saved.append(self.layout.table("served"))
         return saved + [self.layout.audited(path) for path in saved]
 
     @property

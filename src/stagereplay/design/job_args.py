@@ -55,3 +55,8 @@ def sweep_args(sweep: dict) -> str:
     if sweep["windows"]:
         args.append("--windows " + " ".join(map(str, sweep["windows"])))
     return " ".join(args)
+
+
+def served_design(served: dict, tokens: int) -> str:
+    """The served job's design options: greedy tokens per request, other clients, the schedule's seed and runs."""
+    return f"--tokens {tokens} --clients {served['clients']} --seed {served['seed']} --load-runs {served['load_runs']}"

@@ -29,9 +29,16 @@ class ServedDesign:
 
 
 def run_served(
-    model_record: dict, prompts_path: str | Path, server_name: str, entry: dict, design: ServedDesign, out_path
+    model_record: dict,
+    prompts_path: str | Path,
+    server_name: str,
+    entry: dict,
+    design: ServedDesign,
+    out_path,
+    recorded_table: str | Path | None = None,
 ) -> Path:
-    """Serve every item of the prompts table on the server ``entry`` describes and write its rows."""
+    """Serve every item of the prompts table on the server ``entry`` describes and write its rows.
+    ``recorded_table`` (the audit's): the saved table of this server, whose record the server must still match."""
     prompts = {
         row["item_id"]: list(row["prompt_tokens"]) for row in read_table(prompts_path, PROMPT_SCHEMA).to_pylist()
     }
@@ -41,8 +48,12 @@ def run_served(
     def on_item() -> None:
         print(f"served {server_name}: {next(done)}/{len(order)} items", file=sys.stderr, flush=True)
 
+    recorded = None
+    if recorded_table is not None:
+        rows = read_table(recorded_table, SERVED_SCHEMA).to_pylist()
+        recorded = json.loads(rows[0]["server_record"]) if rows else None
     protocol = serving_spec().server_protocol()
-    answers, record = protocol.serve(model_record, prompts, order, server_name, entry, design, on_item)
+    answers, record = protocol.serve(model_record, prompts, order, server_name, entry, design, on_item, recorded)
     return write_table(served_rows(server_name, answers, record, model_record["fingerprint"]), SERVED_SCHEMA, out_path)
 
 

@@ -15,6 +15,11 @@ tokens (``serve_items``):
 - ``hit``: the item with prompt reuse, then two other items, then the item again with prompt reuse: the server
   takes its prompt from a slot or its host prompt cache (``reused`` positions).
 
+Every item's alone, control and hit are served first, one request at a time, and the runs amid other clients
+after them all: what a request computes depends on where the server places its cache cells, which depends on
+everything served before; a run amid others leaves them as its timing placed them, so nothing pinned follows one
+(the audit reproduces the pinned cells exactly).
+
 A deployed server is recorded from itself: ``/props`` and its startup log; an attached one from ``/props``,
 ``/v1/models`` and the model file where it is readable here (its bytes must be the checkpoint's GGUF), and it
 must say the same of itself at the end of the job (a restart under the run is one line). No torch here.
@@ -62,39 +67,46 @@ def check_server(name: str, entry: dict, clients: int) -> str | None:
     return None
 
 
-def serve(model_record: dict, prompts: dict[str, list[int]], order: list[str], name: str, entry: dict, design, on_item):
+def serve(model_record: dict, prompts, order, name: str, entry: dict, design, on_item, recorded: dict | None = None):
     """Serve ``order``'s items on the server of ``entry``: (item, cell, run, answer) for each request, and the
-    server's record."""
+    server's record. ``recorded`` (the audit's): the record the ledger holds for it; an attached server that says
+    something else of itself is refused before any request is served."""
     if "url" in entry:
-        return _on_attached(model_record, prompts, order, name, entry, design, on_item)
+        return _on_attached(model_record, prompts, order, name, entry, design, on_item, recorded)
     return _on_deployed(model_record, prompts, order, entry, design, on_item)
 
 
 def serve_items(server: ServerClient, prompts, order, design, slots=None, on_item=None) -> list[tuple]:
     """(item, cell, run, answer) for every item of ``order`` on ``server``; ``slots``: a guest's (the item's
-    requests on the first, the other clients' on the rest), None: the server picks, as for any client."""
+    requests on the first, the other clients' on the rest), None: the server picks, as for any client.
+
+    The pinned cells of every item come first, one request at a time (alone, control, hit), then every item's
+    runs amid other clients: a server's cache cells are placed by everything it served before, and runs amid
+    others leave them placed as their timing decided, so nothing pinned comes after one."""
     own = slots[0] if slots else None
     others_slot = slots[1 % len(slots)] if slots else None
-    answers = []
+    answers, latency, others = [], {}, {}
     for item_id in order:
         prompt = prompts[item_id]
         following = itertools.islice(items_after(order, item_id), design.clients)
-        others = {other: prompts[other] for other in following}
+        others[item_id] = {other: prompts[other] for other in following}
         alone = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
         control = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
-        answers += [(item_id, "alone", 0, alone), (item_id, "control", 0, control)]
-        for run in range(design.load_runs):
-            rng = random.Random(f"{design.seed}:{item_id}:{run}")
-            answers.append(
-                (item_id, "load", run, amid_clients(server, prompt, others, design.tokens, alone.seconds, rng, slots))
-            )
+        latency[item_id] = alone.seconds
         ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
-        between = list(others)[:HIT_OTHERS]
+        between = list(others[item_id])[:HIT_OTHERS]
         for other in between:
-            ask(server, others[other], design.tokens, cache_prompt=True, slot=others_slot)
+            ask(server, others[item_id][other], design.tokens, cache_prompt=True, slot=others_slot)
         hit = ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
         hit.others = between
-        answers.append((item_id, "hit", 0, hit))
+        answers += [(item_id, "alone", 0, alone), (item_id, "control", 0, control), (item_id, "hit", 0, hit)]
+    for item_id in order:
+        for run in range(design.load_runs):
+            rng = random.Random(f"{design.seed}:{item_id}:{run}")
+            loaded = amid_clients(
+                server, prompts[item_id], others[item_id], design.tokens, latency[item_id], rng, slots
+            )
+            answers.append((item_id, "load", run, loaded))
         if on_item:
             on_item()
     return answers
@@ -116,7 +128,7 @@ def _on_deployed(model_record, prompts, order, entry, design, on_item):
     return answers, record
 
 
-def _on_attached(model_record, prompts, order, name, entry, design, on_item):
+def _on_attached(model_record, prompts, order, name, entry, design, on_item, recorded):
     from stagereplay.ledger.fingerprint import file_digest
 
     slots = tuple(entry.get("slots", (0,)))
@@ -132,12 +144,22 @@ def _on_attached(model_record, prompts, order, name, entry, design, on_item):
         )
     model_file = Path(identity.model_path)
     hashed = file_digest(model_file) if model_file.is_file() else None
+    record = {"attached": server.url, "slots": list(slots), **identity.record(), "model_file_xxh3": hashed}
+    if recorded is not None and recorded != record:
+        changed = [
+            f"{key} {record.get(key)!r} (recorded {recorded.get(key)!r})"
+            for key in record
+            if record.get(key) != recorded.get(key)
+        ]
+        raise LlamaServerError(
+            f"the llama-server at {server.url} is not the one the ledger records: {'; '.join(changed)} — audit against"
+            " the server the ledger records (the same build, model and flags)"
+        )
     if hashed is not None and hashed != file_digest(model_record["gguf"]):
         raise LlamaServerError(
             f"the llama-server at {server.url} serves {model_file}, whose bytes are not the checkpoint's GGUF"
             f" ({model_record['gguf']}) — serve it in a ledger of its own model"
         )
-    record = {"attached": server.url, "slots": list(slots), **identity.record(), "model_file_xxh3": hashed}
     answers = serve_items(server, prompts, order, design, slots=slots, on_item=on_item)
     server.check_unchanged(identity)
     return answers, record

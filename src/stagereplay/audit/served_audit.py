@@ -1,0 +1,100 @@
+"""E4 for the served requests: each saved request against its recomputation in the audit tree.
+
+A request alone, its A/A repeat and a prompt-cache hit are pinned (the same prompt to the same server, nothing else
+in flight, the same cache history): their tokens and margins must be reproduced exactly. A request amid other
+clients is not pinned (where the others have got when it arrives changes from run to run), so each recomputed run is
+compared with the spread of the saved runs, counted apart (``SPREAD_SUFFIX``). Each server's record (how it was
+started, or what an attached one said of itself) is compared too. The checks name no item as such (the item is in
+the side): E4's per-item figure stays the checkpoint's items.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+
+from stagereplay.audit.rerun import Check
+from stagereplay.ledger.layout import LedgerLayout
+from stagereplay.ledger.tables import SERVED_KEY, SERVED_SCHEMA, SPREAD_SUFFIX, read_table, row_key
+
+PINNED_CELLS = ("alone", "control", "hit")
+
+
+def audit_served_ledger(ledger: str | Path) -> list[Check]:
+    saved, audit = LedgerLayout(ledger), LedgerLayout(ledger).audit
+    if not Path(saved.table("served")).exists():
+        return []
+    return audit_served(
+        read_table(saved.table("served"), SERVED_SCHEMA), read_table(audit.table("served"), SERVED_SCHEMA)
+    )
+
+
+def audit_served(saved: pa.Table, audited: pa.Table) -> list[Check]:
+    saved_rows, audited_rows = saved.to_pylist(), audited.to_pylist()
+    recomputed = {row_key(row, SERVED_KEY): row for row in audited_rows}
+    load_runs: dict[tuple, list[dict]] = {}
+    for row in saved_rows:
+        if row["cell"] == "load":
+            load_runs.setdefault((row["server"], row["item_id"]), []).append(row)
+    checks = _records(saved_rows, audited_rows)
+    for old in saved_rows:
+        # The item is named in the side, not as an item: E4's per-item figure counts the checkpoint's items.
+        side = f"served {old['server']} {old['cell']} run {old['run']} item {old['item_id']}"
+        where = {"checkpoint": None, "item_id": None, "side": side}
+        new = recomputed.get(row_key(old, SERVED_KEY))
+        if new is None:
+            checks.append(Check("served", "served", **where, reproduced=False, detail="missing from the audit tree"))
+            continue
+        if old["cell"] in PINNED_CELLS:
+            checks.append(_same("served_tokens", where, old["tokens"], new["tokens"]))
+            checks.append(_same("served_margins", where, old["margins"], new["margins"]))
+            continue
+        seen = {json.dumps(list(row["tokens"])) for row in load_runs[(old["server"], old["item_id"])]}
+        within = json.dumps(list(new["tokens"])) in seen
+        checks.append(
+            Check(
+                "served",
+                "served_tokens" + SPREAD_SUFFIX,
+                **where,
+                reproduced=within,
+                saved=None
+                if within
+                else f"{len(seen)} distinct in {len(load_runs[(old['server'], old['item_id'])])} saved runs",
+                audited=None if within else json.dumps(list(new["tokens"])),
+                detail=None if within else "outside the spread of the saved runs amid other clients",
+            )
+        )
+    return checks
+
+
+def _same(artifact: str, where: dict, saved, audited) -> Check:
+    same = list(saved) == list(audited)
+    return Check(
+        "served",
+        artifact,
+        **where,
+        reproduced=same,
+        saved=None if same else json.dumps(list(saved)),
+        audited=None if same else json.dumps(list(audited)),
+    )
+
+
+def _records(saved_rows: list[dict], audited_rows: list[dict]) -> list[Check]:
+    """Each server's record (the first row's) against its recomputation's."""
+    saved = {row["server"]: row["server_record"] for row in saved_rows}
+    audited = {row["server"]: row["server_record"] for row in audited_rows}
+    return [
+        Check(
+            "served",
+            "served_server",
+            None,
+            None,
+            server,
+            reproduced=audited.get(server) == record,
+            saved=None if audited.get(server) == record else record,
+            audited=None if audited.get(server) == record else audited.get(server),
+        )
+        for server, record in sorted(saved.items())
+    ]
