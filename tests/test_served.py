@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -118,7 +119,7 @@ def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp
     gguf = next((ledger / "models").rglob("*.gguf"))
     started_before = _llama_servers(workdir)
     with SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
-        servers = {**DEPLOYED, "theirs": {"url": theirs.address, "slots": [0, 1, 2]}}
+        servers = {**DEPLOYED, "theirs": {"url": theirs.address, "slots": [0, 1, 2, 3]}}
         _, config = served_config(workdir, servers)
         seen: set[int] = set()
         done = threading.Event()
@@ -142,10 +143,20 @@ def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp
     entry = _summary(ledger)["servers"]["theirs"]
     assert entry["control_identical"] == 4 and entry["hit_reused_median"] > 0
     record = entry["record"]
-    assert record["attached"] == theirs.address and record["slots"] == [0, 1, 2] and record["total_slots"] == 4
+    assert record["attached"] == theirs.address and record["slots"] == [0, 1, 2, 3] and record["total_slots"] == 4
+    assert record["slots_pinned"] is False  # every slot listed: the server picks, as the deployed one does
     assert record["model_path"] == str(gguf) and record["model_file_xxh3"]
-    # The same flags as the deployed default (4 slots, one unified cache): alone, the same answers item by item.
+    # The same flags as the deployed default (4 slots, one unified cache): alone, the same answers item by item,
+    # and every pinned cell the same, tokens and margins (bench/served_pair.py).
     assert entry["vs_reference_differs_items"] == []
+    paired = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "served_pair.py"), str(ledger), "default", "theirs"],
+        capture_output=True,
+        text=True,
+    )
+    assert paired.returncode == 0, paired.stdout + paired.stderr
+    for cell in ("alone", "control", "hit"):
+        assert f"| {cell} | 4/4 | 4/4 | — |" in paired.stdout
     verified = stagereplay("verify", str(ledger))
     assert verified.returncode == 0, verified.stdout + verified.stderr
 

@@ -144,7 +144,16 @@ def _on_attached(model_record, prompts, order, name, entry, design, on_item, rec
         )
     model_file = Path(identity.model_path)
     hashed = file_digest(model_file) if model_file.is_file() else None
-    record = {"attached": server.url, "slots": list(slots), **identity.record(), "model_file_xxh3": hashed}
+    # Every slot listed: the server picks one per request, as for any client and as on a deployed server (the
+    # same protocol, so the same flags give the same answers); some only: each request is pinned to one of them.
+    pinned = slots if set(slots) != set(range(identity.total_slots)) else None
+    record = {
+        "attached": server.url,
+        "slots": list(slots),
+        "slots_pinned": pinned is not None,
+        **identity.record(),
+        "model_file_xxh3": hashed,
+    }
     if recorded is not None and recorded != record:
         changed = [
             f"{key} {record.get(key)!r} (recorded {recorded.get(key)!r})"
@@ -160,7 +169,7 @@ def _on_attached(model_record, prompts, order, name, entry, design, on_item, rec
             f"the llama-server at {server.url} serves {model_file}, whose bytes are not the checkpoint's GGUF"
             f" ({model_record['gguf']}) — serve it in a ledger of its own model"
         )
-    answers = serve_items(server, prompts, order, design, slots=slots, on_item=on_item)
+    answers = serve_items(server, prompts, order, design, slots=pinned, on_item=on_item)
     server.check_unchanged(identity)
     return answers, record
 
