@@ -93,7 +93,7 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
     assert served["servers"]["no-kv-unified"]["record"]["startup_log"]["kv_unified"] == "true"
     assert served["servers"]["np-4-no-kv-unified"]["record"]["startup_log"]["kv_unified"] == "false"
     rows = pq.read_table(ledger / "tables" / "served.parquet").to_pylist()
-    assert {len(row["tokens"]) for row in rows} == {SERVED["tokens"]}
+    assert all(0 < len(row["tokens"]) <= SERVED["tokens"] for row in rows)
     assert all(len(row["margins"]) == len(row["tokens"]) for row in rows)
     loads = [row for row in rows if row["cell"] == "load"]
     assert len(loads) == len(DEPLOYED) * 4 * SERVED["load_runs"] and all(

@@ -41,7 +41,7 @@ def served_blocks(summary: dict) -> list[tuple]:
         ("heading", 2, "Served requests: what changes a greedy answer on the server as started"),
         (
             "paragraph",
-            f"Each item's prompt sent as a whole greedy request, end-of-generation ignored, to each server: alone"
+            f"Each item's prompt sent as a whole greedy request (up to the token budget or an end-of-generation token) to each server: alone"
             f" (twice: the A/A control), amid other clients' requests on a seeded schedule (each run its own), and as"
             f" a prompt-cache hit. Counted against the item's answer alone on the same server; the first server,"
             f" `{served['reference']}`, is the reference for the others' own flags. Margins are in"

@@ -35,7 +35,9 @@ class Answer:
 
 
 def ask(server: ServerClient, prompt: list[int], budget: int, cache_prompt: bool, slot: int | None = None) -> Answer:
-    """One greedy request of ``budget`` tokens (end-of-generation ignored, so every answer has its full length)."""
+    """One greedy request of up to ``budget`` tokens, ending at an end-of-generation token as a client's does (with
+    end-of-generation ignored the server masks it after the log-probabilities are taken, so the token it returns
+    would not be the highest logit where the model would have ended)."""
     start = time.monotonic()
     payload = {
         "prompt": list(prompt),
@@ -43,7 +45,6 @@ def ask(server: ServerClient, prompt: list[int], budget: int, cache_prompt: bool
         "cache_prompt": cache_prompt,
         "n_probs": 2,
         "post_sampling_probs": False,
-        "ignore_eos": True,
         "return_tokens": True,
         **GREEDY,
     }
