@@ -70,15 +70,19 @@ def test_probe_reads_the_server_and_allows_no_cache_bytes_without_slot_files(the
     assert found.model_file_here and found.slot_files is False
     runs = {allowance.what: allowance for allowance in found.allowances}
     assert runs["E1 matched: suffixes"].runs
+    assert runs["served: alone, control, hit"].runs and runs["served: amid other clients"].runs
     for needs_cache_bytes in ("E1 matched: boundary caches", "E3 bridge", "E5 transplant"):
         assert not runs[needs_cache_bytes].runs and "--slot-save-path" in runs[needs_cache_bytes].why
     assert "restore levels need --slot-save-path" in runs["E6 prefix_reuse (prompt, block)"].why
     assert runs["E6 batch"].runs and "B up to 2" in runs["E6 batch"].why
     for per_process in ("E6 cache_type", "E6 flash_attn", "E6 ubatch", "E6 threads", "E6 kv_unified"):
-        assert not runs[per_process].runs and "attach a second server" in runs[per_process].why
+        assert (
+            not runs[per_process].runs and "list a second server started with the other value" in runs[per_process].why
+        )
     # One slot only: concurrent load and an offset behind another slot need two.
     alone = {allowance.what: allowance for allowance in probe(AttachedServer(their_server.address)).allowances}
     assert not alone["E6 batch"].runs and not alone["E6 kv_offset"].runs
+    assert not alone["served: amid other clients"].runs
 
 
 def test_probe_learns_slot_files_are_on_without_writing_one(their_server_with_slot_files):

@@ -72,7 +72,7 @@ class Probe:
             f"  model: {model}",
             "  model file: "
             + (
-                "readable here: the ledger records its sha256"
+                "readable here: its bytes are hashed (xxh3-128) and must be the checkpoint's GGUF"
                 if self.model_file_here
                 else "not readable here: the weights cannot be hashed; the ledger records the server's model metadata"
             ),
@@ -86,6 +86,8 @@ class Probe:
             ),
             "  not reported by the server: whether its cache is unified, its cache type, flash attention, micro-batch",
             "",
+            "  What runs on it today: the served cells (served.servers.NAME.url). E1-E6 on an attached server are not"
+            " built yet; their rows say what this server would allow them.",
             f"  {'what':<34} {'allows':<6} why",
         ]
         for allowance in self.allowances:
@@ -126,6 +128,12 @@ def allowances(slot_files: bool, slots: tuple[int, ...]) -> list[Allowance]:
     need_files = f"needs the boundary cache's bytes: start the server with {SLOT_FILES_FLAG}"
     with_files = "slot files give the boundary cache's bytes"
     rows = [
+        Allowance("served: alone, control, hit", True, "whole greedy requests on the run's slots"),
+        Allowance(
+            "served: amid other clients",
+            len(slots) >= 2,
+            "the other clients on the run's other slots" if len(slots) >= 2 else "needs 2 or more slots: list them",
+        ),
         Allowance("E1 matched: suffixes", True, "greedy requests on the run's slots"),
         Allowance("E1 matched: boundary caches", slot_files, with_files if slot_files else need_files),
         Allowance("E2 fixed prefix: suffixes", True, "the server's own cache type only (set when it started)"),
