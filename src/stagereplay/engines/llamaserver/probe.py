@@ -153,7 +153,7 @@ def _factor_allowance(factor: str, mechanism: str, option: str, slot_files: bool
         return Allowance(
             what,
             False,
-            f"{flag} is set when the server starts: attach a second server started with the level as another checkpoint",
+            f"{flag} is set when the server starts: list a second server started with the other value",
         )
     if factor == "prefix_reuse":
         if slot_files:
