@@ -303,3 +303,27 @@ def test_served_needs_a_gguf_primary_checkpoint(tmp_path):
     with pytest.raises(RunRefused) as error:
         check_run(load_config(config), REPO)
     assert "served: the servers run the primary checkpoint's GGUF" in str(error.value)
+
+
+@pytest.mark.slow
+def test_two_attached_servers_as_reference_and_level(deployed_run, tmp_path):
+    """A per-process option cannot be changed on a server the run did not start: its level is a second server.
+    Two attached servers, the defaults and -np 4 --no-kv-unified, the first the reference (runs last in this module:
+    it replaces the ledger's served servers)."""
+    workdir, ledger, _ = deployed_run
+    gguf = next((ledger / "models").rglob("*.gguf"))
+    unified = SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "a.log")
+    streams = SomeoneElsesServer(gguf, [*SOMEONE_ELSES_FLAGS, "--no-kv-unified"], tmp_path / "b.log")
+    with unified, streams:
+        servers = {"a-unified": {"url": unified.address, "slots": [0, 1, 2, 3]}}
+        servers["b-streams"] = {"url": streams.address, "slots": [0, 1, 2, 3]}
+        _, config = served_config(workdir, servers)
+        result = snakemake(workdir, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    served = _summary(ledger)
+    assert list(served["servers"]) == ["a-unified", "b-streams"] and served["reference"] == "a-unified"
+    level = served["servers"]["b-streams"]
+    assert level["vs_reference_items"] == 4 and level["record"]["attached"] == streams.address
+    assert level["control_identical"] == 4 and level["load_every_run"] == level["load_some_runs"] == []
+    card = (ledger / "results.md").read_text()
+    assert f"| b-streams | attached at {streams.address} | 4 (used: 0, 1, 2, 3) | 4/4 |" in card
