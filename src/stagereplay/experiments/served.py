@@ -11,12 +11,14 @@ writes one row per (server, item, cell, run) (``ledger.tables.SERVED_SCHEMA``) a
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from stagereplay.engines.registry import serving_spec
+from stagereplay.inputs.items import items_after
 from stagereplay.ledger.tables import PROMPT_SCHEMA, SERVED_SCHEMA, read_table, write_table
 
 
@@ -43,6 +45,8 @@ def run_served(
         row["item_id"]: list(row["prompt_tokens"]) for row in read_table(prompts_path, PROMPT_SCHEMA).to_pylist()
     }
     order = sorted(prompts)
+    # The other clients of an item: the items after it, by id, wrapping round (a fixed function of the item list).
+    others = {item: list(itertools.islice(items_after(order, item), design.clients)) for item in order}
     done = iter(range(1, len(order) + 1))
 
     def on_item() -> None:
@@ -53,7 +57,7 @@ def run_served(
         rows = read_table(recorded_table, SERVED_SCHEMA).to_pylist()
         recorded = json.loads(rows[0]["server_record"]) if rows else None
     protocol = serving_spec().server_protocol()
-    answers, record = protocol.serve(model_record, prompts, order, server_name, entry, design, on_item, recorded)
+    answers, record = protocol.serve(model_record, prompts, others, server_name, entry, design, on_item, recorded)
     return write_table(served_rows(server_name, answers, record, model_record["fingerprint"]), SERVED_SCHEMA, out_path)
 
 

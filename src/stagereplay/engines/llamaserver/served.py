@@ -9,8 +9,8 @@ tokens (``serve_items``):
 - ``alone``: sent while nothing else is in flight, without prompt reuse; ``control``: the same again, which must
   give the same tokens (the A/A control: it exercises the request path, the slot the server picks and its cache
   being rewritten, not other clients);
-- ``load``: amid ``clients`` other clients, each sending one other item (the items after it, by id, wrapping
-  round: a fixed function of the item list), their arrivals drawn from a seeded schedule around the item's
+- ``load``: amid other clients, each sending one other item (which: the design's, ``experiments.served``),
+  their arrivals drawn from a seeded schedule around the item's
   (``traffic.amid_clients``), ``load_runs`` times, each with its own schedule;
 - ``hit``: the item with prompt reuse, then two other items, then the item again with prompt reuse: the server
   takes its prompt from a slot or its host prompt cache (``reused`` positions).
@@ -27,7 +27,6 @@ must say the same of itself at the end of the job (a restart under the run is on
 
 from __future__ import annotations
 
-import itertools
 import random
 from pathlib import Path
 
@@ -36,7 +35,6 @@ from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver.client import ServerClient
 from stagereplay.engines.llamaserver.deployed import RESERVED_FLAGS, DeployedServer
 from stagereplay.engines.llamaserver.traffic import amid_clients, ask
-from stagereplay.inputs.items import items_after
 
 HIT_OTHERS = 2  # other items sent between the item's two requests of a prompt-cache hit
 # Flash attention where no -fa is given: auto, resolved at start; neither the default log nor /props says to what.
@@ -67,17 +65,18 @@ def check_server(name: str, entry: dict, clients: int) -> str | None:
     return None
 
 
-def serve(model_record: dict, prompts, order, name: str, entry: dict, design, on_item, recorded: dict | None = None):
-    """Serve ``order``'s items on the server of ``entry``: (item, cell, run, answer) for each request, and the
-    server's record. ``recorded`` (the audit's): the record the ledger holds for it; an attached server that says
-    something else of itself is refused before any request is served."""
+def serve(model_record: dict, prompts, others, name: str, entry: dict, design, on_item, recorded: dict | None = None):
+    """Serve each item of ``others`` (item -> the other clients' items, in the design's order) on the server of
+    ``entry``: (item, cell, run, answer) for each request, and the server's record. ``recorded`` (the audit's): the
+    record the ledger holds for it; an attached server that says something else of itself is refused before any
+    request is served."""
     if "url" in entry:
-        return _on_attached(model_record, prompts, order, name, entry, design, on_item, recorded)
-    return _on_deployed(model_record, prompts, order, entry, design, on_item)
+        return _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded)
+    return _on_deployed(model_record, prompts, others, entry, design, on_item)
 
 
-def serve_items(server: ServerClient, prompts, order, design, slots=None, on_item=None) -> list[tuple]:
-    """(item, cell, run, answer) for every item of ``order`` on ``server``; ``slots``: a guest's (the item's
+def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on_item=None) -> list[tuple]:
+    """(item, cell, run, answer) for every item of ``others_of`` on ``server``; ``slots``: a guest's (the item's
     requests on the first, the other clients' on the rest), None: the server picks, as for any client.
 
     The pinned cells of every item come first, one request at a time (alone, control, hit), then every item's
@@ -86,9 +85,8 @@ def serve_items(server: ServerClient, prompts, order, design, slots=None, on_ite
     own = slots[0] if slots else None
     others_slot = slots[1 % len(slots)] if slots else None
     answers, latency, others = [], {}, {}
-    for item_id in order:
+    for item_id, following in others_of.items():
         prompt = prompts[item_id]
-        following = itertools.islice(items_after(order, item_id), design.clients)
         others[item_id] = {other: prompts[other] for other in following}
         alone = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
         control = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
@@ -100,7 +98,7 @@ def serve_items(server: ServerClient, prompts, order, design, slots=None, on_ite
         hit = ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
         hit.others = between
         answers += [(item_id, "alone", 0, alone), (item_id, "control", 0, control), (item_id, "hit", 0, hit)]
-    for item_id in order:
+    for item_id in others_of:
         for run in range(design.load_runs):
             rng = random.Random(f"{design.seed}:{item_id}:{run}")
             loaded = amid_clients(
@@ -112,7 +110,7 @@ def serve_items(server: ServerClient, prompts, order, design, slots=None, on_ite
     return answers
 
 
-def _on_deployed(model_record, prompts, order, entry, design, on_item):
+def _on_deployed(model_record, prompts, others, entry, design, on_item):
     with DeployedServer(model_record["gguf"], tuple(entry.get("flags") or ())) as server:
         props = server.props()
         record = {
@@ -124,11 +122,11 @@ def _on_deployed(model_record, prompts, order, entry, design, on_item):
             "startup_log": server.resolved(),
             "flash_attn": _flag_value(server.flags, "-fa", "--flash-attn") or FLASH_ATTN_AUTO,
         }
-        answers = serve_items(server, prompts, order, design, on_item=on_item)
+        answers = serve_items(server, prompts, others, design, on_item=on_item)
     return answers, record
 
 
-def _on_attached(model_record, prompts, order, name, entry, design, on_item, recorded):
+def _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded):
     from stagereplay.ledger.fingerprint import file_digest
 
     slots = tuple(entry.get("slots", (0,)))
@@ -169,7 +167,7 @@ def _on_attached(model_record, prompts, order, name, entry, design, on_item, rec
             f"the llama-server at {server.url} serves {model_file}, whose bytes are not the checkpoint's GGUF"
             f" ({model_record['gguf']}) — serve it in a ledger of its own model"
         )
-    answers = serve_items(server, prompts, order, design, slots=pinned, on_item=on_item)
+    answers = serve_items(server, prompts, others, design, slots=pinned, on_item=on_item)
     server.check_unchanged(identity)
     return answers, record
 
