@@ -60,13 +60,38 @@ def test_code_shipped_with_a_model_does_not_run_by_default(tmp_path):
     assert not marker.exists()
 
 
-def test_code_shipped_with_a_model_runs_only_when_asked(tmp_path):
+@pytest.fixture
+def _auto_class_restored():
+    """Loading a model's own code registers its config class for an auto class, for the whole process
+    (transformers' ``register_for_auto_class``). The shipped class here is transformers' own Qwen2Config, so every
+    later ``save_pretrained`` of a Qwen2 config in this process would try to copy its source file beside it and
+    fail (tests/test_served.py did, run after this module in one process). The registration is undone."""
+    from transformers import Qwen2Config
+
+    before = Qwen2Config.__dict__.get("_auto_class", _UNSET)
+    yield
+    if before is _UNSET:
+        if "_auto_class" in Qwen2Config.__dict__:
+            delattr(Qwen2Config, "_auto_class")
+    else:
+        Qwen2Config._auto_class = before
+
+
+_UNSET = object()
+
+
+def test_code_shipped_with_a_model_runs_only_when_asked(tmp_path, _auto_class_restored):
     folder, marker = _folder_with_its_own_code(tmp_path)
     try:
         load_model(folder, Runtime(precision="fp32", device="cpu", threads=1, trust_remote_code=True))
     except ValueError:
         pass  # the shipped class need not be loadable: what matters is that it was imported
     assert marker.exists()
+
+
+def test_a_model_built_after_one_that_ran_its_own_code_saves(tmp_path):
+    """The registration above does not outlive its test: a random Qwen2 is built and saved after it."""
+    assert (build_random_qwen2(tmp_path / "after", seed=1) / "config.json").is_file()
 
 
 def test_the_config_keeps_remote_code_off_by_default():
