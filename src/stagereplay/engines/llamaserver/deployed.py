@@ -56,11 +56,3 @@ class DeployedServer(ServerProcess):
             if match:
                 found[name] = match.group(1)
         return found
-
-
-def check_flags(flags: list[str] | tuple[str, ...]) -> str | None:
-    """Why an operator's flags cannot be given to a deployed server (None: they can)."""
-    taken = [flag for flag in flags if flag in RESERVED_FLAGS]
-    if taken:
-        return f"{', '.join(taken)} is set by stagereplay itself (the model, a loopback address, no slot files)"
-    return None
