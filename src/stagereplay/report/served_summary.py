@@ -24,6 +24,9 @@ def served_summary(table: pa.Table) -> dict:
     rows = table.to_pylist()
     servers = list(dict.fromkeys(row["server"] for row in rows))
     by_cell = {(row["server"], row["item_id"], row["cell"], row["run"]): row for row in rows}
+    records: dict[str, str] = {}
+    for row in rows:
+        records.setdefault(row["server"], row["server_record"])
     reference = servers[0] if servers else None
     result = {"reference": reference, "margin_unit": MARGIN_UNIT, "servers": {}}
     for server in servers:
@@ -46,7 +49,7 @@ def served_summary(table: pa.Table) -> dict:
         }
         entry = {
             "items": len(items),
-            "record": json.loads(rows[[row["server"] for row in rows].index(server)]["server_record"]),
+            "record": json.loads(records[server]),
             "control_identical": len(items) - len(control_differs),
             "control_differs_items": control_differs,
             "load_runs": len(runs),
