@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from stagereplay.audit.rerun import Check
+from stagereplay.audit.rerun import Check, _missing, _same
 from stagereplay.ledger.layout import LedgerLayout
 from stagereplay.ledger.tables import SERVED_KEY, SERVED_SCHEMA, SPREAD_SUFFIX, read_table, row_key
 
@@ -45,11 +45,11 @@ def audit_served(saved: pa.Table, audited: pa.Table) -> list[Check]:
         where = {"checkpoint": None, "item_id": None, "side": side}
         new = recomputed.get(row_key(old, SERVED_KEY))
         if new is None:
-            checks.append(Check("served", "served", **where, reproduced=False, detail="missing from the audit tree"))
+            checks.append(_missing("served", where, saved=True))
             continue
         if old["cell"] in PINNED_CELLS:
-            checks.append(_same("served_tokens", where, old["tokens"], new["tokens"]))
-            checks.append(_same("served_margins", where, old["margins"], new["margins"]))
+            checks.append(_same("served", "served_tokens", where, list(old["tokens"]), list(new["tokens"])))
+            checks.append(_same("served", "served_margins", where, list(old["margins"]), list(new["margins"])))
             continue
         seen = {json.dumps(list(row["tokens"])) for row in load_runs[(old["server"], old["item_id"])]}
         within = json.dumps(list(new["tokens"])) in seen
@@ -69,32 +69,17 @@ def audit_served(saved: pa.Table, audited: pa.Table) -> list[Check]:
     return checks
 
 
-def _same(artifact: str, where: dict, saved, audited) -> Check:
-    same = list(saved) == list(audited)
-    return Check(
-        "served",
-        artifact,
-        **where,
-        reproduced=same,
-        saved=None if same else json.dumps(list(saved)),
-        audited=None if same else json.dumps(list(audited)),
-    )
-
-
 def _records(saved_rows: list[dict], audited_rows: list[dict]) -> list[Check]:
-    """Each server's record (the first row's) against its recomputation's."""
+    """Each server's record (every row of a server holds it) against its recomputation's."""
     saved = {row["server"]: row["server_record"] for row in saved_rows}
     audited = {row["server"]: row["server_record"] for row in audited_rows}
     return [
-        Check(
+        _same(
             "served",
             "served_server",
-            None,
-            None,
-            server,
-            reproduced=audited.get(server) == record,
-            saved=None if audited.get(server) == record else record,
-            audited=None if audited.get(server) == record else audited.get(server),
+            {"checkpoint": None, "item_id": None, "side": server},
+            record,
+            audited.get(server),
         )
         for server, record in sorted(saved.items())
     ]

@@ -136,6 +136,15 @@ class AttachedServer(ServerClient):
         self.recorded = self.identity()
         return self.recorded
 
+    def check_slots(self, identity: ServerIdentity, where: str) -> None:
+        """One line if a slot this run was given is not one of the server's (``where``: the option that lists them)."""
+        for slot in self.slots:
+            if not 0 <= slot < identity.total_slots:
+                raise LlamaServerError(
+                    f"slot {slot} is not one of the {identity.total_slots} slots of the llama-server at {self.url} —"
+                    f" list slots 0..{identity.total_slots - 1} only under {where}"
+                )
+
     def slot_states(self) -> list[dict]:
         """``GET /slots``: each slot's id, context and whether it is processing (the server must allow it)."""
         return self.request("/slots", timeout=STATUS_TIMEOUT)

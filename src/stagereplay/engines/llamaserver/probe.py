@@ -46,7 +46,7 @@ class Probe:
     slot_files: bool
     slots: tuple[int, ...]  # the slots the run may use
     busy_slots: list[int]  # slots processing a request when the probe looked
-    model_file_here: bool  # the server's model path is a file on this machine (its sha256 can be recorded)
+    model_file_here: bool  # the server's model path is a file on this machine (its bytes can be hashed)
     project_commit: str | None  # the llama.cpp commit of the server this project builds (None: not built here)
 
     @property
@@ -101,12 +101,7 @@ def probe(server: AttachedServer) -> Probe:
 
     server.health()
     identity = server.identity()
-    for slot in server.slots:
-        if not 0 <= slot < identity.total_slots:
-            raise LlamaServerError(
-                f"slot {slot} is not one of the {identity.total_slots} slots of the llama-server at {server.url} —"
-                f" list slots 0..{identity.total_slots - 1} only"
-            )
+    server.check_slots(identity, "--slots")
     busy = [state["id"] for state in server.slot_states() if state.get("is_processing")]
     try:
         project_commit = server_build().llama_cpp_commit

@@ -134,12 +134,7 @@ def _on_attached(model_record, prompts, others, name, entry, design, on_item, re
     server = AttachedServer(entry["url"], api_key=api_key_from(entry.get("api_key_env"), where), slots=slots)
     server.health()
     identity = server.record_identity()
-    missing = [slot for slot in slots if not 0 <= slot < identity.total_slots]
-    if missing:
-        raise LlamaServerError(
-            f"{where}.slots lists {missing}, which the llama-server at {server.url} does not have"
-            f" ({identity.total_slots} slots) — list slots 0..{identity.total_slots - 1} only"
-        )
+    server.check_slots(identity, f"{where}.slots")
     model_file = Path(identity.model_path)
     hashed = file_digest(model_file) if model_file.is_file() else None
     # Every slot listed: the server picks one per request, as for any client and as on a deployed server (the
