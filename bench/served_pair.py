@@ -2,7 +2,7 @@
 
 Reads one ledger's served table (tables/served.parquet) and sets two of its servers side by side, item by item:
 
-- the pinned cells (``alone``, ``control``, ``hit``): the same tokens, and the same margins at every step;
+- the pinned cells (``alone``, ``control``, ``replay``, ``replay_control``, ``hit``): the same tokens, and the same margins at every step;
 - the runs amid other clients: per item, in how many runs the answer differs from the server's own answer alone
   (their timing is not pinned, so these are compared as counts, not as tokens).
 
@@ -22,8 +22,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from stagereplay.design.divergence import first_divergence
-
-PINNED = ("alone", "control", "hit")
+from stagereplay.ledger.tables import SERVED_PINNED_CELLS
 
 
 def cells(rows: list[dict], server: str) -> dict[tuple, dict]:
@@ -38,6 +37,12 @@ def load_counts(by_cell: dict[tuple, dict]) -> dict[str, int]:
             alone = by_cell[(item, "alone", 0)]["tokens"]
             counts[item] = counts.get(item, 0) + (first_divergence(list(row["tokens"]), list(alone)) is not None)
     return counts
+
+
+def _field(a: dict, b: dict, item: str, cell: str, name: str) -> bool:
+    """Both servers served ``cell`` of ``item`` and gave the same ``name`` (tokens, margins)."""
+    key = (item, cell, 0)
+    return key in a and key in b and a[key][name] == b[key][name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,13 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     print("| cell | same tokens | same margins at every step | items that differ |")
     print("|---|---:|---:|---|")
     disagreements = 0
-    for cell in PINNED:
-        same_tokens = [item for item in items if a[(item, cell, 0)]["tokens"] == b[(item, cell, 0)]["tokens"]]
-        same_margins = [item for item in items if a[(item, cell, 0)]["margins"] == b[(item, cell, 0)]["margins"]]
-        differ = sorted(set(items) - (set(same_tokens) & set(same_margins)))
+    for cell in SERVED_PINNED_CELLS:
+        # A replay is sent only where the answer alone passed the stage boundary: one side without it differs.
+        served = [item for item in items if (item, cell, 0) in a or (item, cell, 0) in b]
+        if not served:
+            continue
+        same_tokens = [item for item in served if _field(a, b, item, cell, "tokens")]
+        same_margins = [item for item in served if _field(a, b, item, cell, "margins")]
+        differ = sorted(set(served) - (set(same_tokens) & set(same_margins)))
         disagreements += len(differ)
         print(
-            f"| {cell} | {len(same_tokens)}/{len(items)} | {len(same_margins)}/{len(items)} | {', '.join(differ) or '—'} |"
+            f"| {cell} | {len(same_tokens)}/{len(served)} | {len(same_margins)}/{len(served)} |"
+            f" {', '.join(differ) or '—'} |"
         )
     count_a, count_b = load_counts(a), load_counts(b)
     runs = max((run for _, cell, run in a if cell == "load"), default=-1) + 1

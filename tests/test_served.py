@@ -2,7 +2,8 @@
 by the job with the server's own defaults and an operator's flags) and as attached (someone else's, started here by
 the test as another user would: 4 slots, the default unified and host prompt caches), on the tiny GGUF.
 
-What must hold: the A/A control on every server; a prompt-cache hit reuses the prompt; without a unified cache,
+What must hold: the A/A control on every server; a replay from the stage boundary is the whole prefix prefilled anew,
+compared with the answer alone after the boundary; a prompt-cache hit reuses the prompt; without a unified cache,
 other clients change no answer (each slot's cells from cell 0 of its own stream: docs/findings.md's mechanism);
 an attached server is never started, restarted or stopped by the run, its record says what it is, and each of its
 faults (nothing at the URL, a missing API key, a server killed mid-job, one restarted with another model) fails
@@ -31,7 +32,8 @@ from stagereplay.engines.llamaserver.process import free_port
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 
-SERVED = {"tokens": 6, "clients": 2, "seed": 0, "load_runs": 2}
+SERVED = {"tokens": 16, "clients": 2, "seed": 0, "load_runs": 2}
+BOUNDARY = 12  # config/test.yaml's stage.max_new_tokens: where a replay starts
 WAIT_SECONDS = 300
 DEPLOYED = {
     "default": {},
@@ -107,6 +109,33 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
 
 
 @pytest.mark.slow
+def test_a_replay_prefills_the_prefix_the_decoder_reached_and_is_compared_after_the_boundary(deployed_run):
+    """E1 on the server: the prompt and the first BOUNDARY tokens of the answer alone, sent anew without prompt reuse
+    (the server computes every position of it), continued, and compared with the answer alone after the boundary."""
+    _, ledger, _ = deployed_run
+    served = _summary(ledger)
+    rows = pq.read_table(ledger / "tables" / "served.parquet").to_pylist()
+    by_cell = {(row["server"], row["item_id"], row["cell"]): row for row in rows if row["run"] == 0}
+    for name, entry in served["servers"].items():
+        alone = {item: row for (server, item, cell), row in by_cell.items() if server == name and cell == "alone"}
+        passed = sorted(item for item, row in alone.items() if len(row["tokens"]) > BOUNDARY)
+        assert passed and entry["replay_items"] == len(passed) and entry["replay_boundary"] == [BOUNDARY], name
+        assert entry["replay_control_identical"] == len(passed), name
+        for item in passed:
+            replay = by_cell[(name, item, "replay")]
+            assert replay["reused"] == 0 and replay["decoded"] == alone[item]["decoded"] + BOUNDARY, (name, item)
+            assert len(replay["tokens"]) <= SERVED["tokens"] - BOUNDARY
+        differs = [
+            item for item in passed if by_cell[(name, item, "replay")]["tokens"] != alone[item]["tokens"][BOUNDARY:]
+        ]
+        assert entry["replay_differs_items"] == differs, name
+    card = (ledger / "results.md").read_text()
+    default = served["servers"]["default"]
+    n = default["replay_items"]
+    assert f"| {len(default['replay_differs_items'])}/{n} ({n}/{n}; boundary {BOUNDARY} tokens) |" in card
+
+
+@pytest.mark.slow
 def test_without_a_unified_cache_other_clients_change_no_answer(deployed_run):
     _, ledger, _ = deployed_run
     entry = _summary(ledger)["servers"]["np-4-no-kv-unified"]
@@ -155,7 +184,7 @@ def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp
         text=True,
     )
     assert paired.returncode == 0, paired.stdout + paired.stderr
-    for cell in ("alone", "control", "hit"):
+    for cell in ("alone", "control", "replay", "replay_control", "hit"):
         assert f"| {cell} | 4/4 | 4/4 | — |" in paired.stdout
     verified = stagereplay("verify", str(ledger))
     assert verified.returncode == 0, verified.stdout + verified.stderr
@@ -183,7 +212,7 @@ def test_the_audit_reproduces_the_pinned_requests_and_refuses_another_server(dep
     assert audited.returncode == 0, audited.stderr[-4000:]
     e4 = json.loads((ledger / "audit" / "e4.json").read_text())
     artifacts = e4["artifacts"]
-    pinned = 3 * 4 * (len(DEPLOYED) + 1)  # alone, control, hit of 4 items on every server
+    pinned = 5 * 4 * (len(DEPLOYED) + 1)  # alone, control, replay twice, hit of 4 items on every server
     assert artifacts["served_tokens"]["count"] == artifacts["served_tokens"]["n"] == pinned
     assert artifacts["served_margins"]["count"] == pinned
     assert artifacts["served_server"]["count"] == len(DEPLOYED) + 1
@@ -280,6 +309,18 @@ REFUSED = [
     ({"mine": {"slots": [0, 1]}}, "slots and api_key_env belong to an attached server"),
     ({"my server": {}}, "'my server' is no server name"),
 ]
+
+
+def test_requests_that_end_within_the_first_stage_are_refused_in_one_line(tmp_path):
+    from stagereplay.design.checked_run import RunRefused, check_run
+    from stagereplay.design.schema import load_config
+
+    _, config = served_config(tmp_path, {"default": {}})
+    config.write_text(config.read_text().replace(f"tokens: {SERVED['tokens']}", f"tokens: {BOUNDARY}"))
+    with pytest.raises(RunRefused) as error:
+        check_run(load_config(config), REPO)
+    assert f"served.tokens: {BOUNDARY} tokens per request end within the first stage" in str(error.value)
+    assert f"set served.tokens above {BOUNDARY}" in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(("servers", "expected"), REFUSED)

@@ -1,6 +1,6 @@
 """E4 for the served requests: each saved request against its recomputation in the audit tree.
 
-A request alone, its A/A repeat and a prompt-cache hit are pinned (the same prompt to the same server, nothing else
+A request alone, its A/A repeat, the replays from the stage boundary and a prompt-cache hit are pinned (the same prompt to the same server, nothing else
 in flight, the same cache history): their tokens and margins must be reproduced exactly. A request amid other
 clients is not pinned (where the others have got when it arrives changes from run to run), so each recomputed run is
 compared with the spread of the saved runs, counted apart (``SPREAD_SUFFIX``). Each server's record (how it was
@@ -17,9 +17,14 @@ import pyarrow as pa
 
 from stagereplay.audit.rerun import Check, _missing, _same
 from stagereplay.ledger.layout import LedgerLayout
-from stagereplay.ledger.tables import SERVED_KEY, SERVED_SCHEMA, SPREAD_SUFFIX, read_table, row_key
-
-PINNED_CELLS = ("alone", "control", "hit")
+from stagereplay.ledger.tables import (
+    SERVED_KEY,
+    SERVED_PINNED_CELLS,
+    SERVED_SCHEMA,
+    SPREAD_SUFFIX,
+    read_table,
+    row_key,
+)
 
 
 def audit_served_ledger(ledger: str | Path) -> list[Check]:
@@ -47,7 +52,7 @@ def audit_served(saved: pa.Table, audited: pa.Table) -> list[Check]:
         if new is None:
             checks.append(_missing("served", where, saved=True))
             continue
-        if old["cell"] in PINNED_CELLS:
+        if old["cell"] in SERVED_PINNED_CELLS:
             checks.append(_same("served", "served_tokens", where, list(old["tokens"]), list(new["tokens"])))
             checks.append(_same("served", "served_margins", where, list(old["margins"]), list(new["margins"])))
             continue

@@ -38,7 +38,9 @@ def cmd_served(args) -> None:
     from stagereplay.experiments.served import ServedDesign, run_served
     from stagereplay.inputs.checkpoints import read_model_record
 
-    design = ServedDesign(tokens=args.tokens, clients=args.clients, seed=args.seed, load_runs=args.load_runs)
+    design = ServedDesign(
+        tokens=args.tokens, clients=args.clients, seed=args.seed, load_runs=args.load_runs, boundary=args.boundary
+    )
     record = read_model_record(args.model_record)
     run_served(record, args.prompts, args.server, json.loads(args.server_spec), design, args.out, args.recorded)
 
@@ -59,6 +61,9 @@ def add_served_command(sub) -> None:
     p.add_argument("--clients", type=int, required=True, help="other clients amid which the item is served")
     p.add_argument("--seed", type=int, required=True, help="the load schedule's seed")
     p.add_argument("--load-runs", type=int, required=True, help="load schedules per item")
+    p.add_argument(
+        "--boundary", type=int, required=True, help="the stage boundary (stage.max_new_tokens): where a replay starts"
+    )
     p.add_argument("--out", required=True, help="the server's table (Parquet)")
     p.add_argument(
         "--recorded", default=None, help="the audit's: the saved table of this server, whose record it must still match"

@@ -57,6 +57,10 @@ def sweep_args(sweep: dict) -> str:
     return " ".join(args)
 
 
-def served_design(served: dict, tokens: int) -> str:
-    """The served job's design options: greedy tokens per request, other clients, the schedule's seed and runs."""
-    return f"--tokens {tokens} --clients {served['clients']} --seed {served['seed']} --load-runs {served['load_runs']}"
+def served_design(served: dict, tokens: int, boundary: int) -> str:
+    """The served job's design options: greedy tokens per request, other clients, the schedule's seed and runs, and
+    the stage boundary a replay starts at."""
+    return (
+        f"--tokens {tokens} --clients {served['clients']} --seed {served['seed']} --load-runs {served['load_runs']}"
+        f" --boundary {boundary}"
+    )

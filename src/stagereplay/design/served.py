@@ -35,6 +35,12 @@ def check_served(config: dict, primary_spec: EngineSpec) -> list[str]:
         protocol = serving_spec().server_protocol()
     except ModelError as error:
         raise ServedRefused(f"served: {error}") from None
+    tokens, boundary = served_tokens(config), config["stage"]["max_new_tokens"]
+    if tokens <= boundary:
+        raise ServedRefused(
+            f"served.tokens: {tokens} tokens per request end within the first stage (stage.max_new_tokens:"
+            f" {boundary}), so no request can be replayed from the stage boundary — set served.tokens above {boundary}"
+        )
     for name, entry in servers.items():
         if not SERVER_NAME.fullmatch(name):
             raise ServedRefused(

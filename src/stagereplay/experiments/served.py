@@ -28,6 +28,7 @@ class ServedDesign:
     clients: int  # other clients amid which the item is served
     seed: int  # the load schedule's seed
     load_runs: int  # schedules per item
+    boundary: int  # the stage boundary: answer tokens a replay sends back as its prompt's end (E1 on the server)
 
 
 def run_served(

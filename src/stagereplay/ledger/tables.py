@@ -224,7 +224,9 @@ SERVED_SCHEMA = pa.schema(
     [
         ("server", pa.string()),  # the config's name for it (served.servers); the first is the reference
         ("item_id", pa.string()),
-        ("cell", pa.string()),  # alone, control (alone again), load (amid other clients), hit (prompt-cache hit)
+        # alone, control (alone again), replay and replay_control (the stage boundary's prefix as a new prompt),
+        # hit (prompt-cache hit), load (amid other clients)
+        ("cell", pa.string()),
         ("run", pa.int32()),  # the load schedule (0..load_runs-1); 0 for the other cells
         ("tokens", pa.list_(pa.int64())),  # the greedy tokens generated
         ("margins", pa.list_(pa.float32())),  # at each step, top-1 minus top-2 log-probability: logits
@@ -295,6 +297,9 @@ TRANSPLANT_KEY = ("selection", "checkpoint", "item_id", "donor", "recipient", "p
 FACTOR_CELL_KEY = ("checkpoint", "precision", "factor", "level", "item_id", "cell")
 FACTOR_KEY = (*FACTOR_CELL_KEY, "run")
 SERVED_KEY = ("server", "item_id", "cell", "run")
+# The served cells whose input is pinned (one request at a time, the same cache history): a rerun must give the
+# same tokens and margins. A load cell's run depends on where the other clients have got when the item arrives.
+SERVED_PINNED_CELLS = ("alone", "control", "replay", "replay_control", "hit")
 
 
 def row_key(row: dict, columns: tuple[str, ...]) -> tuple:

@@ -4,6 +4,8 @@ Per server: the A/A control (``control`` gives ``alone``'s tokens), then each ce
 counted over items against the item's ``alone`` answer on the same server: ``load`` per item in every run, in
 some runs only (unstable under load) or in none; ``hit`` (a prompt-cache hit); and, for every server after the
 first (the reference), its ``alone`` against the reference's ``alone``: what the server's own flags change.
+E1 on the server: ``replay`` (the stage boundary's prefix sent as a new prompt) against the answer alone after the
+boundary, with its own A/A control (``replay_control``).
 At each item's first divergent step, the top-1 minus top-2 log-probability margin of both answers (logits), and
 the tokens per second a client saw alone and amid load. No torch.
 """
@@ -47,6 +49,10 @@ def served_summary(table: pa.Table) -> dict:
             for item in items
             if load_counts[item]
         }
+        replayed = [item for item in items if (server, item, "replay", 0) in by_cell]
+        replay = {item: by_cell[(server, item, "replay", 0)] for item in replayed}
+        live = {item: _after_boundary(alone[item], replay[item]) for item in replayed}
+        replay_differs = [item for item in replayed if _differs(replay[item], live[item])]
         entry = {
             "items": len(items),
             "record": json.loads(records[server]),
@@ -61,6 +67,13 @@ def served_summary(table: pa.Table) -> dict:
             "hit_reused_median": statistics.median(by_cell[(server, item, "hit", 0)]["reused"] for item in items)
             if items
             else None,
+            "replay_items": len(replayed),
+            "replay_boundary": sorted({_boundary(alone[item], replay[item]) for item in replayed}),
+            "replay_control_identical": sum(
+                not _differs(by_cell[(server, item, "replay_control", 0)], replay[item]) for item in replayed
+            ),
+            "replay_differs_items": replay_differs,
+            "replay_margins": _margins([(live[item], replay[item]) for item in replay_differs]),
             "tokens_per_second_alone": _rate([alone[item] for item in items]),
             "tokens_per_second_load": _rate([by_cell[(server, item, "load", run)] for item in items for run in runs]),
         }
@@ -76,6 +89,18 @@ def served_summary(table: pa.Table) -> dict:
             entry["vs_reference_margins"] = _margins([(reference_alone[item], alone[item]) for item in flips])
         result["servers"][server] = entry
     return result
+
+
+def _boundary(alone: dict, replay: dict) -> int:
+    """The answer tokens a replay's prompt ends with: the prompt positions the server was sent for the replay less
+    those it was sent for the item alone (each the positions it computed plus those it took from its cache)."""
+    return (replay["decoded"] + replay["reused"]) - (alone["decoded"] + alone["reused"])
+
+
+def _after_boundary(alone: dict, replay: dict) -> dict:
+    """The answer alone after the replay's boundary: the live decoder's continuation the replay is compared with."""
+    boundary = _boundary(alone, replay)
+    return {"tokens": list(alone["tokens"])[boundary:], "margins": list(alone["margins"])[boundary:]}
 
 
 def _differs(a: dict, b: dict) -> bool:

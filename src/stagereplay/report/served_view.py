@@ -1,6 +1,7 @@
 """The card's table of served requests (summary.json's ``served``): per server, what changed a greedy answer.
 
 An operator's table: each server as it was started (or the URL it was attached at), the A/A control, the items
+replayed from the stage boundary whose continuation differs from the answer alone's (E1 on the server), the items
 whose answer amid other clients differs from their answer alone (in every run, or in some only: unstable under
 load), the margins at the flip, the prompt-cache hits that differ, each server's own flags against the
 reference server, and the tokens per second a client saw alone and amid load. No torch.
@@ -13,6 +14,8 @@ COLUMNS = [
     "as",
     "slots",
     "alone twice: identical",
+    "replayed from the stage boundary: differs (replay twice: identical)",
+    "margin at the flip, alone / replayed",
     "amid load: differs in every run / some runs",
     "margin at the flip, alone / amid load",
     "prompt-cache hit: differs",
@@ -35,6 +38,7 @@ def served_blocks(summary: dict) -> list[tuple]:
             if "vs_reference_differs_items" in entry
             else ""
         )
+        + (f"; replayed {_items(entry['replay_differs_items'])}" if "replay_differs_items" in entry else "")
         for name, entry in served["servers"].items()
     ]
     return [
@@ -43,7 +47,9 @@ def served_blocks(summary: dict) -> list[tuple]:
             "paragraph",
             f"Each item's prompt sent as a whole greedy request (up to the token budget or an end-of-generation token) to each server: alone"
             f" (twice: the A/A control), amid other clients' requests on a seeded schedule (each run its own), and as"
-            f" a prompt-cache hit. Counted against the item's answer alone on the same server; the first server,"
+            f" a prompt-cache hit; and replayed (E1 on the server): the prompt and the answer's tokens up to the stage"
+            f" boundary sent as a new prompt, without prompt reuse, its continuation against the answer alone's"
+            f" after the boundary (twice: its A/A control). Counted against the item's answer alone on the same server; the first server,"
             f" `{served['reference']}`, is the reference for the others' own flags. Margins are in"
             f" {served['margin_unit']}, medians over the flips.",
         ),
@@ -66,6 +72,8 @@ def _row(name: str, entry: dict, reference: bool) -> list[str]:
         how,
         str(slots),
         f"{entry['control_identical']}/{n}",
+        _replayed(entry),
+        _margins(entry["replay_margins"]) if "replay_margins" in entry else "—",
         load,
         _margins(entry["load_margins"]),
         f"{len(entry['hit_differs_items'])}/{n}",
@@ -73,6 +81,16 @@ def _row(name: str, entry: dict, reference: bool) -> list[str]:
         against,
         f"{_rate(entry['tokens_per_second_alone'])} / {_rate(entry['tokens_per_second_load'])}",
     ]
+
+
+def _replayed(entry: dict) -> str:
+    if not entry.get("replay_items"):
+        return "— (no answer passed the stage boundary)" if "replay_items" in entry else "—"
+    boundary = ", ".join(map(str, entry["replay_boundary"]))
+    return (
+        f"{len(entry['replay_differs_items'])}/{entry['replay_items']} ({entry['replay_control_identical']}/"
+        f"{entry['replay_items']}; boundary {boundary} tokens)"
+    )
 
 
 def _margins(margins: dict) -> str:

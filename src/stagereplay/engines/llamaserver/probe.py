@@ -86,8 +86,9 @@ class Probe:
             ),
             "  not reported by the server: whether its cache is unified, its cache type, flash attention, micro-batch",
             "",
-            "  What runs on it today: the served cells (served.servers.NAME.url). E1-E6 on an attached server are not"
-            " built yet; their rows say what this server would allow them.",
+            "  What runs on it today: the served cells (served.servers.NAME.url), E1 on suffixes among them (replay"
+            " from the stage boundary). E1-E6 with cache bytes on an attached server are not built yet; their rows say"
+            " what this server would allow them.",
             f"  {'what':<34} {'allows':<6} why",
         ]
         for allowance in self.allowances:
@@ -129,7 +130,7 @@ def allowances(slot_files: bool, slots: tuple[int, ...]) -> list[Allowance]:
             len(slots) >= 2,
             "the other clients on the run's other slots" if len(slots) >= 2 else "needs 2 or more slots: list them",
         ),
-        Allowance("E1 matched: suffixes", True, "greedy requests on the run's slots"),
+        Allowance("E1 matched: suffixes", True, "the served replay: the boundary's prefix prefilled as a new prompt"),
         Allowance("E1 matched: boundary caches", slot_files, with_files if slot_files else need_files),
         Allowance("E2 fixed prefix: suffixes", True, "the server's own cache type only (set when it started)"),
         Allowance("E3 bridge", slot_files, with_files if slot_files else need_files),

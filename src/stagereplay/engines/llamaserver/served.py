@@ -13,7 +13,11 @@ tokens (``serve_items``):
   their arrivals drawn from a seeded schedule around the item's
   (``traffic.amid_clients``), ``load_runs`` times, each with its own schedule;
 - ``hit``: the item with prompt reuse, then two other items, then the item again with prompt reuse: the server
-  takes its prompt from a slot or its host prompt cache (``reused`` positions).
+  takes its prompt from a slot or its host prompt cache (``reused`` positions);
+- ``replay`` (E1 on the server): the prompt and the first ``boundary`` tokens of the answer alone (the stage
+  boundary), sent as a new prompt without prompt reuse, so the server prefills the prefix its decoder reached and
+  continues it; ``replay_control``: the same again. Its tokens are compared with the answer alone's after the
+  boundary. An item whose answer alone ends within the first stage has no replay.
 
 Every item's alone, control and hit are served first, one request at a time, and the runs amid other clients
 after them all: what a request computes depends on where the server places its cache cells, which depends on
@@ -79,7 +83,7 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
     """(item, cell, run, answer) for every item of ``others_of`` on ``server``; ``slots``: a guest's (the item's
     requests on the first, the other clients' on the rest), None: the server picks, as for any client.
 
-    The pinned cells of every item come first, one request at a time (alone, control, hit), then every item's
+    The pinned cells of every item come first, one request at a time (alone, control, replay, hit), then every item's
     runs amid other clients: a server's cache cells are placed by everything it served before, and runs amid
     others leave them placed as their timing decided, so nothing pinned comes after one."""
     own = slots[0] if slots else None
@@ -91,13 +95,19 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
         alone = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
         control = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
         latency[item_id] = alone.seconds
+        answers += [(item_id, "alone", 0, alone), (item_id, "control", 0, control)]
+        if len(alone.tokens) > design.boundary:
+            prefix = prompt + alone.tokens[: design.boundary]
+            for cell in ("replay", "replay_control"):
+                replayed = ask(server, prefix, design.tokens - design.boundary, cache_prompt=False, slot=own)
+                answers.append((item_id, cell, 0, replayed))
         ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
         between = list(others[item_id])[:HIT_OTHERS]
         for other in between:
             ask(server, others[item_id][other], design.tokens, cache_prompt=True, slot=others_slot)
         hit = ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
         hit.others = between
-        answers += [(item_id, "alone", 0, alone), (item_id, "control", 0, control), (item_id, "hit", 0, hit)]
+        answers.append((item_id, "hit", 0, hit))
     for item_id in others_of:
         for run in range(design.load_runs):
             rng = random.Random(f"{design.seed}:{item_id}:{run}")
