@@ -296,6 +296,78 @@ def test_a_server_restarted_with_another_model_is_one_line(deployed_run, tmp_pat
     assert f"model_path {str(other)!r} (was {str(gguf)!r})" in error
 
 
+def _unreadable_copy(gguf: Path, folder: Path) -> Path:
+    """A copy of ``gguf`` for a server to load; the test deletes it once the server has it mapped, so its bytes are
+    not readable here, as a server's on another machine."""
+    folder.mkdir(exist_ok=True)
+    copy = folder / "their-model.gguf"
+    copy.write_bytes(gguf.read_bytes())
+    return copy
+
+
+@pytest.mark.slow
+def test_a_model_file_not_readable_here_is_checked_by_what_the_server_says(deployed_run, tmp_path):
+    """The server's model file gone from this machine: its weights cannot be hashed. The run checks its parameters,
+    tensor bytes, vocabulary size and spelling of the prompts' tokens instead, and the record and card say the weights
+    were not hashed; the same model gives the deployed default's answers alone."""
+    _, ledger, _ = deployed_run
+    gguf = next((ledger / "models").rglob("*.gguf"))
+    copy = _unreadable_copy(gguf, tmp_path / "theirs")
+    with SomeoneElsesServer(copy, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+        copy.unlink()
+        _, config = served_config(ledger.parent, {**DEPLOYED, "theirs": {"url": theirs.address, "slots": [0, 1, 2, 3]}})
+        result = snakemake(ledger.parent, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    entry = _summary(ledger)["servers"]["theirs"]
+    record = entry["record"]
+    assert record["model_path"] == str(copy) and record["model_file_xxh3"] is None
+    prompts = pq.read_table(ledger / "prompts" / "tiny.parquet").to_pylist()
+    distinct = {token for row in prompts for token in row["prompt_tokens"]}
+    assert (
+        record["model_check"].startswith("weights not hashed")
+        and f"the {len(distinct)} token ids" in (record["model_check"])
+    )
+    assert entry["vs_reference_differs_items"] == [] and entry["control_identical"] == 4
+    card = (ledger / "results.md").read_text()
+    assert f"| theirs | attached at {theirs.address} (weights not hashed) |" in card
+
+
+@pytest.mark.slow
+def test_another_model_not_readable_here_is_refused_in_one_line(deployed_run, tmp_path):
+    _, ledger, _ = deployed_run
+    other = write_qwen2_gguf(build_random_qwen2(tmp_path / "other", seed=5, layers=2, hidden=32), tmp_path / "o.gguf")
+    with SomeoneElsesServer(other, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+        other.unlink()
+        entry = {"url": theirs.address, "slots": [0, 1]}
+        error = _failed_attached(ledger, entry, f"the llama-server at {theirs.address} serves a model of n_params")
+    assert "the checkpoint's GGUF has" in error and "serve it in a ledger of its own model" in error
+
+
+@pytest.mark.slow
+def test_a_server_spelling_a_prompt_token_otherwise_is_refused_in_one_line(deployed_run, tmp_path):
+    """The tokenizer check itself, on a real server: the checkpoint's spelling of one prompt token changed here."""
+    from stagereplay.engines.llamaserver.attached import AttachedServer
+    from stagereplay.engines.llamaserver.build import LlamaServerError
+    from stagereplay.engines.llamaserver.model_check import check_model
+
+    _, ledger, _ = deployed_run
+    gguf = next((ledger / "models").rglob("*.gguf"))
+    spellings = {row["token_id"]: row["text"] for row in pq.read_table(ledger / "vocab" / "tiny.parquet").to_pylist()}
+    prompt = pq.read_table(ledger / "prompts" / "tiny.parquet").to_pylist()[0]["prompt_tokens"]
+    token = next(token for token in prompt if not spellings[token].startswith("‹"))
+    copy = _unreadable_copy(gguf, tmp_path / "theirs")
+    with SomeoneElsesServer(copy, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+        copy.unlink()
+        server = AttachedServer(theirs.address)
+        identity = server.identity()
+        assert check_model(server, identity, gguf, spellings, prompt)["model_file_xxh3"] is None
+        with pytest.raises(LlamaServerError) as error:
+            check_model(server, identity, gguf, {**spellings, token: spellings[token] + "x"}, prompt)
+    message = str(error.value)
+    assert f"spells token {token} {spellings[token]!r}, the checkpoint's GGUF {spellings[token] + 'x'!r}" in message
+    assert "\n" not in message
+
+
 # The served block refused before any job, each in one line with its fix (no request sent, no server needed).
 
 REFUSED = [

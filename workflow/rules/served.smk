@@ -11,6 +11,7 @@ rule served:
     input:
         model=LAYOUT.model_record(PRIMARY),
         prompts=LAYOUT.prompts(PRIMARY),
+        vocab=LAYOUT.vocab(PRIMARY),
         audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.served_table("{server}"),
@@ -28,7 +29,8 @@ rule served:
         recorded="",  # the audit's: the saved table whose server record the server must match
     shell:
         tail_log_on_failure(
-            "stagereplay served --model-record {input.model:q} --prompts {input.prompts:q} --server {wildcards.server}"
+            "stagereplay served --model-record {input.model:q} --prompts {input.prompts:q} --vocab {input.vocab:q}"
+            " --server {wildcards.server}"
             " --server-spec {params.entry} {params.design} {params.recorded} --out {output:q} 2> {log:q}"
         )
 

@@ -42,7 +42,8 @@ def cmd_served(args) -> None:
         tokens=args.tokens, clients=args.clients, seed=args.seed, load_runs=args.load_runs, boundary=args.boundary
     )
     record = read_model_record(args.model_record)
-    run_served(record, args.prompts, args.server, json.loads(args.server_spec), design, args.out, args.recorded)
+    entry = json.loads(args.server_spec)
+    run_served(record, args.prompts, args.server, entry, design, args.out, args.recorded, args.vocab)
 
 
 def add_served_command(sub) -> None:
@@ -53,6 +54,9 @@ def add_served_command(sub) -> None:
     )
     p.add_argument("--model-record", required=True, help="the primary checkpoint's model.json: its GGUF")
     p.add_argument("--prompts", required=True, help="its prompt tokens table (Parquet)")
+    p.add_argument(
+        "--vocab", default=None, help="its vocabulary table: an attached server's spellings are checked against it"
+    )
     p.add_argument("--server", required=True, help="the server's name in served.servers")
     p.add_argument(
         "--server-spec", required=True, help="its entry, as JSON: {flags: [...]} or {url: ..., slots: [...]}"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from stagereplay.engines.registry import serving_spec
 from stagereplay.inputs.items import items_after
-from stagereplay.ledger.tables import PROMPT_SCHEMA, SERVED_SCHEMA, read_table, write_table
+from stagereplay.ledger.tables import PROMPT_SCHEMA, SERVED_SCHEMA, VOCAB_SCHEMA, read_table, write_table
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,12 @@ def run_served(
     design: ServedDesign,
     out_path,
     recorded_table: str | Path | None = None,
+    vocab_path: str | Path | None = None,
 ) -> Path:
     """Serve every item of the prompts table on the server ``entry`` describes and write its rows.
-    ``recorded_table`` (the audit's): the saved table of this server, whose record the server must still match."""
+    ``recorded_table`` (the audit's): the saved table of this server, whose record the server must still match.
+    ``vocab_path``: the checkpoint's vocabulary table, whose spellings an attached server's must match where its
+    model file is not readable here."""
     prompts = {
         row["item_id"]: list(row["prompt_tokens"]) for row in read_table(prompts_path, PROMPT_SCHEMA).to_pylist()
     }
@@ -57,8 +60,13 @@ def run_served(
     if recorded_table is not None:
         rows = read_table(recorded_table, SERVED_SCHEMA).to_pylist()
         recorded = json.loads(rows[0]["server_record"]) if rows else None
+    spellings = None
+    if vocab_path is not None:
+        spellings = {row["token_id"]: row["text"] for row in read_table(vocab_path, VOCAB_SCHEMA).to_pylist()}
     protocol = serving_spec().server_protocol()
-    answers, record = protocol.serve(model_record, prompts, others, server_name, entry, design, on_item, recorded)
+    answers, record = protocol.serve(
+        model_record, prompts, others, server_name, entry, design, on_item, recorded, spellings
+    )
     return write_table(served_rows(server_name, answers, record, model_record["fingerprint"]), SERVED_SCHEMA, out_path)
 
 

@@ -41,6 +41,11 @@ def served_blocks(summary: dict) -> list[tuple]:
         + (f"; replayed {_items(entry['replay_differs_items'])}" if "replay_differs_items" in entry else "")
         for name, entry in served["servers"].items()
     ]
+    listed += [
+        f"`{name}`, its model: {entry['record']['model_check']}"
+        for name, entry in served["servers"].items()
+        if entry["record"].get("model_check")
+    ]
     return [
         ("heading", 2, "Served requests: what changes a greedy answer on the server as started"),
         (
@@ -61,6 +66,8 @@ def served_blocks(summary: dict) -> list[tuple]:
 def _row(name: str, entry: dict, reference: bool) -> list[str]:
     record = entry["record"]
     how = record.get("started") or f"attached at {record.get('attached')}"
+    if "attached" in record and record.get("model_file_xxh3") is None:
+        how += " (weights not hashed)"
     slots = record.get("total_slots")
     if "attached" in record:
         slots = f"{record['total_slots']} (used: {', '.join(map(str, record['slots']))})"

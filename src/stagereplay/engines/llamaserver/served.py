@@ -25,19 +25,20 @@ everything served before; a run amid others leaves them as its timing placed the
 (the audit reproduces the pinned cells exactly).
 
 A deployed server is recorded from itself: ``/props`` and its startup log; an attached one from ``/props``,
-``/v1/models`` and the model file where it is readable here (its bytes must be the checkpoint's GGUF), and it
-must say the same of itself at the end of the job (a restart under the run is one line). No torch here.
+``/v1/models`` and its model: the file's bytes where it is readable here, else its metadata and its spelling of
+the prompts' token ids (``model_check``), which must be the checkpoint's GGUF's; and it must say the same of itself
+at the end of the job (a restart under the run is one line). No torch here.
 """
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 from stagereplay.engines.llamaserver.attached import AttachedServer, api_key_from
 from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver.client import ServerClient
 from stagereplay.engines.llamaserver.deployed import RESERVED_FLAGS, DeployedServer
+from stagereplay.engines.llamaserver.model_check import check_model
 from stagereplay.engines.llamaserver.traffic import amid_clients, ask
 
 HIT_OTHERS = 2  # other items sent between the item's two requests of a prompt-cache hit
@@ -69,13 +70,24 @@ def check_server(name: str, entry: dict, clients: int) -> str | None:
     return None
 
 
-def serve(model_record: dict, prompts, others, name: str, entry: dict, design, on_item, recorded: dict | None = None):
+def serve(
+    model_record: dict,
+    prompts,
+    others,
+    name: str,
+    entry: dict,
+    design,
+    on_item,
+    recorded: dict | None = None,
+    spellings: dict[int, str] | None = None,
+):
     """Serve each item of ``others`` (item -> the other clients' items, in the design's order) on the server of
     ``entry``: (item, cell, run, answer) for each request, and the server's record. ``recorded`` (the audit's): the
     record the ledger holds for it; an attached server that says something else of itself is refused before any
-    request is served."""
+    request is served. ``spellings``: the checkpoint's token id -> text, checked against an attached server's where
+    its model file is not readable here (``model_check``)."""
     if "url" in entry:
-        return _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded)
+        return _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded, spellings or {})
     return _on_deployed(model_record, prompts, others, entry, design, on_item)
 
 
@@ -136,17 +148,13 @@ def _on_deployed(model_record, prompts, others, entry, design, on_item):
     return answers, record
 
 
-def _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded):
-    from stagereplay.ledger.fingerprint import file_digest
-
+def _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded, spellings):
     slots = tuple(entry.get("slots", (0,)))
     where = f"served.servers.{name}"
     server = AttachedServer(entry["url"], api_key=api_key_from(entry.get("api_key_env"), where), slots=slots)
     server.health()
     identity = server.record_identity()
     server.check_slots(identity, f"{where}.slots")
-    model_file = Path(identity.model_path)
-    hashed = file_digest(model_file) if model_file.is_file() else None
     # Every slot listed: the server picks one per request, as for any client and as on a deployed server (the
     # same protocol, so the same flags give the same answers); some only: each request is pinned to one of them.
     pinned = slots if set(slots) != set(range(identity.total_slots)) else None
@@ -155,26 +163,37 @@ def _on_attached(model_record, prompts, others, name, entry, design, on_item, re
         "slots": list(slots),
         "slots_pinned": pinned is not None,
         **identity.record(),
-        "model_file_xxh3": hashed,
     }
-    if recorded is not None and recorded != record:
-        changed = [
-            f"{key} {record.get(key)!r} (recorded {recorded.get(key)!r})"
-            for key in record
-            if record.get(key) != recorded.get(key)
-        ]
-        raise LlamaServerError(
-            f"the llama-server at {server.url} is not the one the ledger records: {'; '.join(changed)} — audit against"
-            " the server the ledger records (the same build, model and flags)"
-        )
-    if hashed is not None and hashed != file_digest(model_record["gguf"]):
-        raise LlamaServerError(
-            f"the llama-server at {server.url} serves {model_file}, whose bytes are not the checkpoint's GGUF"
-            f" ({model_record['gguf']}) — serve it in a ledger of its own model"
-        )
+    # What the server says of itself first (a server of another model or build is named as such), then its model.
+    if recorded is not None:
+        _check_recorded(server, {**record, **_model_fields(recorded)}, recorded)
+    token_ids = [token for prompt in prompts.values() for token in prompt]
+    record.update(check_model(server, identity, model_record["gguf"], spellings, token_ids))
+    if recorded is not None:
+        _check_recorded(server, record, recorded)
     answers = serve_items(server, prompts, others, design, slots=pinned, on_item=on_item)
     server.check_unchanged(identity)
     return answers, record
+
+
+def _model_fields(record: dict) -> dict:
+    """The record's fields that ``check_model`` writes (compared after it runs)."""
+    return {key: record.get(key) for key in ("model_file_xxh3", "model_check")}
+
+
+def _check_recorded(server: AttachedServer, record: dict, recorded: dict) -> None:
+    """One line if the server says something else of itself than the ledger records (the audit's check)."""
+    if record == recorded:
+        return
+    changed = [
+        f"{key} {record.get(key)!r} (recorded {recorded.get(key)!r})"
+        for key in record
+        if record.get(key) != recorded.get(key)
+    ]
+    raise LlamaServerError(
+        f"the llama-server at {server.url} is not the one the ledger records: {'; '.join(changed)} — audit against"
+        " the server the ledger records (the same build, model and flags)"
+    )
 
 
 def _flag_value(flags: tuple[str, ...], *names: str) -> str | None:
