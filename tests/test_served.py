@@ -168,6 +168,15 @@ def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp
         assert result.returncode == 0, result.stderr[-4000:]
         assert seen - started_before == {theirs.pid}  # the run started no server of its own
         assert theirs.process.poll() is None  # ... and stopped nothing
+        still = stagereplay("verify", str(ledger), "--servers")
+        assert still.returncode == 0, still.stdout + still.stderr
+        assert (
+            f"theirs: the llama-server at {theirs.address} still reports the build and model recorded" in still.stdout
+        )
+    gone = stagereplay("verify", str(ledger), "--servers")
+    faults = [line for line in gone.stderr.splitlines() if line.startswith("stagereplay: fault:")]
+    assert gone.returncode == 1 and len(faults) == 1, gone.stdout + gone.stderr
+    assert f"theirs: no llama-server answers at {theirs.address}" in faults[0]
     assert "rule served:" in result.stderr and result.stderr.count("wildcards: server=") == 1  # only the new one ran
     entry = _summary(ledger)["servers"]["theirs"]
     assert entry["control_identical"] == 4 and entry["hit_reused_median"] > 0

@@ -48,6 +48,11 @@ def cmd_verify(args) -> int:
         report.faults += faults
         for line in lines:
             print(line)
+    if args.servers:
+        lines, faults = attached_servers(Path(args.ledger_dir))
+        report.faults += faults
+        for line in lines:
+            print(line)
     for fault in report.faults:
         print(f"stagereplay: fault: {fault}", file=sys.stderr)
     print(report.summary_line(), file=sys.stderr if report.faults else sys.stdout)
@@ -58,6 +63,36 @@ def cmd_verify(args) -> int:
 
         atomic_write_text(args.out, report.summary_line() + "\n")
     return 0
+
+
+def attached_servers(ledger: Path) -> tuple[list[str], list[str]]:
+    """``verify --servers``: each attached server the ledger's served table records, asked whether it is still the
+    one recorded (its URL and API-key variable from the ledger's own design). Lines for those that are, faults."""
+    import json
+
+    from stagereplay.engines.registry import serving_spec
+    from stagereplay.ledger.layout import LedgerLayout
+    from stagereplay.ledger.tables import SERVED_SCHEMA, read_table
+
+    table = Path(LedgerLayout(ledger).table("served"))
+    if not table.exists():
+        return [], [f"--servers: {table} not found — the ledger served no requests, so it attached to no server"]
+    entries = json.loads((ledger / "provenance.json").read_text())["config"]["served"]["servers"]
+    records = {}
+    for row in read_table(table, SERVED_SCHEMA).to_pylist():
+        records.setdefault(row["server"], json.loads(row["server_record"]))
+    attached = {name: record for name, record in records.items() if "attached" in record}
+    if not attached:
+        return [], ["--servers: the ledger's servers were all deployed by the workflow — none is attached to check"]
+    protocol = serving_spec().server_protocol()
+    lines, faults = [], []
+    for name, record in attached.items():
+        problem = protocol.attached_still(name, entries[name], record)
+        if problem:
+            faults.append(problem)
+        else:
+            lines.append(f"{name}: the llama-server at {record['attached']} still reports the build and model recorded")
+    return lines, faults
 
 
 def add_verify_command(sub) -> None:
@@ -74,6 +109,12 @@ def add_verify_command(sub) -> None:
     )
     p.add_argument("--inputs", default=None, metavar="ITEMS", help="also say whether this item file is the run's")
     p.add_argument("--config", default=None, metavar="CFG", help="also say whether this config is the run's design")
+    p.add_argument(
+        "--servers",
+        action="store_true",
+        help="also ask each attached llama-server the ledger records whether it still reports the recorded build and"
+        " model (status requests only)",
+    )
     p.set_defaults(func=cmd_verify)
 
 

@@ -196,6 +196,27 @@ def _check_recorded(server: AttachedServer, record: dict, recorded: dict) -> Non
     )
 
 
+def attached_still(name: str, entry: dict, record: dict) -> str | None:
+    """Why the server ``entry`` attached at is not now the one ``record`` (a ledger's) says it was: nothing answers
+    there, or it says something else of itself (one line); None if it is. A status request or three, nothing else."""
+    where = f"served.servers.{name}"
+    try:
+        server = AttachedServer(entry["url"], api_key=api_key_from(entry.get("api_key_env"), where))
+        server.health()
+        now = server.identity().record()
+    except LlamaServerError as error:
+        return f"{name}: {error}"
+    changed = [
+        f"{key} {value!r} (recorded {record.get(key)!r})" for key, value in now.items() if record.get(key) != value
+    ]
+    if changed:
+        return (
+            f"{name}: the llama-server at {server.url} is not the one the ledger records: {'; '.join(changed)} — an"
+            " audit there would refuse it; attach the ledger's server again, or start a new ledger"
+        )
+    return None
+
+
 def _flag_value(flags: tuple[str, ...], *names: str) -> str | None:
     for index, flag in enumerate(flags[:-1]):
         if flag in names:
