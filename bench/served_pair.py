@@ -4,7 +4,8 @@ Reads one ledger's served table (tables/served.parquet) and sets two of its serv
 
 - the pinned cells (``alone``, ``control``, ``replay``, ``replay_control``, ``hit``): the same tokens, and the same margins at every step;
 - the runs amid other clients: per item, in how many runs the answer differs from the server's own answer alone
-  (their timing is not pinned, so these are compared as counts, not as tokens).
+  (their timing is not pinned, so these are compared as counts, not as tokens); the copies sent at once: per item,
+  how many distinct answers they came back with.
 
 Started with the same flags on the same GGUF and build, two servers should agree on every pinned cell; an
 attached server that does not is not the server its flags say, or serves other traffic besides the run's.
@@ -37,6 +38,15 @@ def load_counts(by_cell: dict[tuple, dict]) -> dict[str, int]:
             alone = by_cell[(item, "alone", 0)]["tokens"]
             counts[item] = counts.get(item, 0) + (first_divergence(list(row["tokens"]), list(alone)) is not None)
     return counts
+
+
+def distinct_copies(by_cell: dict[tuple, dict]) -> dict[str, int]:
+    """Per item, how many distinct answers its copies sent at once came back with."""
+    answers: dict[str, set] = {}
+    for (item, cell, _), row in by_cell.items():
+        if cell == "copies":
+            answers.setdefault(item, set()).add(tuple(row["tokens"]))
+    return {item: len(found) for item, found in answers.items()}
 
 
 def _field(a: dict, b: dict, item: str, cell: str, name: str) -> bool:
@@ -88,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         f"| amid other clients ({runs} runs): runs that differ from alone, per item | {len(same_counts)}/{len(items)}"
         f" items the same count | — | {', '.join(changed) or '—'} |"
     )
+    distinct_a, distinct_b = distinct_copies(a), distinct_copies(b)
+    if distinct_a or distinct_b:
+        same = [item for item in items if distinct_a.get(item) == distinct_b.get(item)]
+        changed = [f"{item} ({distinct_a.get(item)}→{distinct_b.get(item)})" for item in items if item not in same]
+        print(
+            f"| copies at once: distinct answers, per item | {len(same)}/{len(items)} items the same count | — |"
+            f" {', '.join(changed) or '—'} |"
+        )
     return 0 if disagreements == 0 else 1
 
 

@@ -3,7 +3,8 @@ by the job with the server's own defaults and an operator's flags) and as attach
 the test as another user would: 4 slots, the default unified and host prompt caches), on the tiny GGUF.
 
 What must hold: the A/A control on every server; a replay from the stage boundary is the whole prefix prefilled anew,
-compared with the answer alone after the boundary; a prompt-cache hit reuses the prompt; without a unified cache,
+compared with the answer alone after the boundary; a prompt-cache hit reuses the prompt; copies of a request sent at
+once are counted by their distinct answers; without a unified cache,
 other clients change no answer (each slot's cells from cell 0 of its own stream: docs/findings.md's mechanism);
 an attached server is never started, restarted or stopped by the run, its record says what it is, and each of its
 faults (nothing at the URL, a missing API key, a server killed mid-job, one restarted with another model) fails
@@ -101,6 +102,16 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
     assert len(loads) == len(DEPLOYED) * 4 * SERVED["load_runs"] and all(
         len(row["others"]) == SERVED["clients"] for row in loads
     )
+    copies = [row for row in rows if row["cell"] == "copies"]
+    assert len(copies) == len(DEPLOYED) * 4 * (1 + SERVED["clients"])
+    for name, entry in served["servers"].items():
+        assert entry["copies_items"] == 4 and entry["copies_per_item"] == 1 + SERVED["clients"], name
+        distinct = {
+            item: len({tuple(row["tokens"]) for row in copies if (row["server"], row["item_id"]) == (name, item)})
+            for item in {row["item_id"] for row in copies}
+        }
+        assert entry["copies_differ_items"] == sorted(item for item, count in distinct.items() if count > 1), name
+        assert entry["copies_most_distinct"] == max(distinct.values()), name
     card = (ledger / "results.md").read_text()
     assert "## Served requests: what changes a greedy answer on the server as started" in card
     assert "| default | llama-server -m MODEL --no-repack | 4 | 4/4 |" in card
@@ -140,6 +151,8 @@ def test_without_a_unified_cache_other_clients_change_no_answer(deployed_run):
     _, ledger, _ = deployed_run
     entry = _summary(ledger)["servers"]["np-4-no-kv-unified"]
     assert entry["load_every_run"] == [] and entry["load_some_runs"] == []
+    # Copies of one prompt at once, each on a slot of its own stream: each copy's cells from cell 0, as alone.
+    assert entry["copies_differ_items"] == [] and entry["copies_differ_from_alone_items"] == []
 
 
 @pytest.mark.slow
@@ -195,6 +208,7 @@ def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp
     assert paired.returncode == 0, paired.stdout + paired.stderr
     for cell in ("alone", "control", "replay", "replay_control", "hit"):
         assert f"| {cell} | 4/4 | 4/4 | — |" in paired.stdout
+    assert "| copies at once: distinct answers, per item |" in paired.stdout
     verified = stagereplay("verify", str(ledger))
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
@@ -225,7 +239,8 @@ def test_the_audit_reproduces_the_pinned_requests_and_refuses_another_server(dep
     assert artifacts["served_tokens"]["count"] == artifacts["served_tokens"]["n"] == pinned
     assert artifacts["served_margins"]["count"] == pinned
     assert artifacts["served_server"]["count"] == len(DEPLOYED) + 1
-    assert e4["under_load"]["artifacts"]["served_tokens"]["n"] == 4 * SERVED["load_runs"] * (len(DEPLOYED) + 1)
+    unpinned = SERVED["load_runs"] + 1 + SERVED["clients"]  # runs amid load, copies at once, per item
+    assert e4["under_load"]["artifacts"]["served_tokens"]["n"] == 4 * unpinned * (len(DEPLOYED) + 1)
 
 
 def _failed_attached(ledger: Path, entry: dict, expected: str, during=None) -> str:

@@ -2,8 +2,8 @@
 
 A request alone, its A/A repeat, the replays from the stage boundary and a prompt-cache hit are pinned (the same prompt to the same server, nothing else
 in flight, the same cache history): their tokens and margins must be reproduced exactly. A request amid other
-clients is not pinned (where the others have got when it arrives changes from run to run), so each recomputed run is
-compared with the spread of the saved runs, counted apart (``SPREAD_SUFFIX``). Each server's record (how it was
+clients, or one of several copies sent at once, is not pinned (where the others have got when it arrives changes
+from run to run), so each recomputed run is compared with the spread of the saved runs of its cell, counted apart (``SPREAD_SUFFIX``). Each server's record (how it was
 started, or what an attached one said of itself) is compared too. The checks name no item as such (the item is in
 the side): E4's per-item figure stays the checkpoint's items.
 """
@@ -39,10 +39,11 @@ def audit_served_ledger(ledger: str | Path) -> list[Check]:
 def audit_served(saved: pa.Table, audited: pa.Table) -> list[Check]:
     saved_rows, audited_rows = saved.to_pylist(), audited.to_pylist()
     recomputed = {row_key(row, SERVED_KEY): row for row in audited_rows}
-    load_runs: dict[tuple, list[dict]] = {}
+    # The runs of each unpinned cell (amid load, copies at once) of an item: the spread a rerun is compared with.
+    spread: dict[tuple, list[dict]] = {}
     for row in saved_rows:
-        if row["cell"] == "load":
-            load_runs.setdefault((row["server"], row["item_id"]), []).append(row)
+        if row["cell"] not in SERVED_PINNED_CELLS:
+            spread.setdefault((row["server"], row["item_id"], row["cell"]), []).append(row)
     checks = _records(saved_rows, audited_rows)
     for old in saved_rows:
         # The item is named in the side, not as an item: E4's per-item figure counts the checkpoint's items.
@@ -56,7 +57,8 @@ def audit_served(saved: pa.Table, audited: pa.Table) -> list[Check]:
             checks.append(_same("served", "served_tokens", where, list(old["tokens"]), list(new["tokens"])))
             checks.append(_same("served", "served_margins", where, list(old["margins"]), list(new["margins"])))
             continue
-        seen = {json.dumps(list(row["tokens"])) for row in load_runs[(old["server"], old["item_id"])]}
+        runs = spread[(old["server"], old["item_id"], old["cell"])]
+        seen = {json.dumps(list(row["tokens"])) for row in runs}
         within = json.dumps(list(new["tokens"])) in seen
         checks.append(
             Check(
@@ -64,11 +66,9 @@ def audit_served(saved: pa.Table, audited: pa.Table) -> list[Check]:
                 "served_tokens" + SPREAD_SUFFIX,
                 **where,
                 reproduced=within,
-                saved=None
-                if within
-                else f"{len(seen)} distinct in {len(load_runs[(old['server'], old['item_id'])])} saved runs",
+                saved=None if within else f"{len(seen)} distinct in {len(runs)} saved runs",
                 audited=None if within else json.dumps(list(new["tokens"])),
-                detail=None if within else "outside the spread of the saved runs amid other clients",
+                detail=None if within else f"outside the spread of the saved {old['cell']} runs",
             )
         )
     return checks

@@ -225,9 +225,9 @@ SERVED_SCHEMA = pa.schema(
         ("server", pa.string()),  # the config's name for it (served.servers); the first is the reference
         ("item_id", pa.string()),
         # alone, control (alone again), replay and replay_control (the stage boundary's prefix as a new prompt),
-        # hit (prompt-cache hit), load (amid other clients)
+        # hit (prompt-cache hit), load (amid other clients), copies (the same request several times at once)
         ("cell", pa.string()),
-        ("run", pa.int32()),  # the load schedule (0..load_runs-1); 0 for the other cells
+        ("run", pa.int32()),  # load: the schedule (0..load_runs-1); copies: the copy; 0 for the other cells
         ("tokens", pa.list_(pa.int64())),  # the greedy tokens generated
         ("margins", pa.list_(pa.float32())),  # at each step, top-1 minus top-2 log-probability: logits
         ("reused", pa.int32()),  # prompt positions the server took from its cache (timings.cache_n)

@@ -4,6 +4,8 @@ Per server: the A/A control (``control`` gives ``alone``'s tokens), then each ce
 counted over items against the item's ``alone`` answer on the same server: ``load`` per item in every run, in
 some runs only (unstable under load) or in none; ``hit`` (a prompt-cache hit); and, for every server after the
 first (the reference), its ``alone`` against the reference's ``alone``: what the server's own flags change.
+``copies``: the same request sent several times at once, per item, how many distinct answers came back
+(upstream llama.cpp issue #7052: 5-8 unique completions from 8 slots) and whether any differs from ``alone``.
 E1 on the server: ``replay`` (the stage boundary's prefix sent as a new prompt) against the answer alone after the
 boundary, with its own A/A control (``replay_control``).
 At each item's first divergent step, the top-1 minus top-2 log-probability margin of both answers (logits), and
@@ -49,6 +51,11 @@ def served_summary(table: pa.Table) -> dict:
             for item in items
             if load_counts[item]
         }
+        copies = {
+            item: [row for (name, of, cell, _), row in by_cell.items() if (name, of, cell) == (server, item, "copies")]
+            for item in items
+        }
+        distinct = {item: len({tuple(row["tokens"]) for row in rows_of}) for item, rows_of in copies.items() if rows_of}
         replayed = [item for item in items if (server, item, "replay", 0) in by_cell]
         replay = {item: by_cell[(server, item, "replay", 0)] for item in replayed}
         live = {item: _after_boundary(alone[item], replay[item]) for item in replayed}
@@ -67,6 +74,13 @@ def served_summary(table: pa.Table) -> dict:
             "hit_reused_median": statistics.median(by_cell[(server, item, "hit", 0)]["reused"] for item in items)
             if items
             else None,
+            "copies_items": len(distinct),
+            "copies_per_item": max((len(rows_of) for rows_of in copies.values()), default=0),
+            "copies_differ_items": sorted(item for item, count in distinct.items() if count > 1),
+            "copies_most_distinct": max(distinct.values(), default=0),
+            "copies_differ_from_alone_items": sorted(
+                item for item in distinct if any(_differs(row, alone[item]) for row in copies[item])
+            ),
             "replay_items": len(replayed),
             "replay_boundary": sorted({_boundary(alone[item], replay[item]) for item in replayed}),
             "replay_control_identical": sum(

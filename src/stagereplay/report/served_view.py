@@ -3,7 +3,8 @@
 An operator's table: each server as it was started (or the URL it was attached at), the A/A control, the items
 replayed from the stage boundary whose continuation differs from the answer alone's (E1 on the server), the items
 whose answer amid other clients differs from their answer alone (in every run, or in some only: unstable under
-load), the margins at the flip, the prompt-cache hits that differ, each server's own flags against the
+load), the margins at the flip, the items whose copies sent at once came back with more than one answer, the
+prompt-cache hits that differ, each server's own flags against the
 reference server, and the tokens per second a client saw alone and amid load. No torch.
 """
 
@@ -18,6 +19,7 @@ COLUMNS = [
     "margin at the flip, alone / replayed",
     "amid load: differs in every run / some runs",
     "margin at the flip, alone / amid load",
+    "the same request at once: items with more than one answer (most distinct)",
     "prompt-cache hit: differs",
     "positions reused (median)",
     "alone, against the reference server's: differs",
@@ -39,6 +41,7 @@ def served_blocks(summary: dict) -> list[tuple]:
             else ""
         )
         + (f"; replayed {_items(entry['replay_differs_items'])}" if "replay_differs_items" in entry else "")
+        + (f"; copies at once {_items(entry['copies_differ_items'])}" if "copies_differ_items" in entry else "")
         for name, entry in served["servers"].items()
     ]
     listed += [
@@ -52,7 +55,7 @@ def served_blocks(summary: dict) -> list[tuple]:
             "paragraph",
             f"Each item's prompt sent as a whole greedy request (up to the token budget or an end-of-generation token) to each server: alone"
             f" (twice: the A/A control), amid other clients' requests on a seeded schedule (each run its own), and as"
-            f" a prompt-cache hit; and replayed (E1 on the server): the prompt and the answer's tokens up to the stage"
+            f" a prompt-cache hit; sent several times at the same instant (copies, one client each); and replayed (E1 on the server): the prompt and the answer's tokens up to the stage"
             f" boundary sent as a new prompt, without prompt reuse, its continuation against the answer alone's"
             f" after the boundary (twice: its A/A control). Counted against the item's answer alone on the same server; the first server,"
             f" `{served['reference']}`, is the reference for the others' own flags. Margins are in"
@@ -83,11 +86,21 @@ def _row(name: str, entry: dict, reference: bool) -> list[str]:
         _margins(entry["replay_margins"]) if "replay_margins" in entry else "—",
         load,
         _margins(entry["load_margins"]),
+        _copies(entry),
         f"{len(entry['hit_differs_items'])}/{n}",
         "—" if entry["hit_reused_median"] is None else f"{entry['hit_reused_median']:g}",
         against,
         f"{_rate(entry['tokens_per_second_alone'])} / {_rate(entry['tokens_per_second_load'])}",
     ]
+
+
+def _copies(entry: dict) -> str:
+    if not entry.get("copies_items"):
+        return "—"
+    return (
+        f"{len(entry['copies_differ_items'])}/{entry['copies_items']} ({entry['copies_most_distinct']} of"
+        f" {entry['copies_per_item']} copies)"
+    )
 
 
 def _replayed(entry: dict) -> str:

@@ -14,13 +14,15 @@ tokens (``serve_items``):
   (``traffic.amid_clients``), ``load_runs`` times, each with its own schedule;
 - ``hit``: the item with prompt reuse, then two other items, then the item again with prompt reuse: the server
   takes its prompt from a slot or its host prompt cache (``reused`` positions);
+- ``copies``: the same request 1 + ``clients`` times at the same instant, each by a client of its own (``run``:
+  the copy), so the server places the copies on its slots side by side;
 - ``replay`` (E1 on the server): the prompt and the first ``boundary`` tokens of the answer alone (the stage
   boundary), sent as a new prompt without prompt reuse, so the server prefills the prefix its decoder reached and
   continues it; ``replay_control``: the same again. Its tokens are compared with the answer alone's after the
   boundary. An item whose answer alone ends within the first stage has no replay.
 
-Every item's alone, control and hit are served first, one request at a time, and the runs amid other clients
-after them all: what a request computes depends on where the server places its cache cells, which depends on
+Every item's alone, control, replays and hit are served first, one request at a time, and the runs amid other
+clients and the copies at once after them all: what a request computes depends on where the server places its cache cells, which depends on
 everything served before; a run amid others leaves them as its timing placed them, so nothing pinned follows one
 (the audit reproduces the pinned cells exactly).
 
@@ -39,7 +41,7 @@ from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver.client import ServerClient
 from stagereplay.engines.llamaserver.deployed import RESERVED_FLAGS, DeployedServer
 from stagereplay.engines.llamaserver.model_check import check_model
-from stagereplay.engines.llamaserver.traffic import amid_clients, ask
+from stagereplay.engines.llamaserver.traffic import amid_clients, ask, at_once
 
 HIT_OTHERS = 2  # other items sent between the item's two requests of a prompt-cache hit
 # Flash attention where no -fa is given: auto, resolved at start; neither the default log nor /props says to what.
@@ -127,6 +129,8 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
                 server, prompts[item_id], others[item_id], design.tokens, latency[item_id], rng, slots
             )
             answers.append((item_id, "load", run, loaded))
+        copies = at_once(server, prompts[item_id], design.tokens, 1 + design.clients, slots)
+        answers += [(item_id, "copies", copy, answer) for copy, answer in enumerate(copies)]
         if on_item:
             on_item()
     return answers

@@ -7,7 +7,8 @@ took from its cache (``timings.cache_n``) and the wall time. ``amid_clients`` se
 ``others`` each sent by a client of its own, their arrivals drawn from a seeded uniform schedule over
 [-L, L] seconds around the item's arrival (L: the item's alone latency), so some are generating when it
 arrives and some arrive while it runs. No request names a slot unless the server is a guest's (``slots``):
-a deployed server picks one as it does for any client.
+a deployed server picks one as it does for any client. ``at_once`` sends the same request several times at the same
+instant (one server, several slots, one prompt: upstream llama.cpp issue #7052's situation).
 
 No torch here.
 """
@@ -68,6 +69,34 @@ def ask(server: ServerClient, prompt: list[int], budget: int, cache_prompt: bool
         margins.append(float(top[0]["logprob"] - top[1]["logprob"]))
     timings = answer.get("timings", {})
     return Answer(tokens, margins, seconds, int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0)))
+
+
+def at_once(
+    server: ServerClient, prompt: list[int], budget: int, copies: int, slots: tuple[int, ...] | None = None
+) -> list[Answer]:
+    """The same greedy request sent ``copies`` times at the same instant, each by a client of its own (released
+    together by a barrier), in the order sent. ``slots`` (a guest's): copy i on slot i modulo their count; None:
+    the server places each, as it places any client's."""
+    barrier = threading.Barrier(copies)
+    answers: list[Answer | None] = [None] * copies
+    errors: list[BaseException] = []
+
+    def client(index: int) -> None:
+        slot = slots[index % len(slots)] if slots else None
+        try:
+            barrier.wait()
+            answers[index] = ask(server, prompt, budget, cache_prompt=False, slot=slot)
+        except BaseException as error:  # raised below, in the caller's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(copies)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return answers
 
 
 def amid_clients(
