@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from stagereplay.engines.llamaserver.build import LlamaServerError
@@ -78,25 +79,14 @@ def at_once(
     together by a barrier), in the order sent. ``slots`` (a guest's): copy i on slot i modulo their count; None:
     the server places each, as it places any client's."""
     barrier = threading.Barrier(copies)
-    answers: list[Answer | None] = [None] * copies
-    errors: list[BaseException] = []
 
-    def client(index: int) -> None:
-        slot = slots[index % len(slots)] if slots else None
-        try:
-            barrier.wait()
-            answers[index] = ask(server, prompt, budget, cache_prompt=False, slot=slot)
-        except BaseException as error:  # raised below, in the caller's thread
-            errors.append(error)
+    def client(index: int) -> Answer:
+        barrier.wait()
+        return ask(server, prompt, budget, cache_prompt=False, slot=slots[index % len(slots)] if slots else None)
 
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(copies)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return answers
+    with ThreadPoolExecutor(max_workers=copies) as pool:
+        sent = [pool.submit(client, index) for index in range(copies)]
+    return [future.result() for future in sent]
 
 
 def amid_clients(
@@ -113,34 +103,23 @@ def amid_clients(
     names = list(others)
     offsets = [rng.uniform(-latency, latency) for _ in names]
     start = time.monotonic() - min([0.0, *offsets])  # the earliest arrival at time 0
-    item = "\0item"  # the item's own key among the clients' names
-    result: dict[str, Answer] = {}
-    errors: list[BaseException] = []
 
-    def client(name: str, tokens: list[int], at: float, slot: int | None) -> None:
+    def client(tokens: list[int], at: float, slot: int | None) -> Answer:
         time.sleep(max(0.0, start + at - time.monotonic()))
-        try:
-            result[name] = ask(server, tokens, budget, cache_prompt=False, slot=slot)
-        except BaseException as error:  # raised below, in the caller's thread
-            errors.append(error)
+        return ask(server, tokens, budget, cache_prompt=False, slot=slot)
 
     def slot_of(index: int) -> int | None:
         if slots is None:
             return None
         return slots[0] if index < 0 else slots[1 + index % (len(slots) - 1)]
 
-    threads = [
-        threading.Thread(target=client, args=(name, others[name], offset, slot_of(index)))
-        for index, (name, offset) in enumerate(zip(names, offsets))
-    ]
-    threads.append(threading.Thread(target=client, args=(item, prompt, 0.0, slot_of(-1))))
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    answer = result[item]
+    with ThreadPoolExecutor(max_workers=len(names) + 1) as pool:
+        sent = [
+            pool.submit(client, others[name], offset, slot_of(index))
+            for index, (name, offset) in enumerate(zip(names, offsets))
+        ]
+        sent.append(pool.submit(client, prompt, 0.0, slot_of(-1)))
+    answer = [future.result() for future in sent][-1]  # the first client's failure is raised here
     arrival_order = sorted(zip(offsets, names))
     answer.others = [name for _, name in arrival_order]
     answer.arrivals = [round(offset, 3) for offset, _ in arrival_order]
