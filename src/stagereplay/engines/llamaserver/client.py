@@ -121,7 +121,7 @@ class ServerClient:
         payload = {
             "prompt": list(tokens),
             "n_predict": n_predict,
-            "id_slot": self._slot(slot),
+            "id_slot": self.checked_slot(slot),
             "cache_prompt": cache_prompt,
             "return_tokens": True,
             **GREEDY,
@@ -137,19 +137,19 @@ class ServerClient:
             raise LlamaServerError("this llama-server has no slot folder — give it a slot folder (--slot-save-path)")
         partial = f"{filename}.partial"
         try:
-            answer = self.request(f"/slots/{self._slot(slot)}?action=save", {"filename": partial})
+            answer = self.request(f"/slots/{self.checked_slot(slot)}?action=save", {"filename": partial})
             os.replace(self.slot_dir / partial, self.slot_dir / filename)
         finally:
             (self.slot_dir / partial).unlink(missing_ok=True)
         return {**answer, "filename": filename}
 
     def restore_slot(self, slot: int, filename: str) -> dict:
-        return self.request(f"/slots/{self._slot(slot)}?action=restore", {"filename": filename})
+        return self.request(f"/slots/{self.checked_slot(slot)}?action=restore", {"filename": filename})
 
     def erase_slot(self, slot: int) -> dict:
-        return self.request(f"/slots/{self._slot(slot)}?action=erase", {})
+        return self.request(f"/slots/{self.checked_slot(slot)}?action=erase", {})
 
-    def _slot(self, slot: int) -> int:
+    def checked_slot(self, slot: int) -> int:
         """The slot, refused unless this client may use it: the server takes ids modulo its slot count, so
         slot 7 of a one-slot server would silently be slot 0."""
         if slot not in self.usable_slots():

@@ -51,7 +51,7 @@ def ask(server: ServerClient, prompt: list[int], budget: int, cache_prompt: bool
         **GREEDY,
     }
     if slot is not None:
-        payload["id_slot"] = server._slot(slot)
+        payload["id_slot"] = server.checked_slot(slot)
     answer = server.request("/completion", payload)
     seconds = time.monotonic() - start
     tokens = list(answer.get("tokens", []))
