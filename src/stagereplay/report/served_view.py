@@ -54,10 +54,11 @@ def served_blocks(summary: dict) -> list[tuple]:
         (
             "paragraph",
             f"Each item's prompt sent as a whole greedy request (up to the token budget or an end-of-generation token) to each server: alone"
-            f" (twice: the A/A control), amid other clients' requests on a seeded schedule (each run its own), and as"
-            f" a prompt-cache hit; sent several times at the same instant (copies, one client each); and replayed (E1 on the server): the prompt and the answer's tokens up to the stage"
-            f" boundary sent as a new prompt, without prompt reuse, its continuation against the answer alone's"
-            f" after the boundary (twice: its A/A control). Counted against the item's answer alone on the same server; the first server,"
+            f" (twice: the A/A control); replayed (E1 on the server: the prompt and the answer's tokens up to the"
+            f" stage boundary sent as a new prompt, without prompt reuse, its continuation against the answer"
+            f" alone's after the boundary; twice, its A/A control); amid other clients' requests on a seeded"
+            f" schedule (each run its own); sent several times at the same instant (copies, one client each); and"
+            f" as a prompt-cache hit. Counted against the item's answer alone on the same server; the first server,"
             f" `{served['reference']}`, is the reference for the others' own flags. Margins are in"
             f" {served['margin_unit']}, medians over the flips.",
         ),
