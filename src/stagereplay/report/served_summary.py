@@ -51,11 +51,11 @@ def served_summary(table: pa.Table) -> dict:
             for item in items
             if load_counts[item]
         }
-        copies = {
-            item: [row for (name, of, cell, _), row in by_cell.items() if (name, of, cell) == (server, item, "copies")]
-            for item in items
-        }
-        distinct = {item: len({tuple(row["tokens"]) for row in rows_of}) for item, rows_of in copies.items() if rows_of}
+        copies: dict[str, list[dict]] = {}
+        for row in rows:
+            if row["server"] == server and row["cell"] == "copies":
+                copies.setdefault(row["item_id"], []).append(row)
+        distinct = {item: len({tuple(row["tokens"]) for row in rows_of}) for item, rows_of in copies.items()}
         replayed = [item for item in items if (server, item, "replay", 0) in by_cell]
         replay = {item: by_cell[(server, item, "replay", 0)] for item in replayed}
         live = {item: _after_boundary(alone[item], replay[item]) for item in replayed}
