@@ -33,7 +33,7 @@ from stagereplay.ledger.provenance import (
     item_fingerprints,
     read_provenance,
 )
-from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, read_table
+from stagereplay.ledger.tables import PARTIAL_TOKEN_MARKS, TRAJECTORY_SCHEMA, read_table
 
 RECORD_AGAIN = "rerun snakemake --forcerun provenance if the change is meant, else restore the run's copy"
 ITEMS_CHANGED = (
@@ -141,7 +141,7 @@ def spelled_suffix(row: dict, vocabulary: dict[int, str] | None) -> str | None:
         return None
     tokens = row["suffix_tokens"][:-1] if row["suffix_stop"] == "eos" else row["suffix_tokens"]
     pieces = [vocabulary.get(token) for token in tokens]
-    if any(piece is None or piece.startswith("‹") for piece in pieces):
+    if any(piece is None or piece.startswith(PARTIAL_TOKEN_MARKS[0]) for piece in pieces):
         return None
     return "".join(pieces)
 

@@ -256,6 +256,9 @@ PROMPT_SCHEMA = pa.schema(
 # One row per audited artifact (E4): a saved fingerprint against its recomputation.
 # How each token id of a checkpoint is spelled, written by the prompts job (which holds the
 # tokenizer) so that the report and `stagereplay show` spell tokens without loading an engine.
+# How the vocabulary spells a token that holds part of a multi-byte character (it decodes alone to no text): the
+# tokenizer's own name for it between these marks.
+PARTIAL_TOKEN_MARKS = ("‹", "›")
 VOCAB_SCHEMA = pa.schema(
     [
         ("token_id", pa.int64()),

@@ -22,9 +22,7 @@ from pathlib import Path
 
 from stagereplay.engines.llamaserver.attached import AttachedServer, ServerIdentity
 from stagereplay.engines.llamaserver.build import LlamaServerError
-
-# How the vocabulary table spells a token that is part of a multi-byte character (experiments.prompts.spelling).
-PARTIAL = ("‹", "›")
+from stagereplay.ledger.tables import PARTIAL_TOKEN_MARKS
 
 
 def gguf_metadata(path: str | Path) -> dict[str, int]:
@@ -68,7 +66,7 @@ def check_model(
     compared = 0
     for token in sorted(set(token_ids)):
         ours_text = spellings[token]
-        if ours_text.startswith(PARTIAL[0]) and ours_text.endswith(PARTIAL[1]):
+        if ours_text.startswith(PARTIAL_TOKEN_MARKS[0]) and ours_text.endswith(PARTIAL_TOKEN_MARKS[1]):
             continue
         theirs_text = server.request("/detokenize", {"tokens": [token]}).get("content")
         if theirs_text != ours_text:

@@ -170,7 +170,7 @@ def _on_attached(model_record, prompts, others, name, entry, design, on_item, re
     }
     # What the server says of itself first (a server of another model or build is named as such), then its model.
     if recorded is not None:
-        _check_recorded(server, {**record, **_model_fields(recorded)}, recorded)
+        _check_recorded(server, record, recorded)
     token_ids = [token for prompt in prompts.values() for token in prompt]
     record.update(check_model(server, identity, model_record["gguf"], spellings, token_ids))
     if recorded is not None:
@@ -180,24 +180,22 @@ def _on_attached(model_record, prompts, others, name, entry, design, on_item, re
     return answers, record
 
 
-def _model_fields(record: dict) -> dict:
-    """The record's fields that ``check_model`` writes (compared after it runs)."""
-    return {key: record.get(key) for key in ("model_file_xxh3", "model_check")}
+def _changes(now: dict, recorded: dict) -> list[str]:
+    """Each field of ``now`` that differs from the ledger's ``recorded``, as "name now (recorded then)"."""
+    return [
+        f"{key} {value!r} (recorded {recorded.get(key)!r})" for key, value in now.items() if recorded.get(key) != value
+    ]
 
 
 def _check_recorded(server: AttachedServer, record: dict, recorded: dict) -> None:
-    """One line if the server says something else of itself than the ledger records (the audit's check)."""
-    if record == recorded:
-        return
-    changed = [
-        f"{key} {record.get(key)!r} (recorded {recorded.get(key)!r})"
-        for key in record
-        if record.get(key) != recorded.get(key)
-    ]
-    raise LlamaServerError(
-        f"the llama-server at {server.url} is not the one the ledger records: {'; '.join(changed)} — audit against"
-        " the server the ledger records (the same build, model and flags)"
-    )
+    """One line if a field of ``record`` (what the server says of itself now) is not what the ledger records (the
+    audit's check)."""
+    changed = _changes(record, recorded)
+    if changed:
+        raise LlamaServerError(
+            f"the llama-server at {server.url} is not the one the ledger records: {'; '.join(changed)} — audit against"
+            " the server the ledger records (the same build, model and flags)"
+        )
 
 
 def attached_still(name: str, entry: dict, record: dict) -> str | None:
@@ -210,9 +208,7 @@ def attached_still(name: str, entry: dict, record: dict) -> str | None:
         now = server.identity().record()
     except LlamaServerError as error:
         return f"{name}: {error}"
-    changed = [
-        f"{key} {value!r} (recorded {record.get(key)!r})" for key, value in now.items() if record.get(key) != value
-    ]
+    changed = _changes(now, record)
     if changed:
         return (
             f"{name}: the llama-server at {server.url} is not the one the ledger records: {'; '.join(changed)} — an"
