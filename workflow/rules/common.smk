@@ -120,9 +120,7 @@ FACTOR_LEVELS = RUN.factor_levels
 LOAD_RUNS = CONFIG["load_runs"]
 SERVED = CONFIG["served"]
 SERVED_SERVERS = RUN.served_servers
-SERVED_DESIGN_ARGS = job_args.served_design(
-    SERVED, RUN.served_tokens, CONFIG["stage"]["max_new_tokens"]
-)
+SERVED_DESIGN_ARGS = job_args.served_design(SERVED, RUN.served_tokens, CONFIG["stage"]["max_new_tokens"])
 
 
 wildcard_constraints:
