@@ -74,12 +74,14 @@ def test_probe_reads_the_server_and_allows_no_cache_bytes_without_slot_files(the
     for needs_cache_bytes in ("E1 matched: boundary caches", "E3 bridge", "E5 transplant"):
         assert not runs[needs_cache_bytes].runs and "--slot-save-path" in runs[needs_cache_bytes].why
     assert "restore levels need --slot-save-path" in runs["E6 prefix_reuse (prompt, block)"].why
-    assert runs["E6 batch"].runs and "B up to 2" in runs["E6 batch"].why
+    assert runs["E6 batch"].runs and "amid up to 1 other clients" in runs["E6 batch"].why
+    # An offset behind an idle slot's cells is not built on an attached server, with or without slots to spare.
+    assert not runs["E6 kv_offset"].runs and "not built on an attached server" in runs["E6 kv_offset"].why
     for per_process in ("E6 cache_type", "E6 flash_attn", "E6 ubatch", "E6 threads", "E6 kv_unified"):
         assert (
             not runs[per_process].runs and "list a second server started with the other value" in runs[per_process].why
         )
-    # One slot only: concurrent load and an offset behind another slot need two.
+    # One slot only: concurrent load needs two.
     alone = {allowance.what: allowance for allowance in probe(AttachedServer(their_server.address)).allowances}
     assert not alone["E6 batch"].runs and not alone["E6 kv_offset"].runs
     assert not alone["served: amid other clients"].runs
@@ -109,7 +111,7 @@ def test_the_probe_command_prints_the_table(their_server):
     assert "slots: 4, context" in result.stdout and "this run may use [0, 1, 2]" in result.stdout
     assert "slot files: off: started without --slot-save-path" in result.stdout
     table = {line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("  E6 ")}
-    assert "yes" in table["batch"].split() and "B up to 3" in table["batch"]
+    assert "yes" in table["batch"].split() and "amid up to 2 other clients" in table["batch"]
 
 
 def test_a_guest_sends_nothing_to_a_slot_it_was_not_given(their_server):

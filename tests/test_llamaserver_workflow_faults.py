@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +33,26 @@ def _servers_under(folder: Path) -> list[int]:
         if command and command[0].endswith(b"llama-server") and any(str(folder).encode() in part for part in command):
             found.append(int(entry.name))
     return found
+
+
+def run_watching_servers(workdir: Path, config: Path, watched: Path) -> tuple[subprocess.CompletedProcess, set[int]]:
+    """A workflow run, and every llama-server alive whose command line names a file under ``watched`` while it ran."""
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(_servers_under(watched))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = snakemake(workdir, config)
+    finally:
+        done.set()
+        watcher.join()
+    return result, seen
 
 
 @pytest.mark.slow

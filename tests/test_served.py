@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 from test_llamaserver_attach import SOMEONE_ELSES_FLAGS, SomeoneElsesServer
 from test_llamaserver_engine import built  # noqa: F401 - fixture
-from test_llamaserver_workflow_faults import _servers_under
+from test_llamaserver_workflow_faults import _servers_under, run_watching_servers
 from workflow_helpers import REPO, snakemake, snakemake_command, stagereplay, write_config
 
 from stagereplay.engines.llamaserver.process import free_port
@@ -163,21 +162,7 @@ def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp
     with SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
         servers = {**DEPLOYED, "theirs": {"url": theirs.address, "slots": [0, 1, 2, 3]}}
         _, config = served_config(workdir, servers)
-        seen: set[int] = set()
-        done = threading.Event()
-
-        def watch() -> None:  # every llama-server alive while the run runs
-            while not done.is_set():
-                seen.update(_llama_servers(workdir))
-                time.sleep(0.01)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            result = snakemake(workdir, config)
-        finally:
-            done.set()
-            watcher.join()
+        result, seen = run_watching_servers(workdir, config, workdir)
         assert result.returncode == 0, result.stderr[-4000:]
         assert seen - started_before == {theirs.pid}  # the run started no server of its own
         assert theirs.process.poll() is None  # ... and stopped nothing

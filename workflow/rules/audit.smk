@@ -58,6 +58,9 @@ use rule register_model as audit_register_model with:
         LAYOUT.audit.model_record("{checkpoint}"),
     log:
         LAYOUT.audit_log("register_model", "{checkpoint}"),
+    params:
+        # An attached checkpoint's server must be the one the ledger records (its build, model and slots).
+        attach=lambda wildcards: RUN.attach_option(wildcards.checkpoint, str(LAYOUT.model_record(wildcards.checkpoint))),
 
 
 use rule live as audit_live with:

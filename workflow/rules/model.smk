@@ -101,8 +101,9 @@ rule register_model:
         folder=lambda wildcards: RUN.model_folder(wildcards.checkpoint),
         source=lambda wildcards: RUN.checkpoint_source(wildcards.checkpoint),
         engine=lambda wildcards: RUN.spec(wildcards.checkpoint).name,
+        attach=lambda wildcards: RUN.attach_option(wildcards.checkpoint),
     shell:
         tail_log_on_failure(
             "stagereplay register-model {params.folder:q} --source {params.source} --engine {params.engine}"
-            " --out {output:q} > {log:q} 2>&1"
+            " {params.attach} --out {output:q} > {log:q} 2>&1"
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def cmd_make_default_items(args) -> None:
     from stagereplay.inputs.default_items import make_default_items
@@ -99,7 +101,17 @@ def cmd_register_model(args) -> None:
     from stagereplay.inputs.checkpoints import write_gguf_record, write_model_record
 
     spec = spec_named(args.engine)
-    if spec.record_kind == "gguf":
+    if args.attach:
+        # A server someone else runs: what it says of itself and the proof that it runs this GGUF, in the record.
+        import json
+
+        recorded = json.loads(Path(args.recorded).read_text()) if args.recorded else None
+        attach = json.loads(args.attach)
+        extra = spec.engine_class(attached=True).attached_record(
+            args.folder, attach, "the attached checkpoint", recorded
+        )
+        write_gguf_record(args.out, args.folder, args.source, spec.name, extra)
+    elif spec.record_kind == "gguf":
         write_gguf_record(args.out, args.folder, args.source, spec.name)
     else:
         write_model_record(args.out, args.folder, args.source, None if spec.name == DEFAULT_ENGINE else spec.name)
@@ -112,6 +124,8 @@ def add_register_model_command(sub) -> None:
     p.add_argument("folder", help="the model folder, or the GGUF file for an engine that runs one as shipped")
     p.add_argument("--source", required=True, help="where the folder came from (recorded)")
     p.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE)
+    p.add_argument("--attach", help="JSON: the running llama-server the GGUF is served by (url, slot, slot_dir, ...)")
+    p.add_argument("--recorded", help="with --attach: the ledger's model.json, whose server this must be (the audit)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_register_model)
 

@@ -66,32 +66,38 @@ def cmd_verify(args) -> int:
 
 
 def attached_servers(ledger: Path) -> tuple[list[str], list[str]]:
-    """``verify --servers``: each attached server the ledger's served table records, asked whether it is still the
-    one recorded (its URL and API-key variable from the ledger's own design). Lines for those that are, faults."""
+    """``verify --servers``: each attached server the ledger records (a served server, from its served table and its
+    URL and API-key variable from the ledger's own design; an attached checkpoint, from its model record), asked
+    whether it is still the one recorded. Lines for those that are, faults."""
     import json
 
     from stagereplay.engines.registry import serving_spec
     from stagereplay.ledger.layout import LedgerLayout
     from stagereplay.ledger.tables import SERVED_SCHEMA, read_table
 
-    table = Path(LedgerLayout(ledger).table("served"))
-    if not table.exists():
-        return [], [f"--servers: {table} not found — the ledger served no requests, so it attached to no server"]
-    entries = json.loads((ledger / "provenance.json").read_text())["config"]["served"]["servers"]
-    records = {}
-    for row in read_table(table, SERVED_SCHEMA).to_pylist():
-        records.setdefault(row["server"], json.loads(row["server_record"]))
-    attached = {name: record for name, record in records.items() if "attached" in record}
+    layout = LedgerLayout(ledger)
+    attached = {}  # name -> (its entry: url and API-key variable, what it said of itself when recorded)
+    table = Path(layout.table("served"))
+    if table.exists():
+        entries = json.loads((ledger / "provenance.json").read_text())["config"]["served"]["servers"]
+        for row in read_table(table, SERVED_SCHEMA).to_pylist():
+            record = json.loads(row["server_record"])
+            if "attached" in record:
+                attached.setdefault(row["server"], (entries[row["server"]], record))
+    for path in sorted(Path(layout.root, "models").glob("*/model.json")):
+        record = json.loads(path.read_text())
+        if "attach" in record:
+            attached[f"checkpoints.{path.parent.name}.attach"] = (record["attach"], record["server"])
     if not attached:
-        return [], ["--servers: the ledger's servers were all deployed by the workflow — none is attached to check"]
+        return [], ["--servers: the ledger attached to no server (its servers and models were all the workflow's own)"]
     protocol = serving_spec().server_protocol()
     lines, faults = [], []
-    for name, record in attached.items():
-        problem = protocol.attached_still(name, entries[name], record)
+    for name, (entry, record) in attached.items():
+        problem = protocol.attached_still(name, entry, record)
         if problem:
             faults.append(problem)
         else:
-            lines.append(f"{name}: the llama-server at {record['attached']} still reports the build and model recorded")
+            lines.append(f"{name}: the llama-server at {entry['url']} still reports the build and model recorded")
     return lines, faults
 
 

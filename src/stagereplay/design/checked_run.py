@@ -10,9 +10,11 @@ before anything is written. No torch: it reads the config, the item file and the
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stagereplay.design.attach import AttachRefused, check_attached
 from stagereplay.design.factors import FactorError, Level, check_levels
 from stagereplay.design.jobs import JobList, job_list, outcome_blind_checkpoint
 from stagereplay.design.served import ServedRefused, check_served, served_tokens
@@ -73,6 +75,16 @@ class CheckedRun:
         """The sha256 a GGUF must have: the configured one, the embedded default's, or "" (none given)."""
         entry = self.config["checkpoints"][checkpoint]
         return entry.get("sha256") or ("" if "gguf" in entry else self.config["embedded_model"]["sha256"])
+
+    def attach_option(self, checkpoint: str, recorded: str | None = None) -> str:
+        """register-model's --attach: the server an attached checkpoint runs on, its slot folder as seen here;
+        ``recorded``: the ledger's model record, whose server it must be (the audit's registration)."""
+        attach = self.config["checkpoints"][checkpoint].get("attach")
+        if not attach:
+            return ""
+        attach = {**attach, "slot_dir": str(Path(self.repo_path(attach["slot_dir"])).resolve())}
+        option = "--attach " + shlex.quote(json.dumps(attach, sort_keys=True))
+        return option + (f" --recorded {shlex.quote(recorded)}" if recorded else "")
 
     def registered_inputs(self, checkpoint: str) -> str | list[str]:
         """What registering a checkpoint reads: its model folder or GGUF; of a user's safetensors folder, which
@@ -381,6 +393,10 @@ def check_run(config: dict, repo: str | Path, auditing: bool = False) -> Checked
     shards = [f"{index:03d}" for index in range((len(items) + shard_size - 1) // shard_size)]
     constructions = check_constructions(config)
     engines = {name: engine_spec(config, repo, name) for name in config["checkpoints"]}
+    try:
+        check_attached(config, engines)
+    except AttachRefused as error:
+        raise RunRefused(str(error)) from None
     check_precisions(config, repo)
     if auditing:
         check_audited_models(config, repo, layout)

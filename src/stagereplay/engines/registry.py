@@ -103,17 +103,20 @@ def serving_spec() -> EngineSpec:
 
 
 def spec_of_engine(engine: object) -> EngineSpec:
-    """The spec of a loaded engine: the one whose ``engine_class_path`` names the engine's own class."""
+    """The spec of a loaded engine: the one whose ``engine_class_path`` names the engine's class, or the class it
+    is a variant of (a llama-server attached at a URL is the llamaserver engine's)."""
+    for cls in type(engine).__mro__:
+        path = f"{cls.__module__}:{cls.__qualname__}"
+        for spec in SPECS.values():
+            if spec.engine_class_path == path:
+                return spec
     path = f"{type(engine).__module__}:{type(engine).__qualname__}"
-    for spec in SPECS.values():
-        if spec.engine_class_path == path:
-            return spec
     raise ModelError(f"no registered engine runs {path} — register its spec (engines.registry.register)")
 
 
 def engine_class(record: dict) -> type:
     """The engine that runs the record's checkpoint (its module is imported only when asked for)."""
-    return spec_of(record).engine_class()
+    return spec_of(record).engine_class(attached="attach" in record)
 
 
 def load_checkpoint(record: dict, runtime):

@@ -104,6 +104,9 @@ class EngineSpec:
     # attached at a URL (``serve``, ``check_server``, ``probe_text``: the config's ``served`` block and
     # ``stagereplay probe``); empty: the engine serves none.
     server_module: str = ""
+    # The engine on a server someone else runs, for a checkpoint with ``attach`` ("module:Class", a subclass of the
+    # engine's own class); empty: this engine attaches to none.
+    attached_class_path: str = ""
 
     def mechanism(self, factor: str) -> str | None:
         """How this engine runs ``factor`` (a ``MECHANISMS`` key), or None: a factor it does not run."""
@@ -172,7 +175,8 @@ class EngineSpec:
         """The module that serves whole requests to this engine's servers (imported now)."""
         return importlib.import_module(self.server_module)
 
-    def engine_class(self) -> type:
-        """The engine itself, an ``engines.base.Engine`` (its module, and torch, are imported now)."""
-        module, _, name = self.engine_class_path.partition(":")
+    def engine_class(self, attached: bool = False) -> type:
+        """The engine itself, an ``engines.base.Engine`` (its module, and torch, are imported now); ``attached``: the
+        one on a server someone else runs (a checkpoint with ``attach``)."""
+        module, _, name = (self.attached_class_path if attached else self.engine_class_path).partition(":")
         return getattr(importlib.import_module(module), name)

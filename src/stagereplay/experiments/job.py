@@ -57,7 +57,7 @@ class JobContext:
 
     def load_engine(self) -> Engine:
         """The checkpoint loaded by its engine at the job's runtime (what registry.load_checkpoint does)."""
-        return self.engine_spec.engine_class().load(self.record, self.runtime)
+        return self.engine_spec.engine_class(attached="attach" in self.record).load(self.record, self.runtime)
 
     def store(self) -> ObjectStore:
         return ObjectStore(self.store_root)

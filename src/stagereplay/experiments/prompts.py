@@ -14,7 +14,7 @@ from stagereplay.engines.base import ModelError
 from stagereplay.engines.registry import checkpoint_tokenizer
 from stagereplay.inputs import items as items_mod
 from stagereplay.ledger.fingerprint import fingerprint_tokens
-from stagereplay.ledger.tables import PARTIAL_TOKEN_MARKS, PROMPT_SCHEMA, VOCAB_SCHEMA, write_table
+from stagereplay.ledger.tables import PROMPT_SCHEMA, VOCAB_SCHEMA, spelling, write_table
 
 _INSTRUCTION = (
     "Answer the following multiple-choice question. Think step by step, "
@@ -107,17 +107,6 @@ def tokenize_prompts(
             }
         )
     return write_table(rows, PROMPT_SCHEMA, out_path)
-
-
-def spelling(tokenizer, token: int) -> str:
-    """A token decoded alone (special tokens kept: an end-of-turn token is part of what was generated).
-
-    A token holding part of a multi-byte character decodes alone to U+FFFD, which would make two different
-    tokens look the same: such a token is spelled as the tokenizer's own name for it, in ‹ ›.
-    """
-    text = tokenizer.decode([token], skip_special_tokens=False)
-    opening, closing = PARTIAL_TOKEN_MARKS
-    return f"{opening}{tokenizer.convert_ids_to_tokens(token)}{closing}" if "\ufffd" in text else text
 
 
 def write_vocabulary(tokenizer, out_path: str | Path) -> Path:

@@ -221,8 +221,11 @@ def record_fingerprint(record: dict) -> str:
     return gguf_fingerprint(Path(record["gguf"])) if "gguf" in record else model_fingerprint(record["folder"])
 
 
-def write_gguf_record(record_path: str | Path, gguf_path: str | Path, source: str, engine: str) -> dict:
-    """The registration record of a GGUF that ``engine`` runs as shipped (never converted)."""
+def write_gguf_record(
+    record_path: str | Path, gguf_path: str | Path, source: str, engine: str, extra: dict | None = None
+) -> dict:
+    """The registration record of a GGUF that ``engine`` runs as shipped (never converted); ``extra``: what the
+    engine adds (the server an attached checkpoint runs on)."""
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise CheckpointError(f"GGUF file {gguf_path} not found — fix the checkpoint's gguf path")
@@ -231,6 +234,7 @@ def write_gguf_record(record_path: str | Path, gguf_path: str | Path, source: st
         "fingerprint": gguf_fingerprint(gguf_path),
         "source": source,
         "engine": engine,
+        **(extra or {}),
     }
     atomic_write_text(record_path, json.dumps(record, indent=2) + "\n")
     return record

@@ -222,6 +222,17 @@ def grouped_figures(figures: list[Figure]) -> list[tuple]:
     ]
 
 
+def attached_note(model: dict) -> str:
+    """Of a checkpoint run on someone else's server: which server, and how its model was proven to be the GGUF."""
+    if "attach" not in model:
+        return ""
+    server = model["server"]
+    return (
+        f"; run on the llama-server attached at {model['attach']['url']} (slot {model['attach']['slot']}, build"
+        f" {server['build']}, never started or restarted by the run): {model['model_check']}"
+    )
+
+
 # The card's blocks, written as Markdown and as HTML by render.py.
 def document(
     panel: list[list[str]], figures: list[Figure], prov: Provenance, lines_of_reading: list[str]
@@ -247,6 +258,7 @@ def document(
                 f"items: {prov.item_count} from `{prov.item_source}` (normalised items.jsonl, xxh3-128 {prov.item_digest})",
                 *[
                     f"model `{model['checkpoint']}`: source {model['source']}, fingerprint {model['fingerprint']}"
+                    + attached_note(model)
                     for model in prov.models
                 ],
                 f"precisions: {', '.join(sorted({entry['precision'] for entry in prov.environment}))}",

@@ -59,7 +59,7 @@ from stagereplay.engines.llamaserver.batches import decode_calls, describe_split
 from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver.load import companions_in_flight
 from stagereplay.engines.llamaserver.process import ServerProcess, ServerSettings
-from stagereplay.engines.llamaserver.sequences import SLOT, SlotSequences, kept_positions
+from stagereplay.engines.llamaserver.sequences import SlotSequences, kept_positions
 from stagereplay.engines.llamaserver.slots import read_slot_file, write_slot_file
 from stagereplay.ledger.kvstate import KVState
 
@@ -109,8 +109,7 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
         # Two tokens that are one ASCII character each: a sampled token whose text is whole (``_forced``).
         self.plain_tokens = [self.tokenizer.encode(text, add_special_tokens=False)[0] for text in ("a", "b")]
         self.gguf_path = gguf_path
-        self.slot_dir = Path(tempfile.mkdtemp(prefix="stagereplay-slots-"))
-        self.server = ServerProcess(gguf_path, settings, slot_dir=self.slot_dir)
+        self.slot_dir, self.server = self._new_server(settings)
         self.environment: Environment | None = None
         self.generation = 0
         self.saved = 0
@@ -119,6 +118,12 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
         except BaseException:
             self.close()
             raise
+
+    def _new_server(self, settings: ServerSettings) -> tuple[Path, ServerProcess]:
+        """The slot folder and the server the engine's requests go to: a process of its own, its slot files in a
+        temporary folder (``attached_engine`` gives a server someone else runs instead)."""
+        slot_dir = Path(tempfile.mkdtemp(prefix="stagereplay-slots-"))
+        return slot_dir, ServerProcess(self.gguf_path, settings, slot_dir=slot_dir)
 
     def _start(self) -> None:
         """Start ``self.server`` and read the cache's rotation from its log; every earlier cache goes stale."""
@@ -243,7 +248,7 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
     # The engine protocol (base.Engine).
 
     def empty_cache(self) -> ServerCache:
-        self.server.erase_slot(SLOT)
+        self.server.erase_slot(self.slot)
         self.generation += 1
         return ServerCache(self, self.generation, [])
 
@@ -344,14 +349,13 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
 
     def snapshot(self, cache: ServerCache) -> KVState:
         self._check(cache)
-        self.saved += 1
-        name = f"snapshot-{self.saved}.bin"
+        name = self.slot_file_name("snapshot")
         held = cache.tokens if cache.slot_tokens is None else cache.slot_tokens  # a truncation still pending
-        answer = self.server.save_slot(SLOT, name)
+        answer = self.server.save_slot(self.slot, name)
         try:
             if answer.get("n_saved") != len(held):
                 raise LlamaServerError(f"llama-server saved {answer.get('n_saved')} tokens, the slot holds {len(held)}")
-            tokens, parsed = read_slot_file(self.slot_dir / name, self.geometry, SLOT, self.rotation)
+            tokens, parsed = read_slot_file(self.slot_dir / name, self.geometry, self.slot, self.rotation)
         finally:
             (self.slot_dir / name).unlink(missing_ok=True)
         if tokens != held or parsed.kv.num_positions != len(held) or parsed.cache_type != self.settings.cache_type:
@@ -382,17 +386,16 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
         streams = 1 if self.settings.kv_unified else self.settings.parallel
         seq = SeqState(
             kv=state,
-            seq_id=SLOT,
+            seq_id=self.slot,
             v_trans=not self.settings.flash_attn,
             cache_type=self.settings.cache_type,
             streams=streams,
-            stream=SLOT if streams > 1 else 0,
+            stream=self.slot if streams > 1 else 0,
         )
-        self.saved += 1
-        name = f"restore-{self.saved}.bin"
+        name = self.slot_file_name("restore")
         write_slot_file(self.slot_dir / name, seq, tokens)
         try:
-            answer = self.server.restore_slot(SLOT, name)
+            answer = self.server.restore_slot(self.slot, name)
         finally:
             (self.slot_dir / name).unlink(missing_ok=True)
         if answer.get("n_restored") != len(tokens):
@@ -414,7 +417,7 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
             )
         prompt = cache.tokens + list(tokens)
         answer = self.server.complete(
-            prompt, n_predict, slot=SLOT, cache_prompt=True, n_probs=n_probs, post_sampling_probs=False, **extra
+            prompt, n_predict, slot=self.slot, cache_prompt=True, n_probs=n_probs, post_sampling_probs=False, **extra
         )
         timings = answer.get("timings", {})
         if timings.get("cache_n") != len(cache.tokens) or timings.get("prompt_n") != len(tokens):
@@ -464,7 +467,14 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
 def load_llamaserver(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
     """A server for the GGUF at ``runtime`` (the precision is the cache type), with its environment record."""
     check_runtime(runtime, "llamaserver", "the llama-server engine")
-    settings = ServerSettings(
+    engine = LlamaServerEngine(gguf, reference_settings(runtime))
+    engine.environment = environment_of(engine, runtime)
+    return engine
+
+
+def reference_settings(runtime: Runtime) -> ServerSettings:
+    """What the engine's own server starts with at ``runtime`` (an operator starts the same to attach it)."""
+    return ServerSettings(
         threads=runtime.threads,
         threads_batch=runtime.threads,
         flash_attn=runtime.flash_attn,
@@ -478,9 +488,6 @@ def load_llamaserver(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
         cache_ram_mib=0,
         extra=server_extra(runtime.precision),
     )
-    engine = LlamaServerEngine(gguf, settings)
-    engine.environment = environment_of(engine, runtime)
-    return engine
 
 
 def environment_of(engine: LlamaServerEngine, runtime: Runtime) -> Environment:

@@ -84,11 +84,13 @@ class Probe:
                 if self.slot_files
                 else f"off: started without {SLOT_FILES_FLAG}"
             ),
-            "  not reported by the server: whether its cache is unified, its cache type, flash attention, micro-batch",
+            "  not reported by the server: its cache type, flash attention and KV streams (an attached checkpoint's"
+            " job reads them from a slot file it saves of one token), its micro-batch and threads (never known)",
             "",
-            "  What runs on it today: the served cells (served.servers.NAME.url), E1 on suffixes among them (replay"
-            " from the stage boundary). E1-E6 with cache bytes on an attached server are not built yet; their rows say"
-            " what this server would allow them.",
+            "  How to run it: as served cells (served.servers.NAME: {url, slots}), whole requests, E1 on suffixes among"
+            " them (a replay from the stage boundary); with slot files, as an attached checkpoint"
+            " (checkpoints.NAME.attach: {url, slot, slot_dir}), E1-E5 and E6's prefix_reuse with the boundary"
+            " cache's bytes, on one slot, one job at a time.",
             f"  {'what':<34} {'allows':<6} why",
         ]
         for allowance in self.allowances:
@@ -160,11 +162,17 @@ def _factor_allowance(factor: str, mechanism: str, option: str, slot_files: bool
     if factor == "batch":
         if len(slots) < 2:
             return Allowance(what, False, "concurrent load needs the run to use 2 or more slots: list them under slots")
-        return Allowance(what, True, f"B up to {len(slots)}: B-1 other requests on the run's own slots")
-    if factor == "kv_offset":
-        if len(slots) < 2:
-            return Allowance(what, False, "another slot holds the filler: list 2 or more slots under slots")
         return Allowance(
-            what, True, "the filler's cells must stay while idle (a server caching idle slots clears them)"
+            what,
+            True,
+            f"as served requests amid up to {len(slots) - 1} other clients on the run's own slots (served"
+            " cells: suffixes and margins; an attached checkpoint uses one slot)",
+        )
+    if factor == "kv_offset":
+        return Allowance(
+            what,
+            False,
+            "not built on an attached server: the filler is another slot kept idle, which a server"
+            " caching idle slots clears; run it on a server the workflow starts",
         )
     return Allowance(what, False, f"not known to the probe ({mechanism}: {option})")

@@ -14,6 +14,7 @@ removal does not touch. ``save_sequence`` and ``load_sequence`` are the server's
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -35,6 +36,13 @@ def kept_positions(state: KVState, positions: int) -> KVState:
 class SlotSequences:
     """``truncate``, ``save_sequence`` and ``load_sequence`` on the engine's slot (mixed into the engine)."""
 
+    slot = SLOT  # the slot the engine's requests go to (an attached server's may be another)
+
+    def slot_file_name(self, kind: str) -> str:
+        """A new slot file's name, this process's: an attached server's slot folder is shared with others."""
+        self.saved += 1
+        return f"stagereplay-{os.getpid()}-{kind}-{self.saved}.bin"
+
     def truncate(self, cache, positions: int) -> None:
         """Keep the first ``positions`` of the slot for the next request (the server drops the rest then)."""
         self._check(cache)
@@ -51,9 +59,8 @@ class SlotSequences:
             raise LlamaServerError(
                 "the server saves the slot's own tokens and cells: save a slot holding exactly the given tokens"
             )
-        self.saved += 1
-        name = f"sequence-{self.saved}.bin"
-        answer = self.server.save_slot(SLOT, name)
+        name = self.slot_file_name("sequence")
+        answer = self.server.save_slot(self.slot, name)
         if answer.get("n_saved") != len(tokens):
             (self.slot_dir / name).unlink(missing_ok=True)
             raise LlamaServerError(f"llama-server saved {answer.get('n_saved')} tokens, the slot holds {len(tokens)}")
@@ -63,14 +70,13 @@ class SlotSequences:
     def load_sequence(self, path: str | Path, capacity: int):
         """The emptied slot restored by the server from a file ``save_sequence`` wrote, with its tokens."""
         cache = self.empty_cache()
-        self.saved += 1
-        name = f"sequence-{self.saved}.bin"
+        name = self.slot_file_name("sequence")
         shutil.copyfile(path, self.slot_dir / name)
         try:
-            tokens, _ = read_slot_file(self.slot_dir / name, self.geometry, SLOT, self.rotation)
+            tokens, _ = read_slot_file(self.slot_dir / name, self.geometry, self.slot, self.rotation)
             if len(tokens) > capacity:
                 raise LlamaServerError(f"the slot file {path} holds {len(tokens)} tokens, more than {capacity}")
-            answer = self.server.restore_slot(SLOT, name)
+            answer = self.server.restore_slot(self.slot, name)
         finally:
             (self.slot_dir / name).unlink(missing_ok=True)
         if answer.get("n_restored") != len(tokens):

@@ -200,8 +200,9 @@ def _check_recorded(server: AttachedServer, record: dict, recorded: dict) -> Non
 
 def attached_still(name: str, entry: dict, record: dict) -> str | None:
     """Why the server ``entry`` attached at is not now the one ``record`` (a ledger's) says it was: nothing answers
-    there, or it says something else of itself (one line); None if it is. A status request or three, nothing else."""
-    where = f"served.servers.{name}"
+    there, or it says something else of itself (one line); None if it is. A status request or three, nothing else.
+    ``name``: a served server's name, or the config key of an attached checkpoint ("checkpoints.NAME.attach")."""
+    where = name if name.startswith("checkpoints.") else f"served.servers.{name}"
     try:
         server = AttachedServer(entry["url"], api_key=api_key_from(entry.get("api_key_env"), where))
         server.health()

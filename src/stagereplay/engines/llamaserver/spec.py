@@ -33,10 +33,12 @@ DECLARED = {
     # row's engine_build; the binding it was built from, whose tokenizer the engine uses, is versioned here.
     "libraries": ("llama_cpp_python",),
     "engine_class_path": "stagereplay.engines.llamaserver.engine:LlamaServerEngine",
+    # A checkpoint with attach: the engine on one slot of a server someone else runs, its slot files read here.
+    "attached_class_path": "stagereplay.engines.llamaserver.attached_engine:AttachedServerEngine",
     # Whole requests to a server deployed by the workflow or attached at a URL (the served block, stagereplay probe).
     "server_module": "stagereplay.engines.llamaserver.served",
     "precision_note": "its precision is llama.cpp's KV cache type; the weights are the GGUF's as shipped, run by"
-    " llama-server built from the binding's vendored llama.cpp; its logits are read as log-probabilities"
+    " llama-server (built here from the binding's vendored llama.cpp, or attached at a URL); its logits are read as log-probabilities"
     " (logits less a constant per position): margins and argmax hold, absolute logits do not",
     # factor -> (what its control exercises on the server, what it does not): EngineSpec.control_scopes
     "control_scopes": {
