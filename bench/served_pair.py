@@ -50,9 +50,10 @@ def distinct_copies(by_cell: dict[tuple, dict]) -> dict[str, int]:
 
 
 def _field(a: dict, b: dict, item: str, cell: str, name: str) -> bool:
-    """Both servers served ``cell`` of ``item`` and gave the same ``name`` (tokens, margins)."""
-    key = (item, cell, 0)
-    return key in a and key in b and a[key][name] == b[key][name]
+    """Both servers served every run of ``cell`` of ``item`` (one, or one per slot) and gave the same ``name``
+    (tokens, margins) in each."""
+    keys = {key for key in (*a, *b) if key[:2] == (item, cell)}
+    return all(key in a and key in b and a[key][name] == b[key][name] for key in keys)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     disagreements = 0
     for cell in SERVED_PINNED_CELLS:
         # A replay is sent only where the answer alone passed the stage boundary: one side without it differs.
-        served = [item for item in items if (item, cell, 0) in a or (item, cell, 0) in b]
+        served = [item for item in items if any(key[:2] == (item, cell) for key in (*a, *b))]
         if not served:
             continue
         same_tokens = [item for item in served if _field(a, b, item, cell, "tokens")]

@@ -32,7 +32,7 @@ from stagereplay.engines.llamaserver.process import free_port
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 
-SERVED = {"tokens": 16, "clients": 2, "seed": 0, "load_runs": 2}
+SERVED = {"tokens": 16, "clients": 2, "seed": 0, "load_runs": 2, "each_slot": True}
 BOUNDARY = 12  # config/test.yaml's stage.max_new_tokens: where a replay starts
 WAIT_SECONDS = 300
 DEPLOYED = {
@@ -111,6 +111,16 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
         }
         assert entry["copies_differ_items"] == sorted(item for item, count in distinct.items() if count > 1), name
         assert entry["copies_most_distinct"] == max(distinct.values()), name
+    # Alone on each slot in turn: every slot of the server, each item; counted against the item's answer alone.
+    slots = [row for row in rows if row["cell"] == "slot"]
+    for name, entry in served["servers"].items():
+        mine = [row for row in slots if row["server"] == name]
+        total = entry["record"]["total_slots"]
+        assert sorted({row["run"] for row in mine}) == list(range(total)) and len(mine) == 4 * total, name
+        assert entry["slot_items"] == 4 and entry["slots_per_item"] == total, name
+        alone = {row["item_id"]: row["tokens"] for row in rows if (row["server"], row["cell"]) == (name, "alone")}
+        differ = sorted({row["item_id"] for row in mine if row["tokens"] != alone[row["item_id"]]})
+        assert entry["slot_differs_items"] == differ, name
     card = (ledger / "results.md").read_text()
     assert "## Served requests: what changes a greedy answer on the server as started" in card
     assert "| default | llama-server -m MODEL --no-repack | 4 | 4/4 |" in card
@@ -220,7 +230,8 @@ def test_the_audit_reproduces_the_pinned_requests_and_refuses_another_server(dep
     assert audited.returncode == 0, audited.stderr[-4000:]
     e4 = json.loads((ledger / "audit" / "e4.json").read_text())
     artifacts = e4["artifacts"]
-    pinned = 5 * 4 * (len(DEPLOYED) + 1)  # alone, control, replay twice, hit of 4 items on every server
+    # alone, control, replay twice, hit, and alone on each slot, of 4 items on every server
+    pinned = sum((5 + entry["slots_per_item"]) * 4 for entry in _summary(ledger)["servers"].values())
     assert artifacts["served_tokens"]["count"] == artifacts["served_tokens"]["n"] == pinned
     assert artifacts["served_margins"]["count"] == pinned
     assert artifacts["served_server"]["count"] == len(DEPLOYED) + 1

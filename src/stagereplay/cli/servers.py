@@ -39,7 +39,12 @@ def cmd_served(args) -> None:
     from stagereplay.inputs.checkpoints import read_model_record
 
     design = ServedDesign(
-        tokens=args.tokens, clients=args.clients, seed=args.seed, load_runs=args.load_runs, boundary=args.boundary
+        tokens=args.tokens,
+        clients=args.clients,
+        seed=args.seed,
+        load_runs=args.load_runs,
+        boundary=args.boundary,
+        each_slot=args.each_slot,
     )
     record = read_model_record(args.model_record)
     entry = json.loads(args.server_spec)
@@ -68,6 +73,7 @@ def add_served_command(sub) -> None:
     p.add_argument(
         "--boundary", type=int, required=True, help="the stage boundary (stage.max_new_tokens): where a replay starts"
     )
+    p.add_argument("--each-slot", action="store_true", help="the request alone on each slot in turn (cell slot)")
     p.add_argument("--out", required=True, help="the server's table (Parquet)")
     p.add_argument(
         "--recorded", default=None, help="the audit's: the saved table of this server, whose record it must still match"

@@ -58,9 +58,9 @@ def sweep_args(sweep: dict) -> str:
 
 
 def served_design(served: dict, tokens: int, boundary: int) -> str:
-    """The served job's design options: greedy tokens per request, other clients, the schedule's seed and runs, and
-    the stage boundary a replay starts at."""
+    """The served job's design options: greedy tokens per request, other clients, the schedule's seed and runs, the
+    stage boundary a replay starts at, and whether the request is sent alone on each slot in turn."""
     return (
         f"--tokens {tokens} --clients {served['clients']} --seed {served['seed']} --load-runs {served['load_runs']}"
-        f" --boundary {boundary}"
+        f" --boundary {boundary}" + (" --each-slot" if served.get("each_slot") else "")
     )

@@ -29,6 +29,7 @@ class ServedDesign:
     seed: int  # the load schedule's seed
     load_runs: int  # schedules per item
     boundary: int  # the stage boundary: answer tokens a replay sends back as its prompt's end (E1 on the server)
+    each_slot: bool = False  # the request alone on each slot in turn (cell ``slot``, run: the slot)
 
 
 def run_served(

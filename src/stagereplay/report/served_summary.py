@@ -7,7 +7,9 @@ first (the reference), its ``alone`` against the reference's ``alone``: what the
 ``copies``: the same request sent several times at once, per item, how many distinct answers came back
 (upstream llama.cpp issue #7052: 5-8 unique completions from 8 slots) and whether any differs from ``alone``.
 E1 on the server: ``replay`` (the stage boundary's prefix sent as a new prompt) against the answer alone after the
-boundary, with its own A/A control (``replay_control``).
+boundary, with its own A/A control (``replay_control``). ``slot`` (where the design asks for it): the request alone on
+each slot in turn, per item whether any slot's answer differs from ``alone``, and which slots did (upstream's
+"FIXME: the result is not deterministic when using other slot than slot 0").
 At each item's first divergent step, the top-1 minus top-2 log-probability margin of both answers (logits), and
 the tokens per second a client saw alone and amid load. No torch.
 """
@@ -56,6 +58,13 @@ def served_summary(table: pa.Table) -> dict:
             if row["server"] == server and row["cell"] == "copies":
                 copies.setdefault(row["item_id"], []).append(row)
         distinct = {item: len({tuple(row["tokens"]) for row in rows_of}) for item, rows_of in copies.items()}
+        on_slots: dict[str, list[dict]] = {}
+        for row in rows:
+            if row["server"] == server and row["cell"] == "slot":
+                on_slots.setdefault(row["item_id"], []).append(row)
+        slot_differs = sorted(
+            item for item, rows_of in on_slots.items() if any(_differs(row, alone[item]) for row in rows_of)
+        )
         replayed = [item for item in items if (server, item, "replay", 0) in by_cell]
         replay = {item: by_cell[(server, item, "replay", 0)] for item in replayed}
         live = {item: _after_boundary(alone[item], replay[item]) for item in replayed}
@@ -91,6 +100,23 @@ def served_summary(table: pa.Table) -> dict:
             "tokens_per_second_alone": _rate([alone[item] for item in items]),
             "tokens_per_second_load": _rate([by_cell[(server, item, "load", run)] for item in items for run in runs]),
         }
+        if on_slots:  # a design without the slot cell keeps the summary it had
+            entry.update(
+                {
+                    "slot_items": len(on_slots),
+                    "slots_per_item": max(len(rows_of) for rows_of in on_slots.values()),
+                    "slot_differs_items": slot_differs,
+                    "slot_differing": sorted(
+                        {row["run"] for item in slot_differs for row in on_slots[item] if _differs(row, alone[item])}
+                    ),
+                    "slot_margins": _margins(
+                        [
+                            (alone[item], next(row for row in on_slots[item] if _differs(row, alone[item])))
+                            for item in slot_differs
+                        ]
+                    ),
+                }
+            )
         if server != reference:
             reference_alone = {
                 item: by_cell[(reference, item, "alone", 0)]

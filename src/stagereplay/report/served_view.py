@@ -3,8 +3,8 @@
 An operator's table: each server as it was started (or the URL it was attached at), the A/A control, the items
 replayed from the stage boundary whose continuation differs from the answer alone's (E1 on the server), the items
 whose answer amid other clients differs from their answer alone (in every run, or in some only: unstable under
-load), the margins at the flip, the items whose copies sent at once came back with more than one answer, the
-prompt-cache hits that differ, each server's own flags against the
+load), the margins at the flip, the items whose copies sent at once came back with more than one answer, those
+whose answer alone on another slot differs, the prompt-cache hits that differ, each server's own flags against the
 reference server, and the tokens per second a client saw alone and amid load. No torch.
 """
 
@@ -20,6 +20,7 @@ COLUMNS = [
     "amid load: differs in every run / some runs",
     "margin at the flip, alone / amid load",
     "the same request at once: items with more than one answer (most distinct)",
+    "alone on each slot: differs (slots that did)",
     "prompt-cache hit: differs",
     "positions reused (median)",
     "alone, against the reference server's: differs",
@@ -42,6 +43,7 @@ def served_blocks(summary: dict) -> list[tuple]:
         )
         + (f"; replayed {_items(entry['replay_differs_items'])}" if "replay_differs_items" in entry else "")
         + (f"; copies at once {_items(entry['copies_differ_items'])}" if "copies_differ_items" in entry else "")
+        + (f"; on another slot {_items(entry['slot_differs_items'])}" if entry.get("slot_items") else "")
         for name, entry in served["servers"].items()
     ]
     listed += [
@@ -57,8 +59,8 @@ def served_blocks(summary: dict) -> list[tuple]:
             f" (twice: the A/A control); replayed (E1 on the server: the prompt and the answer's tokens up to the"
             f" stage boundary sent as a new prompt, without prompt reuse, its continuation against the answer"
             f" alone's after the boundary; twice, its A/A control); amid other clients' requests on a seeded"
-            f" schedule (each run its own); sent several times at the same instant (copies, one client each); and"
-            f" as a prompt-cache hit. Counted against the item's answer alone on the same server; the first server,"
+            f" schedule (each run its own); sent several times at the same instant (copies, one client each); alone"
+            f" on each slot in turn, where the run asks for it; and as a prompt-cache hit. Counted against the item's answer alone on the same server; the first server,"
             f" `{served['reference']}`, is the reference for the others' own flags. Margins are in"
             f" {served['margin_unit']}, medians over the flips.",
         ),
@@ -88,6 +90,7 @@ def _row(name: str, entry: dict, reference: bool) -> list[str]:
         load,
         _margins(entry["load_margins"]),
         _copies(entry),
+        _on_slots(entry),
         f"{len(entry['hit_differs_items'])}/{n}",
         "—" if entry["hit_reused_median"] is None else f"{entry['hit_reused_median']:g}",
         against,
@@ -102,6 +105,15 @@ def _copies(entry: dict) -> str:
         f"{len(entry['copies_differ_items'])}/{entry['copies_items']} ({entry['copies_most_distinct']} of"
         f" {entry['copies_per_item']} copies)"
     )
+
+
+def _on_slots(entry: dict) -> str:
+    if not entry.get("slot_items"):
+        return "—"
+    differing = ", ".join(map(str, entry["slot_differing"])) or "none"
+    flips = entry["slot_margins"]
+    margins = f"; margin alone / on the slot {_margins(flips)}" if flips["flips"] else ""
+    return f"{len(entry['slot_differs_items'])}/{entry['slot_items']} (slots {differing}{margins})"
 
 
 def _replayed(entry: dict) -> str:

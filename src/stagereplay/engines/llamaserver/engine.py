@@ -92,7 +92,8 @@ class ServerCache:
 
 
 class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
-    """A GGUF served by one llama-server child process; its requests go to slot 0."""
+    """A GGUF served by one llama-server child process; its requests go to slot 0 (``attached_engine``: the same
+    engine on one slot of a server someone else runs)."""
 
     @staticmethod
     def load_gguf(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:

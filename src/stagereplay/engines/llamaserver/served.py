@@ -19,9 +19,13 @@ tokens (``serve_items``):
 - ``replay`` (E1 on the server): the prompt and the first ``boundary`` tokens of the answer alone (the stage
   boundary), sent as a new prompt without prompt reuse, so the server prefills the prefix its decoder reached and
   continues it; ``replay_control``: the same again. Its tokens are compared with the answer alone's after the
-  boundary. An item whose answer alone ends within the first stage has no replay.
+  boundary. An item whose answer alone ends within the first stage has no replay;
+- ``slot`` (``design.each_slot``): the request alone, without prompt reuse, on each slot the run may use in turn
+  (``run``: the slot; a deployed server's every slot, an attached one's listed slots). Does the slot a request
+  lands on change its answer (upstream's "FIXME: the result is not deterministic when using other slot than slot
+  0")? On a unified cache, a slot's cells follow those the other slots still hold.
 
-Every item's alone, control, replays and hit are served first, one request at a time, and the runs amid other
+Every item's alone, control, replays and hit are served first, then each item on each slot, one request at a time, and the runs amid other
 clients and the copies at once after them all: what a request computes depends on where the server places its cache cells, which depends on
 everything served before; a run amid others leaves them as its timing placed them, so nothing pinned follows one
 (the audit reproduces the pinned cells exactly).
@@ -95,13 +99,15 @@ def serve(
 
 def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on_item=None) -> list[tuple]:
     """(item, cell, run, answer) for every item of ``others_of`` on ``server``; ``slots``: a guest's (the item's
-    requests on the first, the other clients' on the rest), None: the server picks, as for any client.
+    requests on the first, the other clients' on the rest), None: the server picks, as for any client. With
+    ``design.each_slot``, the item alone on each slot the run may use, in turn (``usable_slots``).
 
-    The pinned cells of every item come first, one request at a time (alone, control, replay, hit), then every item's
-    runs amid other clients: a server's cache cells are placed by everything it served before, and runs amid
+    The pinned cells of every item come first, one request at a time (alone, control, replay, hit; then slot), then
+    every item's runs amid other clients: a server's cache cells are placed by everything it served before, and runs amid
     others leave them placed as their timing decided, so nothing pinned comes after one."""
     own = slots[0] if slots else None
     others_slot = slots[1 % len(slots)] if slots else None
+    each_slot = sorted(server.usable_slots())
     answers, latency, others = [], {}, {}
     for item_id, following in others_of.items():
         prompt = prompts[item_id]
@@ -122,6 +128,11 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
         hit = ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
         hit.others = between
         answers.append((item_id, "hit", 0, hit))
+    # Each slot in turn after every item's other pinned cells, so none of them follows a slot sweep: a request on a
+    # slot leaves its cells in place, and on a unified cache the next request may land behind them.
+    for item_id in others_of if design.each_slot else ():
+        for slot in each_slot:
+            answers.append((item_id, "slot", slot, ask(server, prompts[item_id], design.tokens, False, slot=slot)))
     for item_id in others_of:
         for run in range(design.load_runs):
             rng = random.Random(f"{design.seed}:{item_id}:{run}")
