@@ -75,13 +75,13 @@ def test_probe_reads_the_server_and_allows_no_cache_bytes_without_slot_files(the
         assert not runs[needs_cache_bytes].runs and "--slot-save-path" in runs[needs_cache_bytes].why
     assert "restore levels need --slot-save-path" in runs["E6 prefix_reuse (prompt, block)"].why
     assert runs["E6 batch"].runs and "amid up to 1 other clients" in runs["E6 batch"].why
-    # An offset behind an idle slot's cells is not built on an attached server, with or without slots to spare.
-    assert not runs["E6 kv_offset"].runs and "not built on an attached server" in runs["E6 kv_offset"].why
+    # An offset behind an idle slot's cells: served requests, the filler on the run's second slot.
+    assert runs["E6 kv_offset"].runs and "served.kv_offsets" in runs["E6 kv_offset"].why
     for per_process in ("E6 cache_type", "E6 flash_attn", "E6 ubatch", "E6 threads", "E6 kv_unified"):
         assert (
             not runs[per_process].runs and "list a second server started with the other value" in runs[per_process].why
         )
-    # One slot only: concurrent load needs two.
+    # One slot only: concurrent load and an offset behind another slot need two.
     alone = {allowance.what: allowance for allowance in probe(AttachedServer(their_server.address)).allowances}
     assert not alone["E6 batch"].runs and not alone["E6 kv_offset"].runs
     assert not alone["served: amid other clients"].runs

@@ -32,7 +32,7 @@ from stagereplay.engines.llamaserver.process import free_port
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 
-SERVED = {"tokens": 16, "clients": 2, "seed": 0, "load_runs": 2, "each_slot": True}
+SERVED = {"tokens": 16, "clients": 2, "seed": 0, "load_runs": 2, "each_slot": True, "kv_offsets": [37, 64]}
 BOUNDARY = 12  # config/test.yaml's stage.max_new_tokens: where a replay starts
 WAIT_SECONDS = 300
 DEPLOYED = {
@@ -41,6 +41,13 @@ DEPLOYED = {
     "np-4-no-kv-unified": {"flags": ["-np", "4", "--no-kv-unified"]},
     "fa-off": {"flags": ["-fa", "off"]},
 }
+
+
+def their_flags(tmp_path: Path) -> list[str]:
+    """Someone else's server with slot actions on (served.kv_offsets erases the run's slots): a slot folder of its own."""
+    slot_dir = tmp_path / "their-slots"
+    slot_dir.mkdir(exist_ok=True)
+    return [*SOMEONE_ELSES_FLAGS, "--slot-save-path", str(slot_dir)]
 
 
 def served_config(tmp_path: Path, servers: dict, **overrides) -> tuple[Path, Path]:
@@ -121,6 +128,16 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
         alone = {row["item_id"]: row["tokens"] for row in rows if (row["server"], row["cell"]) == (name, "alone")}
         differ = sorted({row["item_id"] for row in mine if row["tokens"] != alone[row["item_id"]]})
         assert entry["slot_differs_items"] == differ, name
+    # Alone behind another slot's C idle cells (E6's kv_offset, served): every C, each item, recounted from the rows.
+    behind = [row for row in rows if row["cell"] == "offset"]
+    for name, entry in served["servers"].items():
+        alone = {row["item_id"]: row["tokens"] for row in rows if (row["server"], row["cell"]) == (name, "alone")}
+        assert entry["offset_items"] == {str(offset): 4 for offset in SERVED["kv_offsets"]}, name
+        for offset in SERVED["kv_offsets"]:
+            mine = [row for row in behind if (row["server"], row["run"]) == (name, offset)]
+            assert [row["others"] for row in mine] == [[f"{offset} cells on slot 1"]] * 4, name
+            differ = sorted(row["item_id"] for row in mine if row["tokens"] != alone[row["item_id"]])
+            assert entry["offset_differs_items"][str(offset)] == differ, (name, offset)
     card = (ledger / "results.md").read_text()
     assert "## Served requests: what changes a greedy answer on the server as started" in card
     assert "| default | llama-server -m MODEL --no-repack | 4 | 4/4 |" in card
@@ -169,7 +186,7 @@ def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp
     workdir, ledger, config = deployed_run
     gguf = next((ledger / "models").rglob("*.gguf"))
     started_before = _llama_servers(workdir)
-    with SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+    with SomeoneElsesServer(gguf, their_flags(tmp_path), tmp_path / "theirs.log") as theirs:
         servers = {**DEPLOYED, "theirs": {"url": theirs.address, "slots": [0, 1, 2, 3]}}
         _, config = served_config(workdir, servers)
         result, seen = run_watching_servers(workdir, config, workdir)
@@ -217,7 +234,7 @@ def test_the_audit_reproduces_the_pinned_requests_and_refuses_another_server(dep
     url = _summary(ledger)["servers"]["theirs"]["record"]["attached"]
     port = int(url.rsplit(":", 1)[1])
     other = write_qwen2_gguf(build_random_qwen2(tmp_path / "other", seed=5, layers=2, hidden=64), tmp_path / "o.gguf")
-    with SomeoneElsesServer(other, SOMEONE_ELSES_FLAGS, tmp_path / "other.log", port=port):
+    with SomeoneElsesServer(other, their_flags(tmp_path), tmp_path / "other.log", port=port):
         refused = snakemake(workdir, config, "--config", "mode=audit")
     assert refused.returncode != 0
     log = (ledger / "logs" / "audit" / "served" / "theirs.log").read_text()
@@ -225,13 +242,14 @@ def test_the_audit_reproduces_the_pinned_requests_and_refuses_another_server(dep
     assert len(errors) == 1 and f"the llama-server at {url} is not the one the ledger records" in errors[0], log
     assert f"model_path {str(other)!r} (recorded {str(gguf)!r})" in errors[0]
     assert not (ledger / "audit" / "runs" / "served" / "theirs.parquet").exists()
-    with SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log", port=port):
+    with SomeoneElsesServer(gguf, their_flags(tmp_path), tmp_path / "theirs.log", port=port):
         audited = snakemake(workdir, config, "--config", "mode=audit")
     assert audited.returncode == 0, audited.stderr[-4000:]
     e4 = json.loads((ledger / "audit" / "e4.json").read_text())
     artifacts = e4["artifacts"]
-    # alone, control, replay twice, hit, and alone on each slot, of 4 items on every server
-    pinned = sum((5 + entry["slots_per_item"]) * 4 for entry in _summary(ledger)["servers"].values())
+    # alone, control, replay twice, hit, alone on each slot and behind each filler, of 4 items on every server
+    offsets = len(SERVED["kv_offsets"])
+    pinned = sum((5 + entry["slots_per_item"] + offsets) * 4 for entry in _summary(ledger)["servers"].values())
     assert artifacts["served_tokens"]["count"] == artifacts["served_tokens"]["n"] == pinned
     assert artifacts["served_margins"]["count"] == pinned
     assert artifacts["served_server"]["count"] == len(DEPLOYED) + 1
@@ -276,17 +294,26 @@ def test_a_missing_api_key_is_one_line(deployed_run, tmp_path, monkeypatch):
     _, ledger, _ = deployed_run
     gguf = next((ledger / "models").rglob("*.gguf"))
     monkeypatch.delenv("THEIR_KEY", raising=False)
-    flags = [*SOMEONE_ELSES_FLAGS, "--api-key", "their-secret"]
+    flags = [*their_flags(tmp_path), "--api-key", "their-secret"]
     with SomeoneElsesServer(gguf, flags, tmp_path / "theirs.log") as theirs:
         entry = {"url": theirs.address, "slots": [0, 1], "api_key_env": "THEIR_KEY"}
         _failed_attached(ledger, entry, "names the environment variable THEIR_KEY, which is not set")
 
 
 @pytest.mark.slow
+def test_kv_offsets_on_a_server_without_slot_actions_is_one_line(deployed_run, tmp_path):
+    _, ledger, _ = deployed_run
+    gguf = next((ledger / "models").rglob("*.gguf"))
+    with SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:  # no --slot-save-path
+        entry = {"url": theirs.address, "slots": [0, 1]}
+        _failed_attached(ledger, entry, "served.kv_offsets erases the run's slots of the llama-server at")
+
+
+@pytest.mark.slow
 def test_a_server_killed_mid_job_is_one_line(deployed_run, tmp_path):
     _, ledger, _ = deployed_run
     gguf = next((ledger / "models").rglob("*.gguf"))
-    with SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+    with SomeoneElsesServer(gguf, their_flags(tmp_path), tmp_path / "theirs.log") as theirs:
         entry = {"url": theirs.address, "slots": [0, 1]}
         _failed_attached(
             ledger, entry, "no llama-server answers at", during=lambda: os.kill(theirs.pid, signal.SIGKILL)
@@ -299,8 +326,8 @@ def test_a_server_restarted_with_another_model_is_one_line(deployed_run, tmp_pat
     gguf = next((ledger / "models").rglob("*.gguf"))
     other = write_qwen2_gguf(build_random_qwen2(tmp_path / "other", seed=5, layers=2, hidden=64), tmp_path / "o.gguf")
     port = free_port()
-    theirs = SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "a.log", port=port)
-    replaced = SomeoneElsesServer(other, SOMEONE_ELSES_FLAGS, tmp_path / "b.log", port=port)
+    theirs = SomeoneElsesServer(gguf, their_flags(tmp_path), tmp_path / "a.log", port=port)
+    replaced = SomeoneElsesServer(other, their_flags(tmp_path), tmp_path / "b.log", port=port)
 
     def restart() -> None:  # the server replaced under the run, at the same address
         theirs.stop()
@@ -333,7 +360,7 @@ def test_a_model_file_not_readable_here_is_checked_by_what_the_server_says(deplo
     _, ledger, _ = deployed_run
     gguf = next((ledger / "models").rglob("*.gguf"))
     copy = _unreadable_copy(gguf, tmp_path / "theirs")
-    with SomeoneElsesServer(copy, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+    with SomeoneElsesServer(copy, their_flags(tmp_path), tmp_path / "theirs.log") as theirs:
         copy.unlink()
         _, config = served_config(ledger.parent, {**DEPLOYED, "theirs": {"url": theirs.address, "slots": [0, 1, 2, 3]}})
         result = snakemake(ledger.parent, config)
@@ -356,7 +383,7 @@ def test_a_model_file_not_readable_here_is_checked_by_what_the_server_says(deplo
 def test_another_model_not_readable_here_is_refused_in_one_line(deployed_run, tmp_path):
     _, ledger, _ = deployed_run
     other = write_qwen2_gguf(build_random_qwen2(tmp_path / "other", seed=5, layers=2, hidden=32), tmp_path / "o.gguf")
-    with SomeoneElsesServer(other, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+    with SomeoneElsesServer(other, their_flags(tmp_path), tmp_path / "theirs.log") as theirs:
         other.unlink()
         entry = {"url": theirs.address, "slots": [0, 1]}
         error = _failed_attached(ledger, entry, f"the llama-server at {theirs.address} serves a model of n_params")
@@ -376,7 +403,7 @@ def test_a_server_spelling_a_prompt_token_otherwise_is_refused_in_one_line(deplo
     prompt = pq.read_table(ledger / "prompts" / "tiny.parquet").to_pylist()[0]["prompt_tokens"]
     token = next(token for token in prompt if not spellings[token].startswith("‹"))
     copy = _unreadable_copy(gguf, tmp_path / "theirs")
-    with SomeoneElsesServer(copy, SOMEONE_ELSES_FLAGS, tmp_path / "theirs.log") as theirs:
+    with SomeoneElsesServer(copy, their_flags(tmp_path), tmp_path / "theirs.log") as theirs:
         copy.unlink()
         server = AttachedServer(theirs.address)
         identity = server.identity()
@@ -445,8 +472,8 @@ def test_two_attached_servers_as_reference_and_level(deployed_run, tmp_path):
     it replaces the ledger's served servers)."""
     workdir, ledger, _ = deployed_run
     gguf = next((ledger / "models").rglob("*.gguf"))
-    unified = SomeoneElsesServer(gguf, SOMEONE_ELSES_FLAGS, tmp_path / "a.log")
-    streams = SomeoneElsesServer(gguf, [*SOMEONE_ELSES_FLAGS, "--no-kv-unified"], tmp_path / "b.log")
+    unified = SomeoneElsesServer(gguf, their_flags(tmp_path), tmp_path / "a.log")
+    streams = SomeoneElsesServer(gguf, [*their_flags(tmp_path), "--no-kv-unified"], tmp_path / "b.log")
     with unified, streams:
         servers = {"a-unified": {"url": unified.address, "slots": [0, 1, 2, 3]}}
         servers["b-streams"] = {"url": streams.address, "slots": [0, 1, 2, 3]}

@@ -45,6 +45,7 @@ def cmd_served(args) -> None:
         load_runs=args.load_runs,
         boundary=args.boundary,
         each_slot=args.each_slot,
+        kv_offsets=tuple(args.kv_offset),
     )
     record = read_model_record(args.model_record)
     entry = json.loads(args.server_spec)
@@ -74,6 +75,9 @@ def add_served_command(sub) -> None:
         "--boundary", type=int, required=True, help="the stage boundary (stage.max_new_tokens): where a replay starts"
     )
     p.add_argument("--each-slot", action="store_true", help="the request alone on each slot in turn (cell slot)")
+    p.add_argument(
+        "--kv-offset", type=int, action="append", default=[], help="C: the item alone behind another slot's C cells"
+    )
     p.add_argument("--out", required=True, help="the server's table (Parquet)")
     p.add_argument(
         "--recorded", default=None, help="the audit's: the saved table of this server, whose record it must still match"

@@ -62,5 +62,7 @@ def served_design(served: dict, tokens: int, boundary: int) -> str:
     stage boundary a replay starts at, and whether the request is sent alone on each slot in turn."""
     return (
         f"--tokens {tokens} --clients {served['clients']} --seed {served['seed']} --load-runs {served['load_runs']}"
-        f" --boundary {boundary}" + (" --each-slot" if served.get("each_slot") else "")
+        f" --boundary {boundary}"
+        + (" --each-slot" if served.get("each_slot") else "")
+        + "".join(f" --kv-offset {offset}" for offset in served.get("kv_offsets") or ())
     )

@@ -47,7 +47,7 @@ def check_served(config: dict, primary_spec: EngineSpec) -> list[str]:
                 f"served.servers: {name!r} is no server name — use letters, digits, '.', '_' and '-', starting with a"
                 " letter or digit"
             )
-        problem = protocol.check_server(name, entry or {}, served["clients"])
+        problem = protocol.check_server(name, entry or {}, served)
         if problem:
             raise ServedRefused(problem)
     return list(servers)

@@ -30,6 +30,7 @@ class ServedDesign:
     load_runs: int  # schedules per item
     boundary: int  # the stage boundary: answer tokens a replay sends back as its prompt's end (E1 on the server)
     each_slot: bool = False  # the request alone on each slot in turn (cell ``slot``, run: the slot)
+    kv_offsets: tuple[int, ...] = ()  # the request alone behind another slot's C idle cells (cell ``offset``, run: C)
 
 
 def run_served(

@@ -226,9 +226,9 @@ SERVED_SCHEMA = pa.schema(
         ("item_id", pa.string()),
         # alone, control (alone again), replay and replay_control (the stage boundary's prefix as a new prompt),
         # hit (prompt-cache hit), load (amid other clients), copies (the same request several times at once), slot
-        # (alone on one slot, each slot in turn)
+        # (alone on one slot, each slot in turn), offset (alone behind another slot's idle cells)
         ("cell", pa.string()),
-        ("run", pa.int32()),  # load: the schedule (0..load_runs-1); copies: the copy; slot: the slot; else 0
+        ("run", pa.int32()),  # load: the schedule (0..load_runs-1); copies: the copy; slot: the slot; offset: C
         ("tokens", pa.list_(pa.int64())),  # the greedy tokens generated
         ("margins", pa.list_(pa.float32())),  # at each step, top-1 minus top-2 log-probability: logits
         ("reused", pa.int32()),  # prompt positions the server took from its cache (timings.cache_n)
@@ -316,7 +316,7 @@ FACTOR_KEY = (*FACTOR_CELL_KEY, "run")
 SERVED_KEY = ("server", "item_id", "cell", "run")
 # The served cells whose input is pinned (one request at a time, the same cache history): a rerun must give the
 # same tokens and margins. A load cell's run depends on where the other clients have got when the item arrives.
-SERVED_PINNED_CELLS = ("alone", "control", "replay", "replay_control", "slot", "hit")
+SERVED_PINNED_CELLS = ("alone", "control", "replay", "replay_control", "slot", "offset", "hit")
 
 
 def row_key(row: dict, columns: tuple[str, ...]) -> tuple:

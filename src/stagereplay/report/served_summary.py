@@ -9,7 +9,8 @@ first (the reference), its ``alone`` against the reference's ``alone``: what the
 E1 on the server: ``replay`` (the stage boundary's prefix sent as a new prompt) against the answer alone after the
 boundary, with its own A/A control (``replay_control``). ``slot`` (where the design asks for it): the request alone on
 each slot in turn, per item whether any slot's answer differs from ``alone``, and which slots did (upstream's
-"FIXME: the result is not deterministic when using other slot than slot 0").
+"FIXME: the result is not deterministic when using other slot than slot 0"). ``offset`` (the same): per C, the items
+whose answer alone behind another slot's C idle cells differs from ``alone`` (E6's ``kv_offset``, served).
 At each item's first divergent step, the top-1 minus top-2 log-probability margin of both answers (logits), and
 the tokens per second a client saw alone and amid load. No torch.
 """
@@ -117,6 +118,18 @@ def served_summary(table: pa.Table) -> dict:
                     ),
                 }
             )
+        offsets = sorted({row["run"] for row in rows if (row["server"], row["cell"]) == (server, "offset")})
+        if offsets:  # the same: only where the design has the cell
+            behind = {
+                offset: [item for item in items if (server, item, "offset", offset) in by_cell] for offset in offsets
+            }
+            entry["offset_items"] = {str(offset): len(behind[offset]) for offset in offsets}
+            entry["offset_differs_items"] = {
+                str(offset): [
+                    item for item in behind[offset] if _differs(by_cell[(server, item, "offset", offset)], alone[item])
+                ]
+                for offset in offsets
+            }
         if server != reference:
             reference_alone = {
                 item: by_cell[(reference, item, "alone", 0)]

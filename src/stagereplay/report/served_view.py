@@ -21,6 +21,7 @@ COLUMNS = [
     "margin at the flip, alone / amid load",
     "the same request at once: items with more than one answer (most distinct)",
     "alone on each slot: differs (slots that did)",
+    "alone behind another slot's C cells: differs, per C",
     "prompt-cache hit: differs",
     "positions reused (median)",
     "alone, against the reference server's: differs",
@@ -44,6 +45,10 @@ def served_blocks(summary: dict) -> list[tuple]:
         + (f"; replayed {_items(entry['replay_differs_items'])}" if "replay_differs_items" in entry else "")
         + (f"; copies at once {_items(entry['copies_differ_items'])}" if "copies_differ_items" in entry else "")
         + (f"; on another slot {_items(entry['slot_differs_items'])}" if entry.get("slot_items") else "")
+        + "".join(
+            f"; behind {offset} cells {_items(differ)}"
+            for offset, differ in entry.get("offset_differs_items", {}).items()
+        )
         for name, entry in served["servers"].items()
     ]
     listed += [
@@ -60,7 +65,8 @@ def served_blocks(summary: dict) -> list[tuple]:
             f" stage boundary sent as a new prompt, without prompt reuse, its continuation against the answer"
             f" alone's after the boundary; twice, its A/A control); amid other clients' requests on a seeded"
             f" schedule (each run its own); sent several times at the same instant (copies, one client each); alone"
-            f" on each slot in turn, where the run asks for it; and as a prompt-cache hit. Counted against the item's answer alone on the same server; the first server,"
+            f" on each slot in turn and alone behind another slot's C idle cells, where the run asks for them; and"
+            f" as a prompt-cache hit. Counted against the item's answer alone on the same server; the first server,"
             f" `{served['reference']}`, is the reference for the others' own flags. Margins are in"
             f" {served['margin_unit']}, medians over the flips.",
         ),
@@ -91,6 +97,7 @@ def _row(name: str, entry: dict, reference: bool) -> list[str]:
         _margins(entry["load_margins"]),
         _copies(entry),
         _on_slots(entry),
+        _behind(entry),
         f"{len(entry['hit_differs_items'])}/{n}",
         "—" if entry["hit_reused_median"] is None else f"{entry['hit_reused_median']:g}",
         against,
@@ -114,6 +121,15 @@ def _on_slots(entry: dict) -> str:
     flips = entry["slot_margins"]
     margins = f"; margin alone / on the slot {_margins(flips)}" if flips["flips"] else ""
     return f"{len(entry['slot_differs_items'])}/{entry['slot_items']} (slots {differing}{margins})"
+
+
+def _behind(entry: dict) -> str:
+    if not entry.get("offset_items"):
+        return "—"
+    return ", ".join(
+        f"C={offset}: {len(entry['offset_differs_items'][offset])}/{count}"
+        for offset, count in entry["offset_items"].items()
+    )
 
 
 def _replayed(entry: dict) -> str:

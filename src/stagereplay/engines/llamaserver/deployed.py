@@ -42,7 +42,20 @@ class DeployedServer(ServerProcess):
         self.flags = (*BASE_FLAGS, *flags)
 
     def command(self, port: int) -> list[str]:
-        return [str(self.binary), "--model", str(self.model), "--host", HOST, "--port", str(port), *self.flags]
+        # A slot folder (``slot_dir``) turns the slot actions on: a run that erases slots needs them; they change
+        # no answer (the attached runs with and without them agree request for request, docs/findings.md).
+        slot_files = ["--slot-save-path", str(self.slot_dir)] if self.slot_dir is not None else []
+        return [
+            str(self.binary),
+            "--model",
+            str(self.model),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            *self.flags,
+            *slot_files,
+        ]
 
     def usable_slots(self) -> range:
         return range(int(self.props().get("total_slots", 1)))

@@ -169,10 +169,12 @@ def _factor_allowance(factor: str, mechanism: str, option: str, slot_files: bool
             " cells: suffixes and margins; an attached checkpoint uses one slot)",
         )
     if factor == "kv_offset":
+        if len(slots) < 2:
+            return Allowance(what, False, "another slot holds the filler: list 2 or more slots under slots")
         return Allowance(
             what,
-            False,
-            "not built on an attached server: the filler is another slot kept idle, which a server"
-            " caching idle slots clears; run it on a server the workflow starts",
+            True,
+            "as served requests (served.kv_offsets: the filler on the run's second slot, idle); a server caching"
+            " idle slots (its host prompt cache, the default) clears the filler when the item's task starts",
         )
     return Allowance(what, False, f"not known to the probe ({mechanism}: {option})")

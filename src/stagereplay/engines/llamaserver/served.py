@@ -23,9 +23,11 @@ tokens (``serve_items``):
 - ``slot`` (``design.each_slot``): the request alone, without prompt reuse, on each slot the run may use in turn
   (``run``: the slot; a deployed server's every slot, an attached one's listed slots). Does the slot a request
   lands on change its answer (upstream's "FIXME: the result is not deterministic when using other slot than slot
-  0")? On a unified cache, a slot's cells follow those the other slots still hold.
+  0")? On a unified cache, a slot's cells follow those the other slots still hold;
+- ``offset`` (``design.kv_offsets``): E6's ``kv_offset`` as served requests (``behind_filler``): the item alone on its
+  slot while another slot holds C cells, idle (``run``: C).
 
-Every item's alone, control, replays and hit are served first, then each item on each slot, one request at a time, and the runs amid other
+Every item's alone, control, replays and hit are served first, then each item on each slot and behind each filler, one request at a time, and the runs amid other
 clients and the copies at once after them all: what a request computes depends on where the server places its cache cells, which depends on
 everything served before; a run amid others leaves them as its timing placed them, so nothing pinned follows one
 (the audit reproduces the pinned cells exactly).
@@ -38,23 +40,27 @@ at the end of the job (a restart under the run is one line). No torch here.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import tempfile
 
 from stagereplay.engines.llamaserver.attached import AttachedServer, api_key_from
 from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver.client import ServerClient
 from stagereplay.engines.llamaserver.deployed import RESERVED_FLAGS, DeployedServer
 from stagereplay.engines.llamaserver.model_check import check_model
-from stagereplay.engines.llamaserver.traffic import amid_clients, ask, at_once
+from stagereplay.engines.llamaserver.traffic import Answer, amid_clients, ask, at_once
 
 HIT_OTHERS = 2  # other items sent between the item's two requests of a prompt-cache hit
 # Flash attention where no -fa is given: auto, resolved at start; neither the default log nor /props says to what.
 FLASH_ATTN_AUTO = "auto (resolved at start; not in the default log or /props)"
 
 
-def check_server(name: str, entry: dict, clients: int) -> str | None:
-    """Why a ``served.servers`` entry cannot run (one line, with the fix), None if it can; no request is sent."""
+def check_server(name: str, entry: dict, served: dict) -> str | None:
+    """Why a ``served.servers`` entry cannot run the ``served`` block's design (one line, with the fix), None if it
+    can; no request is sent."""
     where = f"served.servers.{name}"
+    clients = served["clients"]
     if "url" in entry:
         if "flags" in entry:
             return f"{where}: a server at a url runs with its own flags — give url (attached) or flags (deployed), not both"
@@ -66,6 +72,11 @@ def check_server(name: str, entry: dict, clients: int) -> str | None:
             return (
                 f"{where}.slots: {clients} other clients need a slot besides the item's — list 2 or more slots of"
                 " the server that are yours to use, or set served.clients: 0"
+            )
+        if served.get("kv_offsets") and len(entry.get("slots", (0,))) < 2:
+            return (
+                f"{where}.slots: served.kv_offsets needs a second slot to hold the filler — list 2 or more slots of"
+                " the server that are yours to use, or remove served.kv_offsets"
             )
         return None
     if "slots" in entry or "api_key_env" in entry:
@@ -133,6 +144,9 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
     for item_id in others_of if design.each_slot else ():
         for slot in each_slot:
             answers.append((item_id, "slot", slot, ask(server, prompts[item_id], design.tokens, False, slot=slot)))
+    for item_id in others_of if design.kv_offsets else ():
+        for offset in design.kv_offsets:
+            answers.append((item_id, "offset", offset, behind_filler(server, prompts, item_id, offset, design.tokens)))
     for item_id in others_of:
         for run in range(design.load_runs):
             rng = random.Random(f"{design.seed}:{item_id}:{run}")
@@ -147,8 +161,39 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
     return answers
 
 
+def behind_filler(server: ServerClient, prompts: dict, item_id: str, offset: int, budget: int) -> Answer:
+    """E6's ``kv_offset`` as served requests: every slot the run may use erased (so the cache's search for free cells
+    starts at cell 0 again), a filler of ``offset`` tokens (the prompts after the item's, joined) kept by the second
+    of them, idle, and the item alone on the first. In a unified cache the item's cells then follow the filler's,
+    where the server keeps an idle slot's cells; a server caching idle slots (its host prompt cache, the default)
+    clears them when the item's task starts. Its ``others``: the filler's length, as text."""
+    slots = sorted(server.usable_slots())
+    if len(slots) < 2:
+        raise LlamaServerError(
+            f"served.kv_offsets needs a second slot to hold the filler, and the llama-server at {server.address} has"
+            f" {len(slots)} — start it with -np 2 or more, or remove served.kv_offsets"
+        )
+    own, filler_slot = slots[:2]
+    order = sorted(prompts)
+    after = order[order.index(item_id) + 1 :] + order[: order.index(item_id)]
+    filler = [token for other in after for token in prompts[other]][:offset]
+    if len(filler) < offset:
+        raise LlamaServerError(f"the other items' prompts hold {len(filler)} tokens, fewer than kv_offsets' {offset}")
+    for slot in slots:
+        server.erase_slot(slot)
+    ask(server, filler, 1, cache_prompt=True, slot=filler_slot)
+    answer = ask(server, prompts[item_id], budget, cache_prompt=False, slot=own)
+    answer.others = [f"{offset} cells on slot {filler_slot}"]
+    return answer
+
+
 def _on_deployed(model_record, prompts, others, entry, design, on_item):
-    with DeployedServer(model_record["gguf"], tuple(entry.get("flags") or ())) as server:
+    # kv_offsets erases slots, an action the server takes only with a slot folder: a private one, written to by none.
+    with contextlib.ExitStack() as stack:
+        slot_dir = stack.enter_context(tempfile.TemporaryDirectory()) if design.kv_offsets else None
+        server = stack.enter_context(
+            DeployedServer(model_record["gguf"], tuple(entry.get("flags") or ()), slot_dir=slot_dir)
+        )
         props = server.props()
         record = {
             "started": "llama-server -m MODEL " + " ".join(server.flags),
@@ -159,6 +204,8 @@ def _on_deployed(model_record, prompts, others, entry, design, on_item):
             "startup_log": server.resolved(),
             "flash_attn": _flag_value(server.flags, "-fa", "--flash-attn") or FLASH_ATTN_AUTO,
         }
+        if slot_dir is not None:
+            record["slot_actions"] = "on: a private --slot-save-path, for kv_offsets' erasures (no slot file written)"
         answers = serve_items(server, prompts, others, design, on_item=on_item)
     return answers, record
 
@@ -170,6 +217,11 @@ def _on_attached(model_record, prompts, others, name, entry, design, on_item, re
     server.health()
     identity = server.record_identity()
     server.check_slots(identity, f"{where}.slots")
+    if design.kv_offsets and not server.slot_files_on():
+        raise LlamaServerError(
+            f"served.kv_offsets erases the run's slots of the llama-server at {server.url}, which takes slot actions"
+            " only when started with --slot-save-path — start it so, or remove served.kv_offsets"
+        )
     # Every slot listed: the server picks one per request, as for any client and as on a deployed server (the
     # same protocol, so the same flags give the same answers); some only: each request is pinned to one of them.
     pinned = slots if set(slots) != set(range(identity.total_slots)) else None
