@@ -209,8 +209,9 @@ def test_an_attached_server_is_used_never_started_and_recorded(deployed_run, tmp
     assert record["attached"] == theirs.address and record["slots"] == [0, 1, 2, 3] and record["total_slots"] == 4
     assert record["slots_pinned"] is False  # every slot listed: the server picks, as the deployed one does
     assert record["model_path"] == str(gguf) and record["model_file_xxh3"]
-    # The same flags as the deployed default (4 slots, one unified cache): alone, the same answers item by item,
-    # and every pinned cell the same, tokens and margins (bench/served_pair.py).
+    # 4 slots, as the deployed default has (its auto slot count puts them in one unified cache; an explicit -np 4
+    # gives each a KV stream of its own, as an attached checkpoint's slot file shows): each request alone, the same
+    # answers item by item, and every pinned cell the same, tokens and margins (bench/served_pair.py).
     assert entry["vs_reference_differs_items"] == []
     paired = subprocess.run(
         [sys.executable, str(REPO / "bench" / "served_pair.py"), str(ledger), "default", "theirs"],
