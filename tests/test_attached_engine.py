@@ -179,7 +179,20 @@ def test_a_slot_folder_not_here_is_refused_at_registration(built, gguf, tmp_path
     result = snakemake(tmp_path, config)
     assert result.returncode != 0
     line = _one_error_line(ledger, result)
-    assert f"slot_dir: {tmp_path / 'missing'} is not a folder here — start the server with --slot-save-path" in line
+    assert f"checkpoints.tiny.attach.slot_dir: {tmp_path / 'missing'} is not a folder here — start the server" in line
+    assert not (ledger / "models" / "tiny" / "model.json").exists()
+
+
+def test_an_unset_api_key_variable_is_refused_at_registration(built, gguf, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("THEIR_UNSET_KEY", raising=False)
+    attach = {"url": "http://127.0.0.1:1", "slot_dir": str(tmp_path), "api_key_env": "THEIR_UNSET_KEY"}
+    ledger, config = attach_config(tmp_path, gguf, attach, "no-key", factors={})
+    result = snakemake(tmp_path, config)
+    assert result.returncode != 0
+    line = _one_error_line(ledger, result)
+    assert (
+        "checkpoints.tiny.attach.api_key_env names the environment variable THEIR_UNSET_KEY, which is not set" in line
+    )
     assert not (ledger / "models" / "tiny" / "model.json").exists()
 
 

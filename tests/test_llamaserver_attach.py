@@ -144,12 +144,14 @@ def test_an_api_key_comes_from_the_variable_the_config_names(built, tiny_gguf, t
         assert "HTTP 401" in _one_line(error) and "api_key_env" in str(error.value)
         monkeypatch.delenv("THEIR_KEY", raising=False)
         with pytest.raises(LlamaServerError) as error:
-            api_key_from("THEIR_KEY", "theirs")
-        assert "checkpoints.theirs.api_key_env names the environment variable THEIR_KEY, which is not set" in (
+            api_key_from("THEIR_KEY", "served.servers.theirs.api_key_env")
+        assert "served.servers.theirs.api_key_env names the environment variable THEIR_KEY, which is not set" in (
             _one_line(error)
         )
         monkeypatch.setenv("THEIR_KEY", "their-secret")
-        found = probe(AttachedServer(server.address, api_key=api_key_from("THEIR_KEY", "theirs")))
+        found = probe(
+            AttachedServer(server.address, api_key=api_key_from("THEIR_KEY", "served.servers.theirs.api_key_env"))
+        )
         assert found.identity.total_slots == 4
 
 

@@ -298,7 +298,7 @@ def test_a_missing_api_key_is_one_line(deployed_run, tmp_path, monkeypatch):
     flags = [*their_flags(tmp_path), "--api-key", "their-secret"]
     with SomeoneElsesServer(gguf, flags, tmp_path / "theirs.log") as theirs:
         entry = {"url": theirs.address, "slots": [0, 1], "api_key_env": "THEIR_KEY"}
-        _failed_attached(ledger, entry, "names the environment variable THEIR_KEY, which is not set")
+        _failed_attached(ledger, entry, "served.servers.theirs.api_key_env names the environment variable THEIR_KEY")
 
 
 @pytest.mark.slow

@@ -108,7 +108,7 @@ def cmd_register_model(args) -> None:
         recorded = json.loads(Path(args.recorded).read_text()) if args.recorded else None
         attach = json.loads(args.attach)
         extra = spec.engine_class(attached=True).attached_record(
-            args.folder, attach, "the attached checkpoint", recorded
+            args.folder, attach, f"checkpoints.{Path(args.out).parent.name}.attach", recorded
         )
         write_gguf_record(args.out, args.folder, args.source, spec.name, extra)
     elif spec.record_kind == "gguf":

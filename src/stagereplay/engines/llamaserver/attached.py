@@ -210,14 +210,15 @@ class AttachedServer(ServerClient):
             self.check_unchanged(self.recorded)
 
 
-def api_key_from(variable: str | None, checkpoint: str) -> str | None:
-    """The API key held by the environment variable ``variable`` names (None: the server wants no key)."""
+def api_key_from(variable: str | None, option: str) -> str | None:
+    """The API key held by the environment variable ``variable`` names (None: the server wants no key); ``option``:
+    where the variable was named (the config key or the command-line option), for the message."""
     if not variable:
         return None
     key = os.environ.get(variable)
     if not key:
         raise LlamaServerError(
-            f"checkpoints.{checkpoint}.api_key_env names the environment variable {variable}, which is not set —"
-            f" export the server's API key as {variable}"
+            f"{option} names the environment variable {variable}, which is not set — export the server's API key as"
+            f" {variable}"
         )
     return key

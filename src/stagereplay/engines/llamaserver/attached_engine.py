@@ -51,14 +51,14 @@ def attached_server(attach: dict, where: str) -> AttachedServer:
     slot_dir = Path(attach["slot_dir"])
     if not slot_dir.is_dir():
         raise LlamaServerError(
-            f"{where}'s slot_dir: {slot_dir} is not a folder here — start the server with --slot-save-path DIR and"
+            f"{where}.slot_dir: {slot_dir} is not a folder here — start the server with --slot-save-path DIR and"
             " give DIR as this machine sees it (the boundary caches are read from its slot files); without slot"
             " files, list the server under served.servers (suffixes and margins only)"
         )
     slot = attach.get("slot", 0)
     return AttachedServer(
         attach["url"],
-        api_key=api_key_from(attach.get("api_key_env"), where),
+        api_key=api_key_from(attach.get("api_key_env"), f"{where}.api_key_env"),
         slots=(slot,),
         slot_dir=slot_dir,
     )
@@ -92,7 +92,8 @@ def attached_record(gguf_path: str | Path, attach: dict, where: str, recorded: d
     sample = range(0, vocabulary, max(1, vocabulary // SPELLING_SAMPLE))
     spellings = {token: spelling(tokenizer, token) for token in sample}
     model = check_model(server, identity, gguf_path, spellings, list(sample))
-    return {"attach": dict(attach), "server": identity.record(), **model}
+    # attach_key: the config key the server was named under, for a job's one-line messages.
+    return {"attach": dict(attach), "attach_key": where, "server": identity.record(), **model}
 
 
 class AttachedServerEngine(LlamaServerEngine):
@@ -210,7 +211,7 @@ def load_attached(record: dict, runtime: Runtime) -> AttachedServerEngine:
     from stagereplay.engines.llamacpp.engine import gguf_tokenizer
 
     check_runtime(runtime, "llamaserver", "the llama-server engine")
-    server = attached_server(record["attach"], "the attached checkpoint")
+    server = attached_server(record["attach"], record.get("attach_key", "the attached checkpoint"))
     lock = slot_lock(server)
     try:
         server.health()

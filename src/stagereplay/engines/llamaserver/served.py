@@ -213,7 +213,9 @@ def _on_deployed(model_record, prompts, others, entry, design, on_item):
 def _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded, spellings):
     slots = tuple(entry.get("slots", (0,)))
     where = f"served.servers.{name}"
-    server = AttachedServer(entry["url"], api_key=api_key_from(entry.get("api_key_env"), where), slots=slots)
+    server = AttachedServer(
+        entry["url"], api_key=api_key_from(entry.get("api_key_env"), f"{where}.api_key_env"), slots=slots
+    )
     server.health()
     identity = server.record_identity()
     server.check_slots(identity, f"{where}.slots")
@@ -267,7 +269,7 @@ def attached_still(name: str, entry: dict, record: dict) -> str | None:
     ``name``: a served server's name, or the config key of an attached checkpoint ("checkpoints.NAME.attach")."""
     where = name if name.startswith("checkpoints.") else f"served.servers.{name}"
     try:
-        server = AttachedServer(entry["url"], api_key=api_key_from(entry.get("api_key_env"), where))
+        server = AttachedServer(entry["url"], api_key=api_key_from(entry.get("api_key_env"), f"{where}.api_key_env"))
         server.health()
         now = server.identity().record()
     except LlamaServerError as error:
