@@ -254,6 +254,9 @@ def test_the_audit_reproduces_the_pinned_requests_and_refuses_another_server(dep
     assert artifacts["served_tokens"]["count"] == artifacts["served_tokens"]["n"] == pinned
     assert artifacts["served_margins"]["count"] == pinned
     assert artifacts["served_server"]["count"] == len(DEPLOYED) + 1
+    # The card redrawn after the audit shows it: e4.json was audited against these very tables, the served one too.
+    e4_row = next(line for line in (ledger / "results.md").read_text().splitlines() if line.startswith("| E4 audit |"))
+    assert f"| {e4['status']}" in e4_row and "not run yet" not in e4_row, e4_row
     unpinned = SERVED["load_runs"] + 1 + SERVED["clients"]  # runs amid load, copies at once, per item
     assert e4["under_load"]["artifacts"]["served_tokens"]["n"] == 4 * unpinned * (len(DEPLOYED) + 1)
 

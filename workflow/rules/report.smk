@@ -18,6 +18,8 @@ rule report:
         comparisons=LAYOUT.table("comparisons"),
         transplants=LAYOUT.table("transplants") if TRANSPLANT["enabled"] else [],
         factors=LAYOUT.table("factors") if FACTOR_LEVELS else [],
+        # Read only to tell whether the audit's e4.json was made against these very tables.
+        served=LAYOUT.table("served") if SERVED_SERVERS else [],
         models=[LAYOUT.model_record(name) for name in USED_CHECKPOINTS],
         vocab=[LAYOUT.vocab(name) for name in USED_CHECKPOINTS],
         item_file=LAYOUT.items,
@@ -39,6 +41,7 @@ rule report:
     params:
         transplants=lambda wildcards, input: f"--transplants {input.transplants}" if TRANSPLANT["enabled"] else "",
         factors=lambda wildcards, input: f"--factors {input.factors}" if FACTOR_LEVELS else "",
+        served=lambda wildcards, input: f"--served {input.served}" if SERVED_SERVERS else "",
         models=lambda wildcards, input: " ".join(
             f"--model {name} {shlex.quote(path)}" for name, path in zip(USED_CHECKPOINTS, input.models)
         ),
@@ -52,7 +55,7 @@ rule report:
     shell:
         tail_log_on_failure(
             "stagereplay report --summary {input.summary:q} --trajectories {input.trajectories:q}"
-            " --comparisons {input.comparisons:q} {params.transplants} {params.factors} {params.models} {params.vocab} {params.e4} --items {input.item_file:q}"
+            " --comparisons {input.comparisons:q} {params.transplants} {params.factors} {params.served} {params.models} {params.vocab} {params.e4} --items {input.item_file:q}"
             " --item-source {params.item_source:q} --card {output.card:q} --card-html {output.card_html:q}"
             " --plots-dir {params.plots_dir:q} > {log:q} 2>&1"
         )

@@ -188,6 +188,7 @@ def cmd_report(args) -> None:
     from stagereplay.ledger.tables import (
         COMPARISON_SCHEMA,
         FACTOR_SCHEMA,
+        SERVED_SCHEMA,
         TRAJECTORY_SCHEMA,
         TRANSPLANT_SCHEMA,
         LedgerError,
@@ -212,7 +213,14 @@ def cmd_report(args) -> None:
     transplants = read_table(args.transplants, TRANSPLANT_SCHEMA) if args.transplants else None
     factors = read_table(args.factors, FACTOR_SCHEMA) if args.factors else None
     records = {name: read_model_record(path) for name, path in args.model}
-    saved = {"trajectories": trajectories, "comparisons": comparisons, "transplants": transplants, "factors": factors}
+    served = read_table(args.served, SERVED_SCHEMA) if args.served else None
+    saved = {
+        "trajectories": trajectories,
+        "comparisons": comparisons,
+        "transplants": transplants,
+        "factors": factors,
+        "served": served,
+    }
     e4 = _current_e4(args.e4, saved)
     # The card draws E4 from the "E4" entry of the figures it is given; summary.json itself never holds it.
     shown = summary if e4 is None else {**summary, "E4": e4}
@@ -240,6 +248,9 @@ def add_report_command(sub) -> None:
     p.add_argument("--comparisons", required=True)
     p.add_argument("--transplants", default=None, help="transplants table (absent when E5 is not run)")
     p.add_argument("--factors", default=None, help="factors table (absent when E6 is not run)")
+    p.add_argument(
+        "--served", default=None, help="served table (absent without served servers): is e4.json of these tables?"
+    )
     add_model_records(
         p, "a checkpoint's name and its model.json (repeat for every checkpoint the run used)", required=True
     )
