@@ -201,12 +201,12 @@ def test_an_unset_api_key_variable_is_refused_at_registration(built, gguf, tmp_p
     [
         (
             {"factors": {"flash_attn": ["off"]}},
-            "factors.flash_attn: checkpoints.tiny is attached to a llama-server this run never restarts, which takes"
+            "factors.flash_attn: checkpoints.tiny is attached to a server this run never restarts, which takes"
             " it only when it starts (-fa)",
         ),
         (
             {"factors": {"batch": [2]}},
-            "factors.batch: checkpoints.tiny is attached to a llama-server this run never restarts, which would need"
+            "factors.batch: checkpoints.tiny is attached to a server this run never restarts, which would need"
             " slots of its own",
         ),
         (

@@ -57,7 +57,7 @@ def check_primary(config: dict, name: str, spec: EngineSpec) -> None:
         knob = spec.factors.get(factor)
         if knob is None or knob.mechanism not in FIXED_BY_ITS_START:
             continue
-        attached = f"factors.{factor}: checkpoints.{name} is attached to a llama-server this run never restarts, which"
+        attached = f"factors.{factor}: checkpoints.{name} is attached to a server this run never restarts, which"
         if knob.mechanism == "restart":
             raise AttachRefused(
                 f"{attached} takes it only when it starts ({knob.setting}) — start a second server with the level's"
