@@ -26,7 +26,7 @@ from test_llamaserver_workflow_faults import run_watching_servers
 from workflow_helpers import snakemake, stagereplay, write_config
 
 from stagereplay.engines.base import Runtime
-from stagereplay.engines.llamaserver.engine import reference_settings
+from stagereplay.engines.llamaserver.reference import reference_settings
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 

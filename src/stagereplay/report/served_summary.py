@@ -54,15 +54,9 @@ def served_summary(table: pa.Table) -> dict:
             for item in items
             if load_counts[item]
         }
-        copies: dict[str, list[dict]] = {}
-        for row in rows:
-            if row["server"] == server and row["cell"] == "copies":
-                copies.setdefault(row["item_id"], []).append(row)
+        copies = _runs_by_item(rows, server, "copies")
         distinct = {item: len({tuple(row["tokens"]) for row in rows_of}) for item, rows_of in copies.items()}
-        on_slots: dict[str, list[dict]] = {}
-        for row in rows:
-            if row["server"] == server and row["cell"] == "slot":
-                on_slots.setdefault(row["item_id"], []).append(row)
+        on_slots = _runs_by_item(rows, server, "slot")
         slot_differs = sorted(
             item for item, rows_of in on_slots.items() if any(_differs(row, alone[item]) for row in rows_of)
         )
@@ -142,6 +136,15 @@ def served_summary(table: pa.Table) -> dict:
             entry["vs_reference_margins"] = _margins([(reference_alone[item], alone[item]) for item in flips])
         result["servers"][server] = entry
     return result
+
+
+def _runs_by_item(rows: list[dict], server: str, cell: str) -> dict[str, list[dict]]:
+    """Each item's rows of one cell of ``server`` (its runs: copies, slots), in one pass over the rows."""
+    runs: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["server"] == server and row["cell"] == cell:
+            runs.setdefault(row["item_id"], []).append(row)
+    return runs
 
 
 def _boundary(alone: dict, replay: dict) -> int:

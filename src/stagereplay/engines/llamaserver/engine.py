@@ -1,8 +1,8 @@
 """The llama-server engine: a GGUF run by llama.cpp's own HTTP server, one server process per job.
 
 The server is built from the llama.cpp tree the binding vendors (``llamaserver.build``), and started with
-every setting the numbers depend on given on its command line, as the binding engine's reference context
-has it: ``-c``, ``-b`` and ``-ub`` all ``LLAMACPP_N_CTX`` (a prefix is one decode call and one
+every setting the numbers depend on given on its command line (``llamaserver.reference``), as the binding
+engine's reference context has it: ``-c``, ``-b`` and ``-ub`` all ``LLAMACPP_N_CTX`` (a prefix is one decode call and one
 micro-batch), one slot without a unified cache, flash attention from ``runtime.flash_attn``, the cache
 types from the precision, ``runtime.threads`` for both thread counts, no weight repacking, no host-memory
 prompt cache, no context shift, no warm-up, a fixed seed; its environment has every ``LLAMA_ARG_*``
@@ -59,27 +59,17 @@ from stagereplay.engines.llamaserver.batches import decode_calls, describe_split
 from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver.load import companions_in_flight
 from stagereplay.engines.llamaserver.process import ServerProcess, ServerSettings
+from stagereplay.engines.llamaserver.reference import reference_settings, server_extra
 from stagereplay.engines.llamaserver.sequences import SlotSequences, kept_positions
 from stagereplay.engines.llamaserver.slots import read_slot_file, write_slot_file
 from stagereplay.ledger.kvstate import KVState
 
-# Options besides ServerSettings' own: no GPU layers and no memory fitting (a CPU build; --fit could change
-# an unset option), no context shift, no idle-slot caching, a fixed seed (greedy draws nothing, but the
-# sampler is seeded all the same).
-EXTRA_OPTIONS = ("--n-gpu-layers", "0", "--fit", "off", "--no-context-shift", "--no-cache-idle-slots", "--seed", "0")
 # A JSON logprob of a token whose probability underflowed to 0 (the server's -FLT_MAX for JSON's lack of -inf).
 UNDERFLOW = -3.4028234663852886e38
 # The binding's ``reconfigure`` names the engine takes, each a restart with the matching option changed.
 SETTING_NAMES = ("flash_attn", "ubatch", "cache_type", "n_threads", "load_slots", "kv_unified")
 # The slot that holds a filler the engine's slot 0 sits behind (E6's kv_offset).
 FILLER_SLOT = 1
-
-
-def server_extra(cache_type: str) -> tuple[str, ...]:
-    """The options besides ServerSettings' own for a cache type: llama.cpp's own log lines (the cache's rotation
-    among them) reach the server's log only at verbosity 4, and a quantized cache's stored format depends on
-    them (``chosen_rotation``)."""
-    return EXTRA_OPTIONS + (("--log-verbosity", "4") if cache_types(cache_type).quantized else ())
 
 
 class ServerCache:
@@ -471,24 +461,6 @@ def load_llamaserver(gguf: str | Path, runtime: Runtime) -> LlamaServerEngine:
     engine = LlamaServerEngine(gguf, reference_settings(runtime))
     engine.environment = environment_of(engine, runtime)
     return engine
-
-
-def reference_settings(runtime: Runtime) -> ServerSettings:
-    """What the engine's own server starts with at ``runtime`` (an operator starts the same to attach it)."""
-    return ServerSettings(
-        threads=runtime.threads,
-        threads_batch=runtime.threads,
-        flash_attn=runtime.flash_attn,
-        cache_type=runtime.precision,
-        ctx_size=LLAMACPP_N_CTX,
-        batch=LLAMACPP_N_CTX,
-        ubatch=LLAMACPP_N_CTX,
-        parallel=1,
-        kv_unified=False,
-        repack=False,
-        cache_ram_mib=0,
-        extra=server_extra(runtime.precision),
-    )
 
 
 def environment_of(engine: LlamaServerEngine, runtime: Runtime) -> Environment:

@@ -118,7 +118,8 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
     others leave them placed as their timing decided, so nothing pinned comes after one."""
     own = slots[0] if slots else None
     others_slot = slots[1 % len(slots)] if slots else None
-    each_slot = sorted(server.usable_slots())
+    # The slots the run may use, asked once (a deployed server's from /props): the slot and offset cells' slots.
+    usable = sorted(server.usable_slots()) if design.each_slot or design.kv_offsets else []
     answers, latency, others = [], {}, {}
     for item_id, following in others_of.items():
         prompt = prompts[item_id]
@@ -142,11 +143,13 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
     # Each slot in turn after every item's other pinned cells, so none of them follows a slot sweep: a request on a
     # slot leaves its cells in place, and on a unified cache the next request may land behind them.
     for item_id in others_of if design.each_slot else ():
-        for slot in each_slot:
+        for slot in usable:
             answers.append((item_id, "slot", slot, ask(server, prompts[item_id], design.tokens, False, slot=slot)))
     for item_id in others_of if design.kv_offsets else ():
         for offset in design.kv_offsets:
-            answers.append((item_id, "offset", offset, behind_filler(server, prompts, item_id, offset, design.tokens)))
+            answers.append(
+                (item_id, "offset", offset, behind_filler(server, usable, prompts, item_id, offset, design.tokens))
+            )
     for item_id in others_of:
         for run in range(design.load_runs):
             rng = random.Random(f"{design.seed}:{item_id}:{run}")
@@ -161,13 +164,14 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
     return answers
 
 
-def behind_filler(server: ServerClient, prompts: dict, item_id: str, offset: int, budget: int) -> Answer:
-    """E6's ``kv_offset`` as served requests: every slot the run may use erased (so the cache's search for free cells
-    starts at cell 0 again), a filler of ``offset`` tokens (the prompts after the item's, joined) kept by the second
-    of them, idle, and the item alone on the first. In a unified cache the item's cells then follow the filler's,
+def behind_filler(
+    server: ServerClient, slots: list[int], prompts: dict, item_id: str, offset: int, budget: int
+) -> Answer:
+    """E6's ``kv_offset`` as served requests: every slot the run may use (``slots``) erased (so the cache's search
+    for free cells starts at cell 0 again), a filler of ``offset`` tokens (the prompts after the item's, joined) kept
+    by the second of them, idle, and the item alone on the first. In a unified cache the item's cells then follow the filler's,
     where the server keeps an idle slot's cells; a server caching idle slots (its host prompt cache, the default)
     clears them when the item's task starts. Its ``others``: the filler's length, as text."""
-    slots = sorted(server.usable_slots())
     if len(slots) < 2:
         raise LlamaServerError(
             f"served.kv_offsets needs a second slot to hold the filler, and the llama-server at {server.address} has"
