@@ -1,4 +1,4 @@
-"""Killed runs and concurrency, with real processes: a SIGKILL never costs a saved result.
+"""Killed runs, with real processes: a SIGKILL never costs a saved result (one core against two: test_slurm.py).
 
 The run is killed three times — mid-shard after the first item's artifacts are
 stored, while an object's bytes lie under a temporary name, and while the
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from workflow_helpers import fingerprints, ledger_snapshot, snakemake, snakemake_command, write_config
+from workflow_helpers import fingerprints, snakemake, snakemake_command, write_config
 
 from stagereplay.audit.verify import verify_ledger
 
@@ -87,31 +87,3 @@ def test_killed_runs_resume_to_the_same_fingerprints(test_run, tmp_path):
     report = verify_ledger(ledger)
     assert report.faults == [] and report.leftover_temporaries >= 1
     assert fingerprints(ledger) == fingerprints(reference)
-
-
-def replica_fingerprints(ledger: Path) -> dict[tuple, dict[int, tuple]]:
-    """Per trajectory side and item, each replica's fingerprints (each replica is its own job)."""
-    sides: dict[tuple, dict[int, tuple]] = {}
-    for (table, *identity), values in fingerprints(ledger).items():
-        if table == "trajectories":
-            checkpoint, construction, precision, prefix_precision, replica, item = identity
-            sides.setdefault((checkpoint, construction, precision, prefix_precision, item), {})[replica] = values
-    return sides
-
-
-def test_one_core_and_two_cores_give_identical_fingerprints(test_run, tmp_path):
-    _, reference, _ = test_run  # run with --cores 2: two model jobs at a time (threads 1 each)
-    ledger = tmp_path / "ledger"
-    config = write_config(tmp_path / "config.yaml", ledger_dir=str(ledger))
-    result = snakemake(tmp_path, config, cores=1)  # one job at a time
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert fingerprints(ledger) == fingerprints(reference)
-    # Byte for byte, too: no object's bytes depend on which job stored it first.
-    objects = ledger_snapshot(ledger / "objects")
-    assert objects and objects == ledger_snapshot(reference / "objects")
-    # Replicas ran side by side (2 jobs) in one run and one after another in the other: every
-    # replica of a side reproduces the same fingerprints in both.
-    for run in (reference, ledger):
-        replicated = [found for found in replica_fingerprints(run).values() if len(found) > 1]
-        assert len(replicated) == 8, run  # E1 live and prefill of 4 items, 2 replicas each
-        assert all(len(set(found.values())) == 1 for found in replicated), run

@@ -1,12 +1,17 @@
-"""The workflow through a real SLURM controller with profiles/slurm.
+"""Where the jobs run changes no byte: one core, two cores, and a real SLURM controller with profiles/slurm.
+
+config/test.yaml run one job at a time gives the session's two-core run (`test_run`) byte for byte; a smaller
+config through SLURM gives the same fingerprints for every trajectory it computes; a job that fails on the
+cluster fails the run with its one-line error. The SLURM runs mostly wait on the queue's polling, so the
+one-core run goes at the same time.
 
 CI starts a single-node cluster first (`bash .ci/slurm.sh start`, called by
-.ci/run). Without SLURM these tests skip with the reason; with
+.ci/run). Without SLURM the SLURM tests skip with the reason; with
 STAGEREPLAY_REQUIRE_SLURM=1 (set by .ci/run) a missing SLURM fails them instead.
 
 The CI node has no GPU and a few GB of memory, so the test runs a variant of the
 real profile that changes only that: GPU requests dropped, memory capped, status
-polled with squeue (no slurmdbd, so no sacct) and polled soon after submission.
+polled with squeue (no slurmdbd, so no sacct), soon after submission and every second.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from workflow_helpers import REPO, skip_unless_required, snakemake, write_config
+from workflow_helpers import REPO, ledger_snapshot, skip_unless_required, snakemake, write_config
+from workflow_helpers import fingerprints as ledger_fingerprints
 
 pytestmark = pytest.mark.slow
 
@@ -55,11 +61,6 @@ def slurm_problem() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    skip_unless_required(slurm_problem(), "STAGEREPLAY_REQUIRE_SLURM")
-
-
 def ci_profile(directory: Path) -> Path:
     """profiles/slurm adapted to the CPU-only test node; every other setting is the real profile's."""
     profile = yaml.safe_load(PROFILE.read_text())
@@ -69,6 +70,7 @@ def ci_profile(directory: Path) -> Path:
         resources["mem_mb"] = min(resources.get("mem_mb", 2000), 2000)
     profile["slurm-status-command"] = "squeue"  # sacct needs slurmdbd; the test cluster keeps jobs (MinJobAge)
     profile["slurm-init-seconds-before-status-checks"] = 1
+    profile["seconds-between-status-checks"] = 1  # the test's jobs take seconds, not the hours the profile is for
     profile["slurm-keep-successful-logs"] = True  # so the test can see which rules ran as SLURM jobs
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.yaml").write_text(yaml.safe_dump(profile))
@@ -106,18 +108,22 @@ def finish(process: subprocess.Popen, workdir: Path, started: float) -> tuple[in
 
 
 @pytest.fixture(scope="module")
-def runs(slurm, tmp_path_factory):
-    """A good run and a failing run through SLURM, and the same good config run locally.
-
-    The SLURM runs mostly wait on the queue's polling, so the local run goes at the same time.
-    """
+def runs(tmp_path_factory):
+    """config/test.yaml run locally on one core; while it runs, where a cluster is up, a good and a failing run
+    through SLURM."""
     base = tmp_path_factory.mktemp("slurm")
+    one_core = base / "one-core"
+    one_core.mkdir()
+    one_core_config = write_config(one_core / "config.yaml", ledger_dir=str(one_core / "ledger"))
+    problem = slurm_problem()
+    if problem is not None:
+        result = snakemake(one_core, one_core_config, cores=1)
+        return {"one_core": (one_core / "ledger", result), "slurm_problem": problem}
     profile = ci_profile(base / "profile")
-    cluster, local, bad = base / "cluster", base / "local", base / "bad"
-    for directory in (cluster, local, bad):
+    cluster, bad = base / "cluster", base / "bad"
+    for directory in (cluster, bad):
         directory.mkdir()
     cluster_config = write_config(cluster / "config.yaml", ledger_dir=str(cluster / "ledger"), **SMALL)
-    local_config = write_config(local / "config.yaml", ledger_dir=str(local / "ledger"), **SMALL)
     fake = bad / "model.gguf"
     fake.write_bytes(b"GGUF not really")
     # The checksum is checked inside the convert_gguf job, so this fails on the cluster, not at parse time.
@@ -130,15 +136,20 @@ def runs(slurm, tmp_path_factory):
     good_run = through_slurm(cluster, cluster_config, profile)
     bad_run = through_slurm(bad, bad_config, profile)
     try:
-        local_result = snakemake(local, local_config, "--cores", "1")
+        result = snakemake(one_core, one_core_config, cores=1)  # one job at a time
         runs = {"cluster": (cluster, *finish(good_run, cluster, started)), "bad": (bad, *finish(bad_run, bad, started))}
     finally:
         for process in (good_run, bad_run):  # never leave a snakemake submitting jobs behind a failed test
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    assert local_result.returncode == 0, local_result.stderr[-3000:]
-    return {**runs, "local": local}
+    return {**runs, "one_core": (one_core / "ledger", result), "slurm_problem": None}
+
+
+@pytest.fixture(scope="module")
+def slurm_runs(runs):
+    skip_unless_required(runs["slurm_problem"], "STAGEREPLAY_REQUIRE_SLURM")
+    return runs
 
 
 def fingerprints(ledger: Path) -> dict[tuple, tuple]:
@@ -148,19 +159,46 @@ def fingerprints(ledger: Path) -> dict[tuple, tuple]:
     return table
 
 
-def test_slurm_run_reproduces_the_local_fingerprints(runs):
-    cluster, returncode, output, seconds = runs["cluster"]
+def replica_fingerprints(ledger: Path) -> dict[tuple, dict[int, tuple]]:
+    """Per trajectory side and item, each replica's fingerprints (each replica is its own job)."""
+    sides: dict[tuple, dict[int, tuple]] = {}
+    for (table, *identity), values in ledger_fingerprints(ledger).items():
+        if table == "trajectories":
+            checkpoint, construction, precision, prefix_precision, replica, item = identity
+            sides.setdefault((checkpoint, construction, precision, prefix_precision, item), {})[replica] = values
+    return sides
+
+
+def test_one_core_and_two_cores_give_identical_fingerprints(runs, test_run):
+    _, reference, _ = test_run  # run with --cores 2: two model jobs at a time (threads 1 each)
+    ledger, result = runs["one_core"]
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ledger_fingerprints(ledger) == ledger_fingerprints(reference)
+    # Byte for byte, too: no object's bytes depend on which job stored it first.
+    objects = ledger_snapshot(ledger / "objects")
+    assert objects and objects == ledger_snapshot(reference / "objects")
+    # Replicas ran side by side (2 jobs) in one run and one after another in the other: every
+    # replica of a side reproduces the same fingerprints in both.
+    for run in (reference, ledger):
+        replicated = [found for found in replica_fingerprints(run).values() if len(found) > 1]
+        assert len(replicated) == 8, run  # E1 live and prefill of 4 items, 2 replicas each
+        assert all(len(set(found.values())) == 1 for found in replicated), run
+
+
+def test_slurm_run_reproduces_the_local_fingerprints(slurm_runs, test_run):
+    cluster, returncode, output, seconds = slurm_runs["cluster"]
     assert returncode == 0, output[-4000:]
-    through_cluster, local = fingerprints(cluster / "ledger"), fingerprints(runs["local"] / "ledger")
-    # 4 items x (E1 live and prefill x 2 replicas + E2/E3 incremental).
-    assert len(local) == 20
-    differing = sorted(key for key in local if through_cluster.get(key) != local[key])
-    assert set(through_cluster) == set(local) and not differing, differing[:5]
+    _, local_ledger, _ = test_run
+    through_cluster, local = fingerprints(cluster / "ledger"), fingerprints(local_ledger)
+    # 4 items x (E1 live and prefill x 2 replicas + E2/E3 incremental), each also in the local run.
+    assert len(through_cluster) == 20
+    differing = sorted(key for key in through_cluster if local.get(key) != through_cluster[key])
+    assert not differing, differing[:5]
     print(f"\nSLURM run: {seconds:.0f} s wall")
 
 
-def test_model_rules_ran_as_slurm_jobs_and_gathering_rules_locally(runs):
-    cluster, returncode, output, _ = runs["cluster"]
+def test_model_rules_ran_as_slurm_jobs_and_gathering_rules_locally(slurm_runs):
+    cluster, returncode, output, _ = slurm_runs["cluster"]
     assert returncode == 0, output[-4000:]
     logs = cluster / ".snakemake" / "slurm_logs"
     submitted = {path.name.removeprefix("rule_") for path in logs.iterdir()} if logs.is_dir() else set()
@@ -169,8 +207,8 @@ def test_model_rules_ran_as_slurm_jobs_and_gathering_rules_locally(runs):
     assert "SLURM run ID" in output
 
 
-def test_a_failing_job_fails_the_run_with_its_one_line_error(runs):
-    bad, returncode, output, seconds = runs["bad"]
+def test_a_failing_job_fails_the_run_with_its_one_line_error(slurm_runs):
+    bad, returncode, output, seconds = slurm_runs["bad"]
     assert returncode != 0
     assert "SLURM-job" in output and "convert_gguf" in output, output[-3000:]  # it failed on the cluster
     lines = [line for line in output.splitlines() if "checksum mismatch" in line]
