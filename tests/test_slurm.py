@@ -33,8 +33,6 @@ pytestmark = pytest.mark.slow
 PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
 MODEL_RULES = ("live", "rebuild", "transplant")
 LOCAL_RULES = ("items", "gather", "compare", "gather_transplants", "summary", "select_transplants")
-FINGERPRINTS = ("prefix_object", "cache_object", "layer_k", "layer_v", "suffix_object")
-ROW_KEY = ("checkpoint", "precision", "construction", "replica", "prefix_precision", "item_id")
 # A run that hangs instead of failing is a failure of the test, not a stuck CI.
 TIMEOUT_S = 900
 # config/test.yaml, one precision and no cross-precision casts: every kind of model
@@ -152,20 +150,19 @@ def slurm_runs(runs):
     return runs
 
 
-def fingerprints(ledger: Path) -> dict[tuple, tuple]:
-    rows = pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
-    table = {tuple(row[key] for key in ROW_KEY): tuple(str(row[key]) for key in FINGERPRINTS) for row in rows}
-    assert len(table) == len(rows), "trajectory rows are not unique by their key"
+def trajectory_fingerprints(ledger: Path) -> dict[tuple, tuple]:
+    """The trajectory rows' fingerprints (``workflow_helpers.fingerprints``), one per row: keys are unique."""
+    table = {key: values for key, values in ledger_fingerprints(ledger).items() if key[0] == "trajectories"}
+    assert len(table) == pq.read_table(ledger / "tables" / "trajectories.parquet").num_rows, "rows share a key"
     return table
 
 
 def replica_fingerprints(ledger: Path) -> dict[tuple, dict[int, tuple]]:
     """Per trajectory side and item, each replica's fingerprints (each replica is its own job)."""
     sides: dict[tuple, dict[int, tuple]] = {}
-    for (table, *identity), values in ledger_fingerprints(ledger).items():
-        if table == "trajectories":
-            checkpoint, construction, precision, prefix_precision, replica, item = identity
-            sides.setdefault((checkpoint, construction, precision, prefix_precision, item), {})[replica] = values
+    for (_, *identity), values in trajectory_fingerprints(ledger).items():
+        checkpoint, construction, precision, prefix_precision, replica, item = identity
+        sides.setdefault((checkpoint, construction, precision, prefix_precision, item), {})[replica] = values
     return sides
 
 
@@ -189,7 +186,7 @@ def test_slurm_run_reproduces_the_local_fingerprints(slurm_runs, test_run):
     cluster, returncode, output, seconds = slurm_runs["cluster"]
     assert returncode == 0, output[-4000:]
     _, local_ledger, _ = test_run
-    through_cluster, local = fingerprints(cluster / "ledger"), fingerprints(local_ledger)
+    through_cluster, local = trajectory_fingerprints(cluster / "ledger"), trajectory_fingerprints(local_ledger)
     # 4 items x (E1 live and prefill x 2 replicas + E2/E3 incremental), each also in the local run.
     assert len(through_cluster) == 20
     differing = sorted(key for key in through_cluster if local.get(key) != through_cluster[key])

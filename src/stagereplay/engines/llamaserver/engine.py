@@ -1,12 +1,9 @@
 """The llama-server engine: a GGUF run by llama.cpp's own HTTP server, one server process per job.
 
 The server is built from the llama.cpp tree the binding vendors (``llamaserver.build``), and started with
-every setting the numbers depend on given on its command line (``llamaserver.reference``), as the binding
-engine's reference context has it: ``-c``, ``-b`` and ``-ub`` all ``LLAMACPP_N_CTX`` (a prefix is one decode call and one
-micro-batch), one slot without a unified cache, flash attention from ``runtime.flash_attn``, the cache
-types from the precision, ``runtime.threads`` for both thread counts, no weight repacking, no host-memory
-prompt cache, no context shift, no warm-up, a fixed seed; its environment has every ``LLAMA_ARG_*``
-removed (``llamaserver.process``). The server's stop at the job's end goes with the job's process.
+every setting the numbers depend on given on its command line, as ``llamaserver.reference`` lists them, no
+warm-up decode, and an environment with every ``LLAMA_ARG_*`` removed (``llamaserver.process``). The server's stop at the job's end
+goes with the job's process.
 
 The engine's cache is the server's slot 0, named by the token list the slot holds (``ServerCache``).
 Every request sends token ids only and is greedy (``GREEDY``), with the slot's tokens as the start of its

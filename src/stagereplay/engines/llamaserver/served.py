@@ -169,9 +169,9 @@ def behind_filler(
 ) -> Answer:
     """E6's ``kv_offset`` as served requests: every slot the run may use (``slots``) erased (so the cache's search
     for free cells starts at cell 0 again), a filler of ``offset`` tokens (the prompts after the item's, joined) kept
-    by the second of them, idle, and the item alone on the first. In a unified cache the item's cells then follow the filler's,
-    where the server keeps an idle slot's cells; a server caching idle slots (its host prompt cache, the default)
-    clears them when the item's task starts. Its ``others``: the filler's length, as text."""
+    by the second of them, idle, and the item alone on the first. In a unified cache the item's cells then follow
+    the filler's, where the server keeps an idle slot's cells; a server caching idle slots (its host prompt cache,
+    the default) clears them when the item's task starts. Its ``others``: the filler's length, as text."""
     if len(slots) < 2:
         raise LlamaServerError(
             f"served.kv_offsets needs a second slot to hold the filler, and the llama-server at {server.address} has"
