@@ -27,6 +27,7 @@ from stagereplay.engines.llamaserver.build import (
     server_binary,
     server_build,
 )
+from stagereplay.engines.llamaserver.client import greedy_margin
 from stagereplay.engines.llamaserver.process import ServerProcess, ServerSettings
 from stagereplay.engines.llamaserver.slots import gguf_geometry, read_slot_file, write_slot_file
 from stagereplay.inputs.checkpoints import build_random_qwen2
@@ -123,6 +124,20 @@ def test_a_binary_without_a_record_or_built_for_another_binding_is_refused(tmp_p
 
 
 # The server: start, answer, stop.
+
+
+def test_a_token_tied_with_the_top_is_greedy_whichever_the_server_lists_first():
+    # The server lists its top tokens by an unstable partial sort: at an exact tie the token it chose (the lowest id
+    # of the tied) may be listed second. A tie is greedy, with margin 0; a token below the top is not, in one line.
+    tie = -0.6931471805599453
+    listed_second = {"top_logprobs": [{"id": 578, "logprob": tie}, {"id": 260, "logprob": tie}]}
+    assert greedy_margin(260, listed_second) == 0.0 and greedy_margin(578, listed_second) == 0.0
+    below = {"top_logprobs": [{"id": 578, "logprob": -0.5}, {"id": 260, "logprob": -1.25}]}
+    assert greedy_margin(578, below) == 0.75
+    with pytest.raises(LlamaServerError, match=r"^llama-server chose token 260 \(log-probability -1.25\), its highest"):
+        greedy_margin(260, below)
+    with pytest.raises(LlamaServerError, match=r"chose token 7 \(not among its top 2\).*: not greedy$"):
+        greedy_margin(7, below)
 
 
 def test_build_record_names_the_binding_its_commit_and_cpu(built):
@@ -318,6 +333,7 @@ def test_a_server_killed_mid_job_gives_one_line_with_its_exit_status(server):
 
 CHILD = """
 import sys, time
+from stagereplay.engines.llamaserver.client import greedy_margin
 from stagereplay.engines.llamaserver.process import ServerProcess, ServerSettings
 with ServerProcess(sys.argv[1], ServerSettings(ctx_size=512), log_path=sys.argv[2]) as server:
     print(server.pid, flush=True)

@@ -22,6 +22,22 @@ from stagereplay.engines.llamaserver.build import LlamaServerError
 GREEDY = {"temperature": 0.0, "samplers": ["temperature"]}
 
 
+def greedy_margin(token: int, step: dict) -> float:
+    """One step of a greedy answer with ``n_probs`` >= 2: the top-1 minus top-2 log-probability (pre-sampling, so
+    the two logits' difference; 0 at a tie), checked to name the chosen ``token``. The server lists its top tokens
+    by an unstable partial sort (``get_token_probabilities``), so at an exact tie the token it chose, the lowest id
+    of the tied, may be listed second: a token tied with the top is greedy, any other is not."""
+    top = step["top_logprobs"]
+    chosen = next((entry["logprob"] for entry in top if entry["id"] == token), None)
+    if chosen != top[0]["logprob"]:
+        listed = f"log-probability {chosen}" if chosen is not None else f"not among its top {len(top)}"
+        raise LlamaServerError(
+            f"llama-server chose token {token} ({listed}), its highest is token {top[0]['id']}"
+            f" (log-probability {top[0]['logprob']}): not greedy"
+        )
+    return float(top[0]["logprob"] - top[1]["logprob"])
+
+
 class ServerClient:
     """HTTP requests to a llama-server at ``host``:``port``.
 

@@ -54,6 +54,7 @@ from stagereplay.engines.llamacpp.settings import LLAMACPP_N_CTX, EngineSettings
 from stagereplay.engines.llamacpp.state import SeqState, converted_state, part_format
 from stagereplay.engines.llamaserver.batches import decode_calls, describe_split, prompt_calls
 from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
+from stagereplay.engines.llamaserver.client import greedy_margin
 from stagereplay.engines.llamaserver.load import companions_in_flight
 from stagereplay.engines.llamaserver.process import ServerProcess, ServerSettings
 from stagereplay.engines.llamaserver.reference import reference_settings, server_extra
@@ -279,7 +280,7 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
                 stop = self._stop_of(generated, max_new_tokens, eos_ids)
                 return (
                     generated,
-                    [self._margin(token, step) for token, step in zip(generated, answer["completion_probabilities"])],
+                    [greedy_margin(token, step) for token, step in zip(generated, answer["completion_probabilities"])],
                     stop,
                 )
             self._rewind(cache, held, tokens[0])
@@ -307,10 +308,10 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
         answer = self._request(cache, tokens, n_predict=1, n_probs=2)
         token = answer["tokens"][0]
         if answer.get("completion_probabilities"):
-            return token, self._margin(token, answer["completion_probabilities"][0])
+            return token, greedy_margin(token, answer["completion_probabilities"][0])
         self._rewind(cache, held, tokens[0])
         answer = self._request(cache, tokens, n_predict=1, n_probs=2, logit_bias=self._forced(tokens[0]))
-        return token, self._margin(token, answer["completion_probabilities"][0])
+        return token, greedy_margin(token, answer["completion_probabilities"][0])
 
     def _forced(self, avoid: int) -> list[list[float]]:
         """A logit bias that makes the server sample a one-character token (other than ``avoid``)."""
@@ -325,15 +326,6 @@ class LlamaServerEngine(GgufCheckpoint, SlotSequences, Engine):
         cache.tokens = kept
         self._request(cache, [self._forced(avoid)[0][0]], n_predict=1, n_probs=0)
         cache.tokens = kept
-
-    def _margin(self, token: int, step: dict) -> float:
-        """Top-1 minus top-2 log-probability (the logits' difference), checked to name the greedy token."""
-        top = step["top_logprobs"]
-        if top[0]["id"] != token:
-            raise LlamaServerError(
-                f"llama-server chose token {token}, its highest logit is token {top[0]['id']}: not greedy"
-            )
-        return float(top[0]["logprob"] - top[1]["logprob"])
 
     def snapshot(self, cache: ServerCache) -> KVState:
         self._check(cache)

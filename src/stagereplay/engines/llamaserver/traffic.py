@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from stagereplay.engines.llamaserver.build import LlamaServerError
-from stagereplay.engines.llamaserver.client import GREEDY, ServerClient
+from stagereplay.engines.llamaserver.client import GREEDY, ServerClient, greedy_margin
 
 
 @dataclass
@@ -60,14 +60,7 @@ def ask(server: ServerClient, prompt: list[int], budget: int, cache_prompt: bool
         raise LlamaServerError(
             f"llama-server returned log-probabilities for {len(steps)} of {len(tokens)} tokens — margins need all"
         )
-    margins = []
-    for token, step in zip(tokens, steps):
-        top = step["top_logprobs"]
-        if top[0]["id"] != token:
-            raise LlamaServerError(
-                f"llama-server chose token {token}, its highest logit is token {top[0]['id']}: not greedy"
-            )
-        margins.append(float(top[0]["logprob"] - top[1]["logprob"]))
+    margins = [greedy_margin(token, step) for token, step in zip(tokens, steps)]
     timings = answer.get("timings", {})
     return Answer(tokens, margins, seconds, int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0)))
 
