@@ -146,6 +146,20 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
 
 
 @pytest.mark.slow
+def test_a_served_job_says_how_far_it_is_phase_by_phase(deployed_run):
+    # One line per item and phase, in the order served: a long job's log shows where it is, pinned cells first.
+    _, ledger, _ = deployed_run
+    lines = [
+        line
+        for line in (ledger / "logs" / "served" / "default.log").read_text().splitlines()
+        if line.startswith("served default: ")
+    ]
+    phases = ["pinned cells", "each slot", "behind a filler", "amid other clients and at once"]
+    expected = [f"served default: {phase} {done}/4 items" for phase in phases for done in range(1, 5)]
+    assert lines == expected
+
+
+@pytest.mark.slow
 def test_a_replay_prefills_the_prefix_the_decoder_reached_and_is_compared_after_the_boundary(deployed_run):
     """E1 on the server: the prompt and the first BOUNDARY tokens of the answer alone, sent anew without prompt reuse
     (the server computes every position of it), continued, and compared with the answer alone after the boundary."""
@@ -263,7 +277,7 @@ def test_the_audit_reproduces_the_pinned_requests_and_refuses_another_server(dep
 
 def _failed_attached(ledger: Path, entry: dict, expected: str, during=None) -> str:
     """A run whose only new job is the attached server's: it fails in one line, with nothing of it written.
-    ``during``: called on this thread once the job has served its first item (the job's log says so)."""
+    ``during``: called on this thread once the job has served its first item's pinned cells (the job's log says so)."""
     workdir = ledger.parent
     _, config = served_config(workdir, {**DEPLOYED, "theirs": entry})
     log_path = ledger / "logs" / "served" / "theirs.log"
@@ -273,7 +287,7 @@ def _failed_attached(ledger: Path, entry: dict, expected: str, during=None) -> s
     )
     if during is not None:
         deadline = time.monotonic() + WAIT_SECONDS
-        while not (log_path.is_file() and "served theirs: 1/" in log_path.read_text()):
+        while not (log_path.is_file() and "served theirs: pinned cells 1/" in log_path.read_text()):
             assert run.poll() is None and time.monotonic() < deadline, "the attached server's job never served an item"
             time.sleep(0.05)
         during()

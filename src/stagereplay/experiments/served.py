@@ -11,6 +11,7 @@ writes one row per (server, item, cell, run) (``ledger.tables.SERVED_SCHEMA``) a
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import sys
@@ -53,10 +54,12 @@ def run_served(
     order = sorted(prompts)
     # The other clients of an item: the items after it, by id, wrapping round (a fixed function of the item list).
     others = {item: list(itertools.islice(items_after(order, item), design.clients)) for item in order}
-    done = iter(range(1, len(order) + 1))
+    done = collections.Counter()
 
-    def on_item() -> None:
-        print(f"served {server_name}: {next(done)}/{len(order)} items", file=sys.stderr, flush=True)
+    def on_item(cells: str) -> None:
+        """One line per item and phase of the job: its pinned cells run first, for every item, then the rest."""
+        done[cells] += 1
+        print(f"served {server_name}: {cells} {done[cells]}/{len(order)} items", file=sys.stderr, flush=True)
 
     recorded = None
     if recorded_table is not None:

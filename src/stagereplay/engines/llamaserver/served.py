@@ -108,10 +108,11 @@ def serve(
     return _on_deployed(model_record, prompts, others, entry, design, on_item)
 
 
-def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on_item=None) -> list[tuple]:
+def serve_items(server: ServerClient, prompts, others_of, design, on_item, slots=None) -> list[tuple]:
     """(item, cell, run, answer) for every item of ``others_of`` on ``server``; ``slots``: a guest's (the item's
     requests on the first, the other clients' on the rest), None: the server picks, as for any client. With
-    ``design.each_slot``, the item alone on each slot the run may use, in turn (``usable_slots``).
+    ``design.each_slot``, the item alone on each slot the run may use, in turn (``usable_slots``). ``on_item(cells)``
+    is called as each item's cells of one phase are done (the job's progress lines).
 
     The pinned cells of every item come first, one request at a time (alone, control, replay, hit; then slot), then
     every item's runs amid other clients: a server's cache cells are placed by everything it served before, and runs amid
@@ -140,16 +141,19 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
         hit = ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
         hit.others = between
         answers.append((item_id, "hit", 0, hit))
+        on_item("pinned cells")
     # Each slot in turn after every item's other pinned cells, so none of them follows a slot sweep: a request on a
     # slot leaves its cells in place, and on a unified cache the next request may land behind them.
     for item_id in others_of if design.each_slot else ():
         for slot in usable:
             answers.append((item_id, "slot", slot, ask(server, prompts[item_id], design.tokens, False, slot=slot)))
+        on_item("each slot")
     for item_id in others_of if design.kv_offsets else ():
         for offset in design.kv_offsets:
             answers.append(
                 (item_id, "offset", offset, behind_filler(server, usable, prompts, item_id, offset, design.tokens))
             )
+        on_item("behind a filler")
     for item_id in others_of:
         for run in range(design.load_runs):
             rng = random.Random(f"{design.seed}:{item_id}:{run}")
@@ -159,8 +163,7 @@ def serve_items(server: ServerClient, prompts, others_of, design, slots=None, on
             answers.append((item_id, "load", run, loaded))
         copies = at_once(server, prompts[item_id], design.tokens, 1 + design.clients, slots)
         answers += [(item_id, "copies", copy, answer) for copy, answer in enumerate(copies)]
-        if on_item:
-            on_item()
+        on_item("amid other clients and at once")
     return answers
 
 
@@ -210,7 +213,7 @@ def _on_deployed(model_record, prompts, others, entry, design, on_item):
         }
         if slot_dir is not None:
             record["slot_actions"] = "on: a private --slot-save-path, for kv_offsets' erasures (no slot file written)"
-        answers = serve_items(server, prompts, others, design, on_item=on_item)
+        answers = serve_items(server, prompts, others, design, on_item)
     return answers, record
 
 
@@ -244,7 +247,7 @@ def _on_attached(model_record, prompts, others, name, entry, design, on_item, re
     record.update(check_model(server, identity, model_record["gguf"], spellings, token_ids))
     if recorded is not None:
         _check_recorded(server, record, recorded)
-    answers = serve_items(server, prompts, others, design, slots=pinned, on_item=on_item)
+    answers = serve_items(server, prompts, others, design, on_item, slots=pinned)
     server.check_unchanged(identity)
     return answers, record
 
