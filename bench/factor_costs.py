@@ -3,6 +3,7 @@ and model-job wall time per item against E1's; then the boundary cache's bytes p
 type the ledger ran (llama.cpp's precisions are cache types).
 
     python bench/factor_costs.py ledger/factors
+    python bench/factor_costs.py ledger/factors --timed-by audit   # the wall times of E4's recomputation
 
 Measured: each factor row's ``forward_positions`` (counted by the engine as it fed them: builds,
 continuations, batch padding, and any reference cache rebuilt because it was not stored) and each factor
@@ -11,7 +12,9 @@ not at all (it is E2's row): one build under the level (a batch's B rows, padded
 transformers, as they are on llama.cpp; a prefix hit's reused and new positions) and one continuation per
 other cell (B rows per step where it is read in a batch).
 E1 per item: the live and prefill jobs of replica 0 at the E1 precision, wall seconds summed over shards
-and divided by the items. Cache bytes per item: the stored objects of E2's prefill rows at each precision
+and divided by the items. ``--timed-by audit`` takes every wall time from the audit's recomputation of the same
+jobs instead (``snakemake --config mode=audit``): for a ledger whose run shared its cores and whose audit had them
+to itself. Cache bytes per item: the stored objects of E2's prefill rows at each precision
 (measured, file sizes), beside the plan's projection for the same positions (``design.projection``); a
 cache type E6 ran but no row stored (a ``cache_type`` level) is projected only. Prints two Markdown tables.
 """
@@ -50,8 +53,14 @@ def minimum_positions(row: dict, contexts: dict[str, int]) -> int:
     return built + continuation
 
 
-def factor_costs(root: str | Path) -> list[dict]:
+def factor_costs(root: str | Path, timed_by: str = "run") -> list[dict]:
+    """Per factor level: positions fed and wall time per item, beside E1's. ``timed_by``: ``run`` (the saved
+    ledger's benchmark files) or ``audit`` (the audit's, for the same jobs)."""
     ledger = LedgerLayout(root)
+
+    def benchmark(table: str) -> Path:
+        return Path(ledger.job_benchmark(ledger.audited(table) if timed_by == "audit" else table))
+
     factors = pq.read_table(ledger.table("factors")).to_pylist()
     trajectories = pq.read_table(ledger.table("trajectories")).to_pylist()
     summary = json.loads(Path(ledger.summary).read_text())
@@ -67,7 +76,7 @@ def factor_costs(root: str | Path) -> list[dict]:
     )
     e1_tables = [ledger.live_table(checkpoint, precision, 0, shard) for shard in shards]
     e1_tables += [ledger.rebuilt_table(checkpoint, precision, precision, "prefill", 0, shard) for shard in shards]
-    e1 = sum(wall_seconds(Path(ledger.job_benchmark(table))) for table in e1_tables)
+    e1 = sum(wall_seconds(benchmark(table)) for table in e1_tables)
     levels: dict[tuple, list[dict]] = defaultdict(list)
     for row in factors:
         if row["applicable"]:
@@ -75,7 +84,7 @@ def factor_costs(root: str | Path) -> list[dict]:
     table = []
     for (checkpoint, precision, factor, level), rows in sorted(levels.items()):
         tables = [ledger.factor_table(checkpoint, precision, factor, level, shard) for shard in shards]
-        wall = sum(wall_seconds(Path(ledger.job_benchmark(table))) for table in tables)
+        wall = sum(wall_seconds(benchmark(table)) for table in tables)
         n = len({row["item_id"] for row in rows})
         fed = sum(row["forward_positions"] for row in rows)
         minimum = sum(minimum_positions(row, contexts) for row in rows)
@@ -128,12 +137,20 @@ def cache_bytes(root: str | Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ledger", help="a ledger with E6 (tables/factors.parquet)")
+    parser.add_argument(
+        "--timed-by",
+        choices=("run", "audit"),
+        default="run",
+        help="whose benchmark files give the wall times: the run's (default) or its audit's recomputation",
+    )
     args = parser.parse_args()
+    if args.timed_by == "audit" and not Path(LedgerLayout(args.ledger).e4).is_file():
+        parser.error(f"{args.ledger} has no audit — run snakemake with --config mode=audit first, or drop --timed-by")
     print(
         "| factor level | items | positions fed / item | design minimum / item | fed / minimum | wall s / item | E1 wall s / item | wall vs E1 |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row in factor_costs(args.ledger):
+    for row in factor_costs(args.ledger, args.timed_by):
         print(
             f"| {row['level']} | {row['items']} | {row['fed']:.0f} | {row['minimum']:.0f} | {row['ratio']:.2f} |"
             f" {row['wall']:.2f} | {row['e1']:.2f} | {row['wall'] / row['e1']:.2f}× |"

@@ -6,7 +6,10 @@ Skips with the reason when llama_cpp is not importable; STAGEREPLAY_REQUIRE_LLAM
 
 from __future__ import annotations
 
+import csv
+import importlib.util
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -21,6 +24,11 @@ from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
 
 pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "factor_costs.py"
+spec = importlib.util.spec_from_file_location("factor_costs", BENCH)
+factor_costs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(factor_costs)
 
 TINY = "tiny-gguf"
 WIDE = {"engine": "llamacpp", "random_qwen2": {"seed": 2, "layers": 2, "hidden": 256}}
@@ -177,6 +185,30 @@ def test_q8_0_bridge_and_audit(fp16_run):
         assert e4["artifacts"][part]["reproduced"] == e4["artifacts"][part]["n"] > 0
     card = (ledger / "results.md").read_text()
     assert "E6 cache_type q8_0 (reference fp16)" in card
+
+
+def _wall_seconds_per_item(folder: Path, items: int) -> float:
+    """A job folder's benchmark files read directly: the last row's wall seconds, summed over shards, per item."""
+    total = 0.0
+    for path in sorted(folder.glob("shard-*.tsv")):
+        with open(path, newline="") as handle:
+            total += float(list(csv.DictReader(handle, delimiter="\t"))[-1]["s"])
+    return total / items
+
+
+def test_the_cost_table_times_the_run_or_its_audit(fp16_run):
+    # bench/factor_costs.py: each level's wall time from the run's benchmark files, or with --timed-by audit from
+    # the audit's recomputation of the same jobs (for a run that shared its cores and an audit that did not).
+    ledger, rows = fp16_run
+    items = len({row["item_id"] for row in _level(rows, "threads", "2")})
+    level = Path("factor", TINY, "fp16", "threads", "2")
+    run = {row["level"]: row for row in factor_costs.factor_costs(ledger)}
+    audit = {row["level"]: row for row in factor_costs.factor_costs(ledger, "audit")}
+    assert run.keys() == audit.keys() and "threads 2" in run
+    assert run["threads 2"]["wall"] == pytest.approx(_wall_seconds_per_item(ledger / "benchmarks" / level, items))
+    assert audit["threads 2"]["wall"] == pytest.approx(
+        _wall_seconds_per_item(ledger / "benchmarks" / "audit" / level, items)
+    )
 
 
 def test_quantized_run_every_experiment_and_rotation(tmp_path):
