@@ -333,7 +333,6 @@ def test_a_server_killed_mid_job_gives_one_line_with_its_exit_status(server):
 
 CHILD = """
 import sys, time
-from stagereplay.engines.llamaserver.client import greedy_margin
 from stagereplay.engines.llamaserver.process import ServerProcess, ServerSettings
 with ServerProcess(sys.argv[1], ServerSettings(ctx_size=512), log_path=sys.argv[2]) as server:
     print(server.pid, flush=True)
