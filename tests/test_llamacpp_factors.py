@@ -7,7 +7,6 @@ Skips with the reason when llama_cpp is not importable; STAGEREPLAY_REQUIRE_LLAM
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from test_llamacpp import _binding_problem
-from workflow_helpers import skip_unless_required, snakemake, write_config
+from workflow_helpers import bench_script, skip_unless_required, snakemake, write_config
 
 from stagereplay.design.factors import FactorError, check_levels
 from stagereplay.engines.registry import SPECS, spec_named
@@ -25,10 +24,7 @@ from stagereplay.ledger.store import ObjectStore
 
 pytestmark = pytest.mark.slow
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "factor_costs.py"
-spec = importlib.util.spec_from_file_location("factor_costs", BENCH)
-factor_costs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(factor_costs)
+factor_costs = bench_script("factor_costs")
 
 TINY = "tiny-gguf"
 WIDE = {"engine": "llamacpp", "random_qwen2": {"seed": 2, "layers": 2, "hidden": 256}}

@@ -3,13 +3,9 @@ cells, and where they part. Known answers: rows built so each item's verdict is 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from workflow_helpers import bench_script
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "server_vs_binding.py"
-spec = importlib.util.spec_from_file_location("server_vs_binding", BENCH)
-server_vs_binding = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(server_vs_binding)
+server_vs_binding = bench_script("server_vs_binding")
 
 REFERENCE = "ref"
 

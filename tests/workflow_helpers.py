@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -14,6 +15,14 @@ import xxhash
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_script(name: str):
+    """``bench/<name>.py`` imported as a module (bench/ is scripts, not a package), for its functions."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def skip_unless_required(problem: str | None, variable: str) -> None:
