@@ -108,6 +108,21 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
     assert len(loads) == len(DEPLOYED) * 4 * SERVED["load_runs"] and all(
         len(row["others"]) == SERVED["clients"] for row in loads
     )
+    # Each run amid others keeps what every other client got back, by arrival: the server's throughput over the load.
+    for row in loads:
+        assert len(row["others_generated"]) == len(row["others_seconds"]) == len(row["arrivals"]) == SERVED["clients"]
+        assert all(0 < count <= SERVED["tokens"] for count in row["others_generated"])
+        assert all(seconds > 0 for seconds in row["others_seconds"])
+    for name, entry in served["servers"].items():
+        mine = [row for row in loads if row["server"] == name]
+        tokens = sum(len(row["tokens"]) + sum(row["others_generated"]) for row in mine)
+        # The span of a run: from the earliest arrival (the item's at 0, or an earlier client's) to the last answer.
+        span = sum(
+            max(row["seconds"], *(at + took for at, took in zip(row["arrivals"], row["others_seconds"])))
+            - min(0.0, *row["arrivals"])
+            for row in mine
+        )
+        assert entry["tokens_per_second_all_clients"] == pytest.approx(tokens / span), name
     copies = [row for row in rows if row["cell"] == "copies"]
     assert len(copies) == len(DEPLOYED) * 4 * (1 + SERVED["clients"])
     for name, entry in served["servers"].items():
@@ -505,3 +520,29 @@ def test_two_attached_servers_as_reference_and_level(deployed_run, tmp_path):
     assert level["control_identical"] == 4 and level["load_every_run"] == level["load_some_runs"] == []
     card = (ledger / "results.md").read_text()
     assert f"| b-streams | attached at {streams.address} | 4 (used: 0, 1, 2, 3) | 4/4 |" in card
+
+
+def test_a_served_table_without_the_other_clients_columns_names_its_migration(tmp_path):
+    """A served table written before each run amid others kept what the other clients got back: one line naming the
+    forced rerun that rewrites it (the workflow sees no changed input), from verify and from any reader."""
+    import pyarrow as pa
+
+    from stagereplay.audit.faults import Report
+    from stagereplay.audit.verify import verify_tables
+    from stagereplay.ledger.tables import SERVED_SCHEMA, LedgerError, read_table, write_table
+
+    before = pa.schema([field for field in SERVED_SCHEMA if field.name not in ("others_generated", "others_seconds")])
+    for relative in ("tables/served.parquet", "runs/served/default.parquet", "runs/served/fa-off.parquet"):
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(before.empty_table(), tmp_path / relative)
+    write_table([], SERVED_SCHEMA, tmp_path / "runs" / "served" / "np-1.parquet")  # today's: no fault
+    report = Report()
+    verify_tables(tmp_path, report)
+    assert [str(fault) for fault in report.faults] == [
+        "tables/served.parquet and 2 more served tables: written before the served requests recorded what the other"
+        " clients amid load got back (no others_generated, others_seconds): only the served jobs compute them —"
+        " migrate it: rerun snakemake --forcerun served (the served jobs send every request again; gathering,"
+        " summary.json and the card follow)"
+    ]
+    with pytest.raises(LedgerError, match="no others_generated, others_seconds.* rerun snakemake --forcerun served"):
+        read_table(tmp_path / "tables" / "served.parquet", SERVED_SCHEMA)

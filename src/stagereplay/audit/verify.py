@@ -66,7 +66,6 @@ from stagereplay.ledger.tables import (
     COMPARISON_SCHEMA,
     FACTOR_KEY,
     FACTOR_SCHEMA,
-    MIGRATE_FACTORS,
     PROMPT_SCHEMA,
     SERVED_KEY,
     SERVED_SCHEMA,
@@ -76,12 +75,12 @@ from stagereplay.ledger.tables import (
     TRANSPLANT_SCHEMA,
     VOCAB_SCHEMA,
     LedgerError,
-    factor_table_before,
     is_object_id,
     read_table,
     row_key,
     rows_digest,
     stored_rows_digest,
+    table_before,
 )
 
 
@@ -155,7 +154,7 @@ def verify_objects(store: ObjectStore, report: Report) -> dict[str, StoredObject
 
 def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
     tables: dict[str, pa.Table] = {}
-    older: dict[str, list[str]] = {}  # what older factor tables were written before -> their paths
+    older: dict[tuple, list[str]] = {}  # (what older tables were written before, their migration) -> their paths
     for path in LedgerLayout(root).table_files():
         relative = path.relative_to(root)
         schema = table_schema(relative)
@@ -166,7 +165,7 @@ def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
         try:
             table = read_table(path, schema)
         except LedgerError:
-            before = _factor_table_before(path) if schema is FACTOR_SCHEMA else None
+            before = _table_before(path) if schema is FACTOR_SCHEMA or schema is SERVED_SCHEMA else None
             if before is not None:
                 older.setdefault(before, []).append(str(relative))
                 continue
@@ -185,16 +184,16 @@ def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
             continue
         report.rows += table.num_rows
         tables[str(relative)] = table
-    for before, paths in older.items():
-        # Every factor table of such a ledger is in that shape: one line for all of them, with the one fix.
-        others = f" and {len(paths) - 1} more factor tables" if len(paths) > 1 else ""
-        report.faults.append(Fault(f"{paths[0]}{others}", before, MIGRATE_FACTORS))
+    for (before, migration), paths in older.items():
+        # Every such table of a ledger is in that shape: one line for all of them, with the one fix.
+        others = f" and {len(paths) - 1} more {migration.kind} tables" if len(paths) > 1 else ""
+        report.faults.append(Fault(f"{paths[0]}{others}", before, migration.fix))
     return tables
 
 
-def _factor_table_before(path: Path) -> str | None:
+def _table_before(path: Path) -> tuple | None:
     try:
-        return factor_table_before(pq.read_schema(path))
+        return table_before(pq.read_schema(path))
     except (pa.ArrowException, OSError):
         return None
 

@@ -91,6 +91,8 @@ def served_rows(server_name: str, answers, server_record: dict, model_fingerprin
             "seconds": answer.seconds,
             "others": answer.others,
             "arrivals": answer.arrivals,
+            "others_generated": answer.others_generated,
+            "others_seconds": answer.others_seconds,
             "server_record": record,
             "model_fingerprint": model_fingerprint,
         }

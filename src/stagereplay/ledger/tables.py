@@ -7,6 +7,7 @@ objects these tables name live in the content-addressed store (``stagereplay.led
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -236,10 +237,14 @@ SERVED_SCHEMA = pa.schema(
         ("seconds", pa.float64()),  # the request's wall time
         ("others", pa.list_(pa.string())),  # load: the other clients' items, by arrival; hit: the items between
         ("arrivals", pa.list_(pa.float64())),  # load: their arrivals, seconds from the item's
+        ("others_generated", pa.list_(pa.int32())),  # load: the tokens each other client got back, by arrival
+        ("others_seconds", pa.list_(pa.float64())),  # load: each other client's wall time, by arrival
         ("server_record", pa.string()),  # JSON: how the server was started or where it was attached, what it said
         ("model_fingerprint", pa.string()),
     ]
 )
+# Columns added to the served table since its first version (a table without them: MIGRATIONS).
+SERVED_LATER_COLUMNS = (("what the other clients amid load got back", ("others_generated", "others_seconds")),)
 
 # One row per checkpoint and item: the integers every stage (and the audit) starts from.
 PROMPT_SCHEMA = pa.schema(
@@ -367,32 +372,56 @@ def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
     except (pa.ArrowException, OSError) as error:
         raise LedgerError(f"ledger table {path} is unreadable ({error}) — delete it and rerun the workflow") from None
     if schema is not None and not table.schema.equals(schema):
-        before = factor_table_before(table.schema) if schema is FACTOR_SCHEMA else None
+        before = table_before(table.schema) if schema is FACTOR_SCHEMA or schema is SERVED_SCHEMA else None
         if before is not None:
-            # The workflow sees no changed input: only a forced rerun of the factor jobs rewrites it.
-            raise LedgerError(f"ledger table {path}: {before} — {MIGRATE_FACTORS}")
+            raise LedgerError(f"ledger table {path}: {before[0]} — {before[1].fix}")
         raise LedgerError(f"ledger table {path} does not have the expected schema — rerun the workflow to rebuild it")
     return table
 
 
-MIGRATE_FACTORS = (
-    "migrate it: rerun snakemake --forcerun factor (the factor jobs rewrite every E6 row with them; gathering,"
-    " summary.json and the card follow)"
-)
+@dataclass(frozen=True)
+class Migration:
+    """How a table written before some of its columns existed is named and rewritten: the workflow sees no changed
+    input, so only a forced rerun of the jobs that compute the columns rewrites it."""
+
+    kind: str  # "factor": in "N more factor tables"
+    recorder: str  # "E6": in "written before E6 recorded ..."
+    later_columns: tuple  # (what they record, (column, ...)), oldest first
+    fix: str
 
 
-def factor_table_before(schema: pa.Schema) -> str | None:
-    """What an older factor table was written before (its columns are today's less exactly those the last
-    versions of FACTOR_LATER_COLUMNS added), or None if it is not such a table."""
-    today = list(FACTOR_SCHEMA.remove_metadata())
-    for start in range(len(FACTOR_LATER_COLUMNS)):
-        later = FACTOR_LATER_COLUMNS[start:]
-        missing = [column for _, columns in later for column in columns]
-        if list(schema.remove_metadata()) == [field for field in today if field.name not in missing]:
-            return (
-                f"written before E6 recorded {' and '.join(what for what, _ in later)} (no {', '.join(missing)}):"
-                " only the factor jobs compute them"
-            )
+MIGRATIONS = {
+    "factors": Migration(
+        "factor",
+        "E6",
+        FACTOR_LATER_COLUMNS,
+        "migrate it: rerun snakemake --forcerun factor (the factor jobs rewrite every E6 row with them; gathering,"
+        " summary.json and the card follow)",
+    ),
+    "served": Migration(
+        "served",
+        "the served requests",
+        SERVED_LATER_COLUMNS,
+        "migrate it: rerun snakemake --forcerun served (the served jobs send every request again; gathering,"
+        " summary.json and the card follow)",
+    ),
+}
+
+
+def table_before(schema: pa.Schema) -> tuple[str, Migration] | None:
+    """What an older factor or served table was written before (its columns are today's less exactly those the
+    last versions of its later columns added) and its migration, or None if it is not such a table."""
+    for today_schema, migration in ((FACTOR_SCHEMA, MIGRATIONS["factors"]), (SERVED_SCHEMA, MIGRATIONS["served"])):
+        today = list(today_schema.remove_metadata())
+        for start in range(len(migration.later_columns)):
+            later = migration.later_columns[start:]
+            missing = [column for _, columns in later for column in columns]
+            if list(schema.remove_metadata()) == [field for field in today if field.name not in missing]:
+                return (
+                    f"written before {migration.recorder} recorded {' and '.join(what for what, _ in later)}"
+                    f" (no {', '.join(missing)}): only the {migration.kind} jobs compute them",
+                    migration,
+                )
     return None
 
 

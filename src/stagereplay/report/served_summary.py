@@ -12,7 +12,8 @@ each slot in turn, per item whether any slot's answer differs from ``alone``, an
 "FIXME: the result is not deterministic when using other slot than slot 0"). ``offset`` (the same): per C, the items
 whose answer alone behind another slot's C idle cells differs from ``alone`` (E6's ``kv_offset``, served).
 At each item's first divergent step, the top-1 minus top-2 log-probability margin of both answers (logits), and
-the tokens per second a client saw alone and amid load. No torch.
+the tokens per second a client saw alone and amid load, and the server's amid load (every client's tokens over the
+load's span). No torch.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def served_summary(table: pa.Table) -> dict:
             "replay_margins": _margins([(live[item], replay[item]) for item in replay_differs]),
             "tokens_per_second_alone": _rate([alone[item] for item in items]),
             "tokens_per_second_load": _rate([by_cell[(server, item, "load", run)] for item in items for run in runs]),
+            "tokens_per_second_all_clients": _all_clients_rate(
+                [by_cell[(server, item, "load", run)] for item in items for run in runs]
+            ),
         }
         if on_slots:  # a design without the slot cell keeps the summary it had
             entry.update(
@@ -183,3 +187,14 @@ def _margins(pairs: list[tuple[dict, dict]]) -> dict:
 def _rate(rows: list[dict]) -> float | None:
     seconds = sum(row["seconds"] for row in rows)
     return sum(len(row["tokens"]) for row in rows) / seconds if seconds > 0 else None
+
+
+def _all_clients_rate(loads: list[dict]) -> float | None:
+    """The server's throughput amid load, what an operator pays for a flag: every client's tokens (the item's and
+    the other clients') over the span from the first arrival to the last answer, summed over the runs."""
+    tokens = seconds = 0.0
+    for row in loads:
+        tokens += len(row["tokens"]) + sum(row["others_generated"])
+        ends = [row["seconds"], *(at + took for at, took in zip(row["arrivals"], row["others_seconds"]))]
+        seconds += max(ends) - min([0.0, *row["arrivals"]])
+    return tokens / seconds if seconds > 0 else None

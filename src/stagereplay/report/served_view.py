@@ -5,7 +5,8 @@ replayed from the stage boundary whose continuation differs from the answer alon
 whose answer amid other clients differs from their answer alone (in every run, or in some only: unstable under
 load), the margins at the flip, the items whose copies sent at once came back with more than one answer, those
 whose answer alone on another slot differs, the prompt-cache hits that differ, each server's own flags against the
-reference server, and the tokens per second a client saw alone and amid load. No torch.
+reference server, the tokens per second a client saw alone and amid load, and the server's amid load (all clients').
+No torch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ COLUMNS = [
     "prompt-cache hit: differs",
     "positions reused (median)",
     "alone, against the reference server's: differs",
-    "tokens/s alone / amid load",
+    "tokens/s alone / amid load: the item's, all clients'",
 ]
 
 
@@ -101,7 +102,8 @@ def _row(name: str, entry: dict, reference: bool) -> list[str]:
         f"{len(entry['hit_differs_items'])}/{n}",
         "—" if entry["hit_reused_median"] is None else f"{entry['hit_reused_median']:g}",
         against,
-        f"{_rate(entry['tokens_per_second_alone'])} / {_rate(entry['tokens_per_second_load'])}",
+        f"{_rate(entry['tokens_per_second_alone'])} / {_rate(entry['tokens_per_second_load'])},"
+        f" {_rate(entry['tokens_per_second_all_clients'])}",
     ]
 
 

@@ -6,7 +6,9 @@ softmax is the difference of the two logits, so the margin is in logits), how ma
 took from its cache (``timings.cache_n``) and the wall time. ``amid_clients`` sends the item's request with
 ``others`` each sent by a client of its own, their arrivals drawn from a seeded uniform schedule over
 [-L, L] seconds around the item's arrival (L: the item's alone latency), so some are generating when it
-arrives and some arrive while it runs. No request names a slot unless the server is a guest's (``slots``):
+arrives and some arrive while it runs; the item's answer keeps what each other client got back (its tokens' count and
+wall time), so the server's throughput over the load (every client's tokens over the span from the first arrival to
+the last answer) is had from one row. No request names a slot unless the server is a guest's (``slots``):
 a deployed server picks one as it does for any client. ``at_once`` sends the same request several times at the same
 instant (one server, several slots, one prompt: upstream llama.cpp issue #7052's situation).
 
@@ -34,6 +36,8 @@ class Answer:
     decoded: int  # prompt positions it computed (timings.prompt_n)
     others: list[str] = field(default_factory=list)  # the other clients' items, in order of arrival
     arrivals: list[float] = field(default_factory=list)  # their arrivals, seconds from the item's
+    others_generated: list[int] = field(default_factory=list)  # the tokens each of them got back, by arrival
+    others_seconds: list[float] = field(default_factory=list)  # each one's wall time, by arrival
 
 
 def ask(server: ServerClient, prompt: list[int], budget: int, cache_prompt: bool, slot: int | None = None) -> Answer:
@@ -97,9 +101,14 @@ def amid_clients(
     offsets = [rng.uniform(-latency, latency) for _ in names]
     start = time.monotonic() - min([0.0, *offsets])  # the earliest arrival at time 0
 
-    def client(tokens: list[int], at: float, slot: int | None) -> Answer:
+    def client(tokens: list[int], at: float, slot: int | None, name: str | None = None) -> Answer:
         time.sleep(max(0.0, start + at - time.monotonic()))
-        return ask(server, tokens, budget, cache_prompt=False, slot=slot)
+        try:
+            return ask(server, tokens, budget, cache_prompt=False, slot=slot)
+        except LlamaServerError as error:
+            if name is None:
+                raise
+            raise LlamaServerError(f"another client's request (item {name}) amid the item's: {error}") from None
 
     def slot_of(index: int) -> int | None:
         if slots is None:
@@ -108,12 +117,14 @@ def amid_clients(
 
     with ThreadPoolExecutor(max_workers=len(names) + 1) as pool:
         sent = [
-            pool.submit(client, others[name], offset, slot_of(index))
+            pool.submit(client, others[name], offset, slot_of(index), name)
             for index, (name, offset) in enumerate(zip(names, offsets))
         ]
         sent.append(pool.submit(client, prompt, 0.0, slot_of(-1)))
-    answer = [future.result() for future in sent][-1]  # the first client's failure is raised here
-    arrival_order = sorted(zip(offsets, names))
-    answer.others = [name for _, name in arrival_order]
-    answer.arrivals = [round(offset, 3) for offset, _ in arrival_order]
+    *theirs, answer = [future.result() for future in sent]  # the first client's failure is raised here
+    arrival_order = sorted(zip(offsets, names, theirs), key=lambda entry: (entry[0], entry[1]))
+    answer.others = [name for _, name, _ in arrival_order]
+    answer.arrivals = [round(offset, 3) for offset, _, _ in arrival_order]
+    answer.others_generated = [len(their.tokens) for _, _, their in arrival_order]
+    answer.others_seconds = [their.seconds for _, _, their in arrival_order]
     return answer
