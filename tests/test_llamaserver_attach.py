@@ -136,6 +136,20 @@ def test_nothing_answering_at_the_url_is_one_line():
     assert "is not a llama-server address — give it as http://HOST:PORT" in _one_line(error)
 
 
+def test_another_clients_failed_request_names_its_item():
+    # Amid other clients, the first failure raised is a companion's (sent first): its item is named, not the run's.
+    import random
+
+    from stagereplay.engines.llamaserver.traffic import amid_clients
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(LlamaServerError) as error:
+        amid_clients(AttachedServer(url), [1, 2, 3], {"arith-007": [4, 5], "arith-003": [6]}, 4, 0.01, random.Random(0))
+    assert f"another client's request (item arith-007) amid the item's: no llama-server answers at {url}" in _one_line(
+        error
+    )
+
+
 def test_an_api_key_comes_from_the_variable_the_config_names(built, tiny_gguf, tmp_path, monkeypatch):  # noqa: F811
     flags = [*SOMEONE_ELSES_FLAGS, "--api-key", "their-secret"]
     with SomeoneElsesServer(tiny_gguf, flags, tmp_path / "server.log") as server:
