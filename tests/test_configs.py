@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from workflow_helpers import REPO, snakemake, write_config
+from workflow_helpers import REPO, snakemake, snakemake_command, write_config
 
 SHIPPED = sorted(
     str(path.relative_to(REPO)) for path in [*REPO.glob("config/*.yaml"), *REPO.glob("bench/config_*.yaml")]
@@ -33,6 +33,27 @@ def test_the_all200_config_schedules_every_item_of_the_published_run(tmp_path):
         if len(line.split()) == 2 and line.split()[1].isdigit()
     )
     assert (counts["live"], counts["rebuild"], counts["transplant"]) == ("24", "48", "16")
+
+
+def test_the_first8_overlay_stacks_on_the_server_sweep(tmp_path):
+    # docs/findings.md's 8-item sweep: the overlay after config/factors_llamaserver.yaml keeps its every level and
+    # server, on one shard of 8 items, in the overlay's own ledger (here moved under tmp_path).
+    import subprocess
+
+    base = write_config(tmp_path / "base.yaml", base="config/factors_llamaserver.yaml")
+    overlay = write_config(
+        tmp_path / "first8.yaml", base="config/overlays/first8.yaml", ledger_dir=str(tmp_path / "l8")
+    )
+    command = snakemake_command(tmp_path, base, "--dry-run")
+    command.insert(command.index(str(base)) + 1, str(overlay))
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scheduled = result.stdout + result.stderr
+    counts = dict(
+        line.split() for line in scheduled.splitlines() if len(line.split()) == 2 and line.split()[1].isdigit()
+    )
+    assert (counts["factor"], counts["served"], counts["live"]) == ("26", "6", "2")
+    assert f"{tmp_path / 'l8'}/runs/served/np-1.parquet" in scheduled
 
 
 def test_the_schemas_precision_takes_what_the_registry_takes():
