@@ -165,7 +165,7 @@ def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
         try:
             table = read_table(path, schema)
         except LedgerError:
-            before = _table_before(path) if schema is FACTOR_SCHEMA or schema is SERVED_SCHEMA else None
+            before = _table_before(path, schema)
             if before is not None:
                 older.setdefault(before, []).append(str(relative))
                 continue
@@ -191,9 +191,9 @@ def verify_tables(root: Path, report: Report) -> dict[str, pa.Table]:
     return tables
 
 
-def _table_before(path: Path) -> tuple | None:
+def _table_before(path: Path, expected: pa.Schema) -> tuple | None:
     try:
-        return table_before(pq.read_schema(path))
+        return table_before(pq.read_schema(path), expected)
     except (pa.ArrowException, OSError):
         return None
 

@@ -372,7 +372,7 @@ def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
     except (pa.ArrowException, OSError) as error:
         raise LedgerError(f"ledger table {path} is unreadable ({error}) — delete it and rerun the workflow") from None
     if schema is not None and not table.schema.equals(schema):
-        before = table_before(table.schema) if schema is FACTOR_SCHEMA or schema is SERVED_SCHEMA else None
+        before = table_before(table.schema, schema)
         if before is not None:
             raise LedgerError(f"ledger table {path}: {before[0]} — {before[1].fix}")
         raise LedgerError(f"ledger table {path} does not have the expected schema — rerun the workflow to rebuild it")
@@ -384,39 +384,44 @@ class Migration:
     """How a table written before some of its columns existed is named and rewritten: the workflow sees no changed
     input, so only a forced rerun of the jobs that compute the columns rewrites it."""
 
+    schema: pa.Schema  # today's
     kind: str  # "factor": in "N more factor tables"
     recorder: str  # "E6": in "written before E6 recorded ..."
     later_columns: tuple  # (what they record, (column, ...)), oldest first
     fix: str
 
 
-MIGRATIONS = {
-    "factors": Migration(
+MIGRATIONS = (
+    Migration(
+        FACTOR_SCHEMA,
         "factor",
         "E6",
         FACTOR_LATER_COLUMNS,
         "migrate it: rerun snakemake --forcerun factor (the factor jobs rewrite every E6 row with them; gathering,"
         " summary.json and the card follow)",
     ),
-    "served": Migration(
+    Migration(
+        SERVED_SCHEMA,
         "served",
         "the served requests",
         SERVED_LATER_COLUMNS,
         "migrate it: rerun snakemake --forcerun served (the served jobs send every request again; gathering,"
         " summary.json and the card follow)",
     ),
-}
+)
 
 
-def table_before(schema: pa.Schema) -> tuple[str, Migration] | None:
-    """What an older factor or served table was written before (its columns are today's less exactly those the
-    last versions of its later columns added) and its migration, or None if it is not such a table."""
-    for today_schema, migration in ((FACTOR_SCHEMA, MIGRATIONS["factors"]), (SERVED_SCHEMA, MIGRATIONS["served"])):
-        today = list(today_schema.remove_metadata())
+def table_before(found: pa.Schema, expected: pa.Schema) -> tuple[str, Migration] | None:
+    """What a table found where one of ``expected`` belongs was written before (its columns are today's less exactly
+    those the last versions of its later columns added) and its migration, or None if it is not such a table."""
+    for migration in MIGRATIONS:
+        if migration.schema is not expected:
+            continue
+        today = list(expected.remove_metadata())
         for start in range(len(migration.later_columns)):
             later = migration.later_columns[start:]
             missing = [column for _, columns in later for column in columns]
-            if list(schema.remove_metadata()) == [field for field in today if field.name not in missing]:
+            if list(found.remove_metadata()) == [field for field in today if field.name not in missing]:
                 return (
                     f"written before {migration.recorder} recorded {' and '.join(what for what, _ in later)}"
                     f" (no {', '.join(missing)}): only the {migration.kind} jobs compute them",
