@@ -46,6 +46,7 @@ def served_summary(table: pa.Table) -> dict:
             item: sum(_differs(by_cell[(server, item, "load", run)], alone[item]) for run in runs) for item in items
         }
         hit_differs = [item for item in items if _differs(by_cell[(server, item, "hit", 0)], alone[item])]
+        loads = [by_cell[(server, item, "load", run)] for item in items for run in runs]
         first_load_flip = {
             item: next(
                 by_cell[(server, item, "load", run)]
@@ -94,10 +95,8 @@ def served_summary(table: pa.Table) -> dict:
             "replay_differs_items": replay_differs,
             "replay_margins": _margins([(live[item], replay[item]) for item in replay_differs]),
             "tokens_per_second_alone": _rate([alone[item] for item in items]),
-            "tokens_per_second_load": _rate([by_cell[(server, item, "load", run)] for item in items for run in runs]),
-            "tokens_per_second_all_clients": _all_clients_rate(
-                [by_cell[(server, item, "load", run)] for item in items for run in runs]
-            ),
+            "tokens_per_second_load": _rate(loads),
+            "tokens_per_second_all_clients": _all_clients_rate(loads),
         }
         if on_slots:  # a design without the slot cell keeps the summary it had
             entry.update(
