@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stagereplay.engines.transformers.engine import Runtime, load_model
+from stagereplay.experiments import constructions
 from stagereplay.experiments.constructions import MarkerMatcher, StageBoundary, build_live
 from stagereplay.experiments.job import JobContext, ShardSpec
 from stagereplay.experiments.shards import run_construction_shard, run_live_shard
@@ -109,9 +110,9 @@ def test_a_marker_spanning_tokens_ends_the_stage_on_text(tiny_qwen2_folder, tiny
 
 def test_text_matching_decodes_a_tail_window_not_the_whole_stage(tiny_fp32, monkeypatch):
     decoded: list[int] = []
-    decode = tiny_fp32.tokenizer.decode
+    spelled = constructions.text_of
     monkeypatch.setattr(
-        tiny_fp32.tokenizer, "decode", lambda tokens, **kw: decoded.append(len(tokens)) or decode(tokens, **kw)
+        constructions, "text_of", lambda tokenizer, tokens: decoded.append(len(tokens)) or spelled(tokenizer, tokens)
     )
     live = build_live(tiny_fp32, PROMPT, StageBoundary(BUDGET, "never said"), frozenset(), tiny_fp32.tokenizer)
     window = MarkerMatcher.for_tokenizer("never said", tiny_fp32.tokenizer).window

@@ -14,9 +14,9 @@ import yaml
 from transformers import AutoTokenizer
 from workflow_helpers import stagereplay
 
-from stagereplay.experiments.prompts import spelling
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.layout import LedgerLayout
+from stagereplay.ledger.text import spelling
 from stagereplay.report.item_view import visible
 
 pytestmark = pytest.mark.slow

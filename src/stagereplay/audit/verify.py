@@ -41,7 +41,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stagereplay.audit.faults import RERUN, Fault, Report
-from stagereplay.audit.provenance_check import answer_key, verify_labels, verify_provenance
+from stagereplay.audit.labels import verify_labels
+from stagereplay.audit.provenance_check import answer_key, verify_provenance
 from stagereplay.audit.verify_documents import (
     FACTORS,
     SERVED,
@@ -416,7 +417,8 @@ def verify_ledger(root: str | Path, documents: bool = True) -> Report:
     verify_counts(root, tables, report)
     provenance = verify_provenance(root, (root / SUMMARY).is_file(), report.faults)
     if provenance is not None:
-        verify_labels(root, answer_key(provenance), tables, report.faults)
+        prefixes = {name: stored.tokens for name, stored in known.items() if stored.tokens is not None}
+        verify_labels(root, answer_key(provenance), tables, prefixes, report)
     summary = read_summary(root, report) if documents else None
     verify_produced(root, summary if documents else peek_summary(root), documents, report)
     if documents:

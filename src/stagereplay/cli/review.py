@@ -53,6 +53,8 @@ def cmd_verify(args) -> int:
         report.faults += faults
         for line in lines:
             print(line)
+    for note in report.notes:
+        print(f"verify: note: {note}")
     for fault in report.faults:
         print(f"stagereplay: fault: {fault}", file=sys.stderr)
     print(report.summary_line(), file=sys.stderr if report.faults else sys.stdout)

@@ -25,6 +25,7 @@ from stagereplay.design.names import ConstructionError, parse_construction
 from stagereplay.engines.base import Engine
 from stagereplay.experiments.decode import Decoded, generate_greedy
 from stagereplay.ledger.kvstate import KVState
+from stagereplay.ledger.text import text_of
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class MarkerMatcher:
 
     marker: str
     token_ids: tuple[int, ...]
-    decode: Callable[[list[int]], str]  # must keep special tokens
+    decode: Callable[[list[int]], str]  # ledger.text.text_of: special tokens kept
     window: int  # generated tokens decoded per step
 
     @classmethod
@@ -60,7 +61,7 @@ class MarkerMatcher:
         # leading space dropped at the window's start. Decoding the whole stage each step would
         # make a long stage quadratic.
         window = len(marker.encode("utf-8")) + 4
-        return cls(marker, token_ids, lambda tokens: tokenizer.decode(tokens, skip_special_tokens=False), window)
+        return cls(marker, token_ids, lambda tokens: text_of(tokenizer, tokens), window)
 
     def match(self, tokens: list[int]) -> str | None:
         """ "token_ids", "text" or None: how the marker ends ``tokens``, checked after each new token."""

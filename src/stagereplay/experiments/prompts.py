@@ -14,7 +14,8 @@ from stagereplay.engines.base import ModelError
 from stagereplay.engines.registry import checkpoint_tokenizer
 from stagereplay.inputs import items as items_mod
 from stagereplay.ledger.fingerprint import fingerprint_tokens
-from stagereplay.ledger.tables import PROMPT_SCHEMA, VOCAB_SCHEMA, spelling, write_table
+from stagereplay.ledger.tables import PROMPT_SCHEMA, VOCAB_SCHEMA, write_table
+from stagereplay.ledger.text import spelling
 
 _INSTRUCTION = (
     "Answer the following multiple-choice question. Think step by step, "

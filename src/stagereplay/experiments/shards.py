@@ -26,6 +26,7 @@ from stagereplay.ledger.tables import (
     read_table,
     write_table,
 )
+from stagereplay.ledger.text import generated_text
 
 
 def shard_slice(rows: list, shard: int, shard_size: int) -> list:
@@ -53,8 +54,8 @@ class ShardRecorder:
         self.construction = construction
         self.rows: list[dict] = []
 
-    def text(self, tokens) -> str:
-        return self.engine.tokenizer.decode(list(tokens), skip_special_tokens=True)
+    def text(self, tokens, stopped: bool) -> str:
+        return generated_text(self.engine.tokenizer, tokens, stopped)
 
     def add(
         self,
@@ -72,8 +73,8 @@ class ShardRecorder:
         fingerprint = fingerprint_cache(state)
         if self.store_caches:
             store_cache(self.store, state, fingerprint.digest, self.record["fingerprint"], self.spec.precision)
-        reasoning_text = self.text(prefix[prompt_length:])
-        suffix_text = self.text(suffix.tokens)
+        reasoning_text = self.text(prefix[prompt_length:], boundary_reason == "eos")
+        suffix_text = self.text(suffix.tokens, suffix.stop == "eos")
         answer, correct = score(item, reasoning_text + suffix_text)
         readout = suffix.readout
         self.rows.append(

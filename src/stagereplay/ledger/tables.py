@@ -259,22 +259,6 @@ PROMPT_SCHEMA = pa.schema(
     ]
 )
 
-# How the vocabulary spells a token that holds part of a multi-byte character (it decodes alone to no text): the
-# tokenizer's own name for it between these marks.
-PARTIAL_TOKEN_MARKS = ("‹", "›")
-
-
-def spelling(tokenizer, token: int) -> str:
-    """A token decoded alone (special tokens kept: an end-of-turn token is part of what was generated).
-
-    A token holding part of a multi-byte character decodes alone to U+FFFD, which would make two different
-    tokens look the same: such a token is spelled as the tokenizer's own name for it, in ‹ ›.
-    """
-    text = tokenizer.decode([token], skip_special_tokens=False)
-    opening, closing = PARTIAL_TOKEN_MARKS
-    return f"{opening}{tokenizer.convert_ids_to_tokens(token)}{closing}" if "\ufffd" in text else text
-
-
 # How each token id of a checkpoint is spelled, written by the prompts job (which holds the
 # tokenizer) so that the report and `stagereplay show` spell tokens without loading an engine.
 VOCAB_SCHEMA = pa.schema(

@@ -95,7 +95,7 @@ def _at(values: tuple, index: int | None):
 
 
 def spell(vocabulary: dict[int, str], token_ids: list[int]) -> tuple[str, ...]:
-    """Each token as the prompts job spelled it from the checkpoint's tokenizer (experiments.prompts.spelling)."""
+    """Each token as the prompts job spelled it from the checkpoint's tokenizer (ledger.text.spelling)."""
     return tuple(vocabulary[token] for token in token_ids)
 
 

@@ -34,7 +34,8 @@ class LlamaCppTokenizer:
             raise LlamaCppError(f"llama.cpp could not tokenize {len(raw)} bytes (needs {-count} tokens)")
         return list(buffer[:count])
 
-    def decode(self, tokens, skip_special_tokens: bool = False) -> str:
+    def decode(self, tokens, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False) -> str:
+        """The tokens' text; llama.cpp cleans no spaces up, so ``clean_up_tokenization_spaces`` is accepted, not used."""
         llama_cpp = self.llama_cpp
         tokens = list(tokens)
         array = (llama_cpp.llama_token * max(len(tokens), 1))(*tokens)

@@ -39,7 +39,7 @@ from stagereplay.engines.llamaserver.engine import LlamaServerEngine
 from stagereplay.engines.llamaserver.model_check import check_model
 from stagereplay.engines.llamaserver.process import ServerSettings
 from stagereplay.engines.llamaserver.slots import gguf_geometry, read_slot_file
-from stagereplay.ledger.tables import spelling
+from stagereplay.ledger.text import spelling
 
 # How many token ids, spread over the vocabulary, the server must spell as the GGUF does where its model file is
 # not readable here (the registration's tokenizer check; the served block checks every prompt token instead).

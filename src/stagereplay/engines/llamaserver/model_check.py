@@ -22,7 +22,7 @@ from pathlib import Path
 
 from stagereplay.engines.llamaserver.attached import AttachedServer, ServerIdentity
 from stagereplay.engines.llamaserver.build import LlamaServerError
-from stagereplay.ledger.tables import PARTIAL_TOKEN_MARKS
+from stagereplay.ledger.text import is_partial
 
 
 def gguf_metadata(path: str | Path) -> dict[str, int]:
@@ -66,7 +66,7 @@ def check_model(
     compared = 0
     for token in sorted(set(token_ids)):
         ours_text = spellings[token]
-        if ours_text.startswith(PARTIAL_TOKEN_MARKS[0]) and ours_text.endswith(PARTIAL_TOKEN_MARKS[1]):
+        if is_partial(ours_text):
             continue
         theirs_text = server.request("/detokenize", {"tokens": [token]}).get("content")
         if theirs_text != ours_text:
