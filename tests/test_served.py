@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from test_llamaserver_attach import SOMEONE_ELSES_FLAGS, SomeoneElsesServer
@@ -525,8 +526,6 @@ def test_two_attached_servers_as_reference_and_level(deployed_run, tmp_path):
 def test_a_served_table_without_the_other_clients_columns_names_its_migration(tmp_path):
     """A served table written before each run amid others kept what the other clients got back: one line naming the
     forced rerun that rewrites it (the workflow sees no changed input), from verify and from any reader."""
-    import pyarrow as pa
-
     from stagereplay.audit.faults import Report
     from stagereplay.audit.verify import verify_tables
     from stagereplay.ledger.tables import SERVED_SCHEMA, LedgerError, read_table, write_table
@@ -546,3 +545,33 @@ def test_a_served_table_without_the_other_clients_columns_names_its_migration(tm
     ]
     with pytest.raises(LedgerError, match="no others_generated, others_seconds.* rerun snakemake --forcerun served"):
         read_table(tmp_path / "tables" / "served.parquet", SERVED_SCHEMA)
+
+
+@pytest.mark.slow
+def test_copies_that_agree_with_each_other_but_not_with_the_answer_alone_differ(deployed_run):
+    """One item's copies rewritten to one answer other than its answer alone: no item has more than one answer among
+    its copies, yet the item's copies differ from alone, and the card's copies column counts it so."""
+    from stagereplay.ledger.tables import SERVED_SCHEMA
+    from stagereplay.report.served_summary import served_summary
+    from stagereplay.report.served_view import COLUMNS, served_blocks
+
+    _, ledger, _ = deployed_run
+    rows = pq.read_table(ledger / "tables" / "served.parquet").to_pylist()
+    server = "np-4-no-kv-unified"
+    item = sorted({row["item_id"] for row in rows})[0]
+    alone = next(row for row in rows if (row["server"], row["item_id"], row["cell"]) == (server, item, "alone"))
+    other = [*alone["tokens"][:-1], alone["tokens"][-1] + 1]
+    # Every other item's copies made to agree with its answer alone, so only the rewritten item differs.
+    alone_of = {row["item_id"]: row["tokens"] for row in rows if (row["server"], row["cell"]) == (server, "alone")}
+    for row in rows:
+        if row["server"] == server and row["cell"] == "copies":
+            row["tokens"] = other if row["item_id"] == item else list(alone_of[row["item_id"]])
+    summary = served_summary(pa.Table.from_pylist(rows, schema=SERVED_SCHEMA))
+    entry = summary["servers"][server]
+    assert entry["copies_differ_items"] == [] and entry["copies_most_distinct"] == 1
+    assert entry["copies_differ_from_alone_items"] == [item]
+    (table,) = [block for block in served_blocks({"served": summary}) if block[0] == "table"]
+    (row,) = [row for row in table[2] if row[0] == server]
+    copies = row[COLUMNS.index(next(column for column in COLUMNS if column.startswith("the same request at once")))]
+    n = entry["copies_items"]
+    assert copies == f"1/{n} (0/{n}; 1 of {1 + SERVED['clients']} copies)"

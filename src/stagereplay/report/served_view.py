@@ -3,7 +3,8 @@
 An operator's table: each server as it was started (or the URL it was attached at), the A/A control, the items
 replayed from the stage boundary whose continuation differs from the answer alone's (E1 on the server), the items
 whose answer amid other clients differs from their answer alone (in every run, or in some only: unstable under
-load), the margins at the flip, the items whose copies sent at once came back with more than one answer, those
+load), the margins at the flip, the items whose copies sent at once came back with an answer other than the one
+alone (and those with more than one answer among the copies), those
 whose answer alone on another slot differs, the prompt-cache hits that differ, each server's own flags against the
 reference server, the tokens per second a client saw alone and amid load, and the server's amid load (all clients').
 No torch.
@@ -20,7 +21,7 @@ COLUMNS = [
     "margin at the flip, alone / replayed",
     "amid load: differs in every run / some runs",
     "margin at the flip, alone / amid load",
-    "the same request at once: items with more than one answer (most distinct)",
+    "the same request at once: differs from alone (items with more than one answer; most distinct)",
     "alone on each slot: differs (slots that did)",
     "alone behind another slot's C cells: differs, per C",
     "prompt-cache hit: differs",
@@ -44,7 +45,11 @@ def served_blocks(summary: dict) -> list[tuple]:
             else ""
         )
         + (f"; replayed {_items(entry['replay_differs_items'])}" if "replay_differs_items" in entry else "")
-        + (f"; copies at once {_items(entry['copies_differ_items'])}" if "copies_differ_items" in entry else "")
+        + (
+            f"; copies at once {_items(entry['copies_differ_from_alone_items'])}"
+            if "copies_differ_from_alone_items" in entry
+            else ""
+        )
         + (f"; on another slot {_items(entry['slot_differs_items'])}" if entry.get("slot_items") else "")
         + "".join(
             f"; behind {offset} cells {_items(differ)}"
@@ -108,11 +113,13 @@ def _row(name: str, entry: dict, reference: bool) -> list[str]:
 
 
 def _copies(entry: dict) -> str:
+    """Copies that agree with each other but not with the answer alone differ: counted against alone first."""
     if not entry.get("copies_items"):
         return "—"
+    n = entry["copies_items"]
     return (
-        f"{len(entry['copies_differ_items'])}/{entry['copies_items']} ({entry['copies_most_distinct']} of"
-        f" {entry['copies_per_item']} copies)"
+        f"{len(entry['copies_differ_from_alone_items'])}/{n} ({len(entry['copies_differ_items'])}/{n};"
+        f" {entry['copies_most_distinct']} of {entry['copies_per_item']} copies)"
     )
 
 
