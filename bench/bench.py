@@ -537,8 +537,8 @@ REHEARSAL_STAGES = (  # (stage, targets, options)
     ("compare", (), ("--omit-from", "summary")),
     ("summary", (), ("--omit-from", "report")),
     ("report", (), ()),
-    ("audit", ("audit",), ()),
-    ("report with E4", (), ()),
+    ("audit", (), ("--config", "mode=audit", "--omit-from", "report")),  # E4: the run's design recomputed
+    ("report with E4", (), ("--config", "mode=audit")),
 )
 
 
