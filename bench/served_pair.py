@@ -27,7 +27,12 @@ from stagereplay.ledger.tables import SERVED_PINNED_CELLS
 
 
 def cells(rows: list[dict], server: str) -> dict[tuple, dict]:
-    return {(row["item_id"], row["cell"], row["run"]): row for row in rows if row["server"] == server}
+    """The pinned client's rows of ``server`` (a table from before the client column: every row is)."""
+    return {
+        (row["item_id"], row["cell"], row["run"]): row
+        for row in rows
+        if row["server"] == server and (row.get("client") or "pinned") == "pinned"
+    }
 
 
 def load_counts(by_cell: dict[tuple, dict]) -> dict[str, int]:

@@ -51,8 +51,9 @@ def their_flags(tmp_path: Path) -> list[str]:
     return [*SOMEONE_ELSES_FLAGS, "--slot-save-path", str(slot_dir)]
 
 
-def served_config(tmp_path: Path, servers: dict, **overrides) -> tuple[Path, Path]:
-    """The binding on a random 2-layer GGUF, 4 items in one shard, E1 and E2 only, and the served block."""
+def served_config(tmp_path: Path, servers: dict, served: dict | None = None, **overrides) -> tuple[Path, Path]:
+    """The binding on a random 2-layer GGUF, 4 items in one shard, E1 and E2 only, and the served block (``served``:
+    its options other than SERVED's)."""
     ledger = tmp_path / "ledger"
     config = write_config(
         tmp_path / "config.yaml",
@@ -61,7 +62,7 @@ def served_config(tmp_path: Path, servers: dict, **overrides) -> tuple[Path, Pat
         matched={"precision": "fp16", "replicas": 1},
         fixed_prefix={"precisions": ["fp16"]},
         transplant={"enabled": False},
-        served={**SERVED, "servers": servers},
+        served={**SERVED, **(served or {}), "servers": servers},
         **overrides,
     )
     return ledger, config
@@ -126,6 +127,26 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
         assert entry["tokens_per_second_all_clients"] == pytest.approx(tokens / span), name
     copies = [row for row in rows if row["cell"] == "copies"]
     assert len(copies) == len(DEPLOYED) * 4 * (1 + SERVED["clients"])
+    # Each request of several clients at once says, from the deployed server's own batch log, whether its trigger
+    # happened, and which slot served it.
+    for cell in ("together", "together_copies"):
+        mine = [row for row in rows if row["cell"] == cell]
+        assert len(mine) == len(DEPLOYED) * 4 * SERVED["load_runs"], cell
+    at_once = [row for row in rows if row["cell"] in ("together", "together_copies", "copies", "load")]
+    assert all(row["trigger"].startswith(("met: ", "not met: ")) for row in at_once), {r["trigger"] for r in at_once}
+    assert all(row["slot"] is not None for row in rows)
+    assert all(row["trigger"] == "" for row in rows if row["cell"] in ("alone", "control", "hit"))
+    for name, entry in served["servers"].items():
+        assert entry["record"]["batch_log"].startswith("on: --verbose and LLAMA_BATCH_DEBUG=1"), name
+        battery = entry["battery"]["pinned"]
+        assert set(battery) >= {"together", "together_copies", "amid", "copies", "hit", "slot", "offset"}, name
+        mine = [row for row in rows if row["server"] == name and row["cell"] == "together"]
+        assert battery["together"]["met"] == sum(row["trigger"].startswith("met: ") for row in mine), name
+    # The card opens with the verdict per server, right after its introduction.
+    card = (ledger / "results.md").read_text()
+    assert card.index("## Which server keeps a greedy answer independent of other traffic") < card.index(
+        "## The answer, per experiment"
+    )
     for name, entry in served["servers"].items():
         assert entry["copies_items"] == 4 and entry["copies_per_item"] == 1 + SERVED["clients"], name
         distinct = {
@@ -287,7 +308,8 @@ def test_the_audit_reproduces_the_pinned_requests_and_refuses_another_server(dep
     # The card redrawn after the audit shows it: e4.json was audited against these very tables, the served one too.
     e4_row = next(line for line in (ledger / "results.md").read_text().splitlines() if line.startswith("| E4 audit |"))
     assert f"| {e4['status']}" in e4_row and "not run yet" not in e4_row, e4_row
-    unpinned = SERVED["load_runs"] + 1 + SERVED["clients"]  # runs amid load, copies at once, per item
+    # runs amid load, copies at once, and the runs prefilled together with others' prompts and with copies, per item
+    unpinned = SERVED["load_runs"] + 1 + SERVED["clients"] + 2 * SERVED["load_runs"]
     assert e4["under_load"]["artifacts"]["served_tokens"]["n"] == 4 * unpinned * (len(DEPLOYED) + 1)
 
 
@@ -523,14 +545,26 @@ def test_two_attached_servers_as_reference_and_level(deployed_run, tmp_path):
     assert f"| b-streams | attached at {streams.address} | 4 (used: 0, 1, 2, 3) | 4/4 |" in card
 
 
-def test_a_served_table_without_the_other_clients_columns_names_its_migration(tmp_path):
-    """A served table written before each run amid others kept what the other clients got back: one line naming the
-    forced rerun that rewrites it (the workflow sees no changed input), from verify and from any reader."""
+@pytest.mark.parametrize(
+    "missing, recorded",
+    [
+        (
+            ("others_generated", "others_seconds", "client", "slot", "trigger"),
+            "what the other clients amid load got back and the client, the slot and whether a pattern's trigger"
+            " happened",
+        ),
+        (("client", "slot", "trigger"), "the client, the slot and whether a pattern's trigger happened"),
+    ],
+)
+def test_a_served_table_without_later_columns_names_its_migration(tmp_path, missing, recorded):
+    """A served table written before each run amid others kept what the other clients got back, or before each
+    request kept its slot and its pattern's trigger: one line naming the forced rerun that rewrites it (the workflow
+    sees no changed input), from verify and from any reader."""
     from stagereplay.audit.faults import Report
     from stagereplay.audit.verify import verify_tables
     from stagereplay.ledger.tables import SERVED_SCHEMA, LedgerError, read_table, write_table
 
-    before = pa.schema([field for field in SERVED_SCHEMA if field.name not in ("others_generated", "others_seconds")])
+    before = pa.schema([field for field in SERVED_SCHEMA if field.name not in missing])
     for relative in ("tables/served.parquet", "runs/served/default.parquet", "runs/served/fa-off.parquet"):
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(before.empty_table(), tmp_path / relative)
@@ -538,12 +572,12 @@ def test_a_served_table_without_the_other_clients_columns_names_its_migration(tm
     report = Report()
     verify_tables(tmp_path, report)
     assert [str(fault) for fault in report.faults] == [
-        "tables/served.parquet and 2 more served tables: written before the served requests recorded what the other"
-        " clients amid load got back (no others_generated, others_seconds): only the served jobs compute them —"
+        f"tables/served.parquet and 2 more served tables: written before the served requests recorded {recorded}"
+        f" (no {', '.join(missing)}): only the served jobs compute them —"
         " migrate it: rerun snakemake --forcerun served (the served jobs send every request again; gathering,"
         " summary.json and the card follow)"
     ]
-    with pytest.raises(LedgerError, match="no others_generated, others_seconds.* rerun snakemake --forcerun served"):
+    with pytest.raises(LedgerError, match=f"no {', '.join(missing)}.* rerun snakemake --forcerun served"):
         read_table(tmp_path / "tables" / "served.parquet", SERVED_SCHEMA)
 
 
@@ -556,8 +590,9 @@ def test_copies_that_agree_with_each_other_but_not_with_the_answer_alone_differ(
     from stagereplay.report.served_view import COLUMNS, served_blocks
 
     _, ledger, _ = deployed_run
-    rows = pq.read_table(ledger / "tables" / "served.parquet").to_pylist()
     server = "np-4-no-kv-unified"
+    # The server's own table: other tests rerun the workflow in this directory with other servers.
+    rows = pq.read_table(ledger / "runs" / "served" / f"{server}.parquet").to_pylist()
     item = sorted({row["item_id"] for row in rows})[0]
     alone = next(row for row in rows if (row["server"], row["item_id"], row["cell"]) == (server, item, "alone"))
     other = [*alone["tokens"][:-1], alone["tokens"][-1] + 1]
@@ -575,3 +610,72 @@ def test_copies_that_agree_with_each_other_but_not_with_the_answer_alone_differ(
     copies = row[COLUMNS.index(next(column for column in COLUMNS if column.startswith("the same request at once")))]
     n = entry["copies_items"]
     assert copies == f"1/{n} (0/{n}; 1 of {1 + SERVED['clients']} copies)"
+
+
+@pytest.mark.slow
+def test_the_verdict_names_its_first_counterexample(deployed_run):
+    """A server's rows rewritten so that nothing differs from alone but one proven `together` run of one item: the
+    verdict is that run, named by item, pattern, client, run and first divergent step, with both margins there; with
+    that run's trigger not met, the server is independent of other traffic, the run counted apart."""
+    from stagereplay.ledger.tables import SERVED_SCHEMA
+    from stagereplay.report.served_summary import served_summary
+    from stagereplay.report.traffic_verdict import verdict_line
+
+    _, ledger, _ = deployed_run
+    server = "np-4-no-kv-unified"
+    # The server's own table: other tests rerun the workflow in this directory with other servers.
+    rows = pq.read_table(ledger / "runs" / "served" / f"{server}.parquet").to_pylist()
+    rows = [row for row in rows if row["server"] == server]
+    alone = {row["item_id"]: row for row in rows if row["cell"] == "alone"}
+    item = sorted(alone)[1]
+    for row in rows:
+        row["tokens"], row["margins"] = list(alone[row["item_id"]]["tokens"]), list(alone[row["item_id"]]["margins"])
+        if row["cell"] in ("together", "together_copies", "copies", "load"):
+            row["trigger"] = "met: the prompt in 1 decode call: rewritten by the test"
+    flipped = next(row for row in rows if (row["item_id"], row["cell"], row["run"]) == (item, "together", 1))
+    step = 3
+    flipped["tokens"][step] += 1
+    flipped["margins"][step] = 0.25
+
+    def verdict_of(table_rows):
+        return served_summary(pa.Table.from_pylist(table_rows, schema=SERVED_SCHEMA))["servers"][server]
+
+    entry = verdict_of(rows)
+    margin = alone[item]["margins"][step]
+    assert verdict_line(entry) == (
+        f"changes answers: item {item}, together (pinned client), run 1, first divergent step {step}"
+        f" (margin alone {margin:.3g}, 0.25 there)"
+    )
+    flipped["trigger"] = "not met: the prompt in 1 decode call: rewritten by the test"
+    entry = verdict_of(rows)
+    assert entry["battery"]["pinned"]["together"]["differs_trigger_not_met_items"] == [item]
+    assert verdict_line(entry).startswith(
+        f"independent of other traffic: {len(alone)} items × 7 patterns (together, together_copies, amid, copies, hit,"
+        " slot, offset) × 1 client (pinned)"
+    )
+
+
+@pytest.mark.slow
+def test_the_default_client_is_served_through_the_workflow(built, tmp_path):  # noqa: F811
+    """Both clients on one deployed server: the default client's rows beside the pinned client's, its prompts checked
+    against the ledger's in the server's record, and the verdict over both clients."""
+    cut = {"send_as": ["pinned", "default"], "each_slot": False, "kv_offsets": [], "load_runs": 1, "clients": 1}
+    ledger, config = served_config(tmp_path, {"default": {}}, served=cut, items={"limit": 2})
+    result = snakemake(tmp_path, config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = pq.read_table(ledger / "tables" / "served.parquet").to_pylist()
+    default = [row for row in rows if row["client"] == "default"]
+    cells = {"alone", "control", "hit", "load", "copies", "together", "together_copies"}
+    assert {row["cell"] for row in default} == cells
+    assert {row["cell"] for row in rows if row["client"] == "pinned"} >= cells | {"replay"}
+    entry = _summary(ledger)["servers"]["default"]
+    assert entry["record"]["default_client_prompts"] == (
+        "the server tokenizes every item's chat messages (2) to the ledger's prompt tokens"
+    )
+    assert set(entry["battery"]) == {"pinned", "default"}
+    found = entry["verdict"]
+    if "counterexample" in found:  # the first counterexample names the client that met it
+        assert found["counterexample"]["client"] in ("pinned", "default")
+    else:
+        assert found["clients"] == ["pinned", "default"]
+    assert stagereplay("verify", ledger).returncode == 0

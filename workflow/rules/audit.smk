@@ -242,6 +242,7 @@ use rule served as audit_served with:
         model=LAYOUT.audit.model_record(PRIMARY),
         prompts=LAYOUT.prompts(PRIMARY),
         vocab=LAYOUT.vocab(PRIMARY),
+        item_file=LAYOUT.items,
         # the saved record of this server: an attached server that says something else of itself is refused
         recorded=LAYOUT.served_table("{server}"),
     output:

@@ -12,6 +12,7 @@ rule served:
         model=LAYOUT.model_record(PRIMARY),
         prompts=LAYOUT.prompts(PRIMARY),
         vocab=LAYOUT.vocab(PRIMARY),
+        item_file=LAYOUT.items,
         audit_guard=AUDIT_GUARD,
     output:
         LAYOUT.served_table("{server}"),
@@ -30,6 +31,7 @@ rule served:
     shell:
         tail_log_on_failure(
             "stagereplay served --model-record {input.model:q} --prompts {input.prompts:q} --vocab {input.vocab:q}"
+            " --items {input.item_file:q}"
             " --server {wildcards.server}"
             " --server-spec {params.entry} {params.design} {params.recorded} --out {output:q} 2> {log:q}"
         )

@@ -1,6 +1,6 @@
 """E4 for the served requests: each saved request against its recomputation in the audit tree.
 
-A request alone, its A/A repeat, the replays from the stage boundary and a prompt-cache hit are pinned (the same prompt to the same server, nothing else
+The pinned client's request alone, its A/A repeat, the replays from the stage boundary and a prompt-cache hit are pinned (the same prompt to the same server, nothing else
 in flight, the same cache history): their tokens and margins must be reproduced exactly. A request amid other
 clients, or one of several copies sent at once, is not pinned (where the others have got when it arrives changes
 from run to run), so each recomputed run is compared with the spread of the saved runs of its cell, counted apart (``SPREAD_SUFFIX``). Each server's record (how it was
@@ -42,22 +42,24 @@ def audit_served(saved: pa.Table, audited: pa.Table) -> list[Check]:
     # The runs of each unpinned cell (amid load, copies at once) of an item: the spread a rerun is compared with.
     spread: dict[tuple, list[dict]] = {}
     for row in saved_rows:
-        if row["cell"] not in SERVED_PINNED_CELLS:
-            spread.setdefault((row["server"], row["item_id"], row["cell"]), []).append(row)
+        if not _pinned(row):
+            spread.setdefault((row["server"], row["item_id"], row["cell"], row["client"]), []).append(row)
     checks = _records(saved_rows, audited_rows)
     for old in saved_rows:
         # The item is named in the side, not as an item: E4's per-item figure counts the checkpoint's items.
         side = f"served {old['server']} {old['cell']} run {old['run']} item {old['item_id']}"
+        if old["client"] != "pinned":
+            side += f" ({old['client']} client)"
         where = {"checkpoint": None, "item_id": None, "side": side}
         new = recomputed.get(row_key(old, SERVED_KEY))
         if new is None:
             checks.append(_missing("served", where, saved=True))
             continue
-        if old["cell"] in SERVED_PINNED_CELLS:
+        if _pinned(old):
             checks.append(_same("served", "served_tokens", where, list(old["tokens"]), list(new["tokens"])))
             checks.append(_same("served", "served_margins", where, list(old["margins"]), list(new["margins"])))
             continue
-        runs = spread[(old["server"], old["item_id"], old["cell"])]
+        runs = spread[(old["server"], old["item_id"], old["cell"], old["client"])]
         seen = {json.dumps(list(row["tokens"])) for row in runs}
         within = json.dumps(list(new["tokens"])) in seen
         checks.append(
@@ -72,6 +74,12 @@ def audit_served(saved: pa.Table, audited: pa.Table) -> list[Check]:
             )
         )
     return checks
+
+
+def _pinned(row: dict) -> bool:
+    """A request the audit must reproduce exactly: one of the pinned client's cells sent alone. The default client's
+    requests follow whatever the prompt cache holds, itself left by runs amid others: compared with the spread."""
+    return row["cell"] in SERVED_PINNED_CELLS and row["client"] == "pinned"
 
 
 def _records(saved_rows: list[dict], audited_rows: list[dict]) -> list[Check]:

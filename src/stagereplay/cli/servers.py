@@ -46,10 +46,11 @@ def cmd_served(args) -> None:
         boundary=args.boundary,
         each_slot=args.each_slot,
         kv_offsets=tuple(args.kv_offset),
+        send_as=tuple(args.send_as or ("pinned",)),
     )
     record = read_model_record(args.model_record)
     entry = json.loads(args.server_spec)
-    run_served(record, args.prompts, args.server, entry, design, args.out, args.recorded, args.vocab)
+    run_served(record, args.prompts, args.server, entry, design, args.out, args.recorded, args.vocab, args.items)
 
 
 def add_served_command(sub) -> None:
@@ -78,6 +79,13 @@ def add_served_command(sub) -> None:
     p.add_argument(
         "--kv-offset", type=int, action="append", default=[], help="C: the item alone behind another slot's C cells"
     )
+    p.add_argument(
+        "--send-as",
+        action="append",
+        choices=("pinned", "default"),
+        help="a client that sends every cell (repeatable; default: pinned): pinned token ids, or an OpenAI-style client",
+    )
+    p.add_argument("--items", default=None, help="the run's items.jsonl: the default client's chat messages")
     p.add_argument("--out", required=True, help="the server's table (Parquet)")
     p.add_argument(
         "--recorded", default=None, help="the audit's: the saved table of this server, whose record it must still match"

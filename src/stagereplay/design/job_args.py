@@ -65,4 +65,5 @@ def served_design(served: dict, tokens: int, boundary: int) -> str:
         f" --boundary {boundary}"
         + (" --each-slot" if served.get("each_slot") else "")
         + "".join(f" --kv-offset {offset}" for offset in served.get("kv_offsets") or ())
+        + "".join(f" --send-as {client}" for client in served.get("send_as") or ("pinned",))
     )

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 # Tokens of the instruction, option labels and chat template (with a default system prompt) around
-# an item's own text (prompts.prompt_text), and characters of item text per token: fitted to the
+# an item's own text (inputs.messages.prompt_text), and characters of item text per token: fitted to the
 # measured prompts of the byte-level random Qwen2 and of SmolLM2-135M-Instruct on data/items.jsonl.
 _PROMPT_OVERHEAD_TOKENS = {"byte": 198, "subword": 100}
 _CHARS_PER_TOKEN = {"byte": 1.0, "subword": 4.0}

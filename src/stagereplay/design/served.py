@@ -41,6 +41,12 @@ def check_served(config: dict, primary_spec: EngineSpec) -> list[str]:
             f"served.tokens: {tokens} tokens per request end within the first stage (stage.max_new_tokens:"
             f" {boundary}), so no request can be replayed from the stage boundary — set served.tokens above {boundary}"
         )
+    if "default" in served["send_as"] and not config["runtime"]["use_chat_template"]:
+        raise ServedRefused(
+            "served.send_as: the default client sends each item as chat messages, and this run's prompts are not"
+            " chat-templated (runtime.use_chat_template: false) — remove default from served.send_as, or set"
+            " runtime.use_chat_template: true"
+        )
     for name, entry in servers.items():
         if not SERVER_NAME.fullmatch(name):
             raise ServedRefused(

@@ -13,24 +13,10 @@ from pathlib import Path
 from stagereplay.engines.base import ModelError
 from stagereplay.engines.registry import checkpoint_tokenizer
 from stagereplay.inputs import items as items_mod
+from stagereplay.inputs.messages import build_messages, prompt_text
 from stagereplay.ledger.fingerprint import fingerprint_tokens
 from stagereplay.ledger.tables import PROMPT_SCHEMA, VOCAB_SCHEMA, write_table
 from stagereplay.ledger.text import spelling
-
-_INSTRUCTION = (
-    "Answer the following multiple-choice question. Think step by step, "
-    'then finish with a final line of the form "Answer: X" where X is one of A, B, C, D.'
-)
-
-
-def prompt_text(item: items_mod.Item) -> str:
-    options = "\n".join(f"{letter}) {choice}" for letter, choice in zip(items_mod.LETTERS, item.choices))
-    return f"{_INSTRUCTION}\n\nQuestion: {item.question}\n\n{options}"
-
-
-def build_messages(item: items_mod.Item) -> list[dict]:
-    """Chat messages for tokenizer.apply_chat_template."""
-    return [{"role": "user", "content": prompt_text(item)}]
 
 
 def encode_prompt(tokenizer, item: items_mod.Item, use_chat_template: bool) -> list[int]:

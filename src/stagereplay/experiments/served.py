@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagereplay.engines.registry import serving_spec
-from stagereplay.inputs.items import items_after
+from stagereplay.inputs.items import items_after, load_items
+from stagereplay.inputs.messages import build_messages
 from stagereplay.ledger.tables import PROMPT_SCHEMA, SERVED_SCHEMA, VOCAB_SCHEMA, read_table, write_table
 
 
@@ -32,6 +33,7 @@ class ServedDesign:
     boundary: int  # the stage boundary: answer tokens a replay sends back as its prompt's end (E1 on the server)
     each_slot: bool = False  # the request alone on each slot in turn (cell ``slot``, run: the slot)
     kv_offsets: tuple[int, ...] = ()  # the request alone behind another slot's C idle cells (cell ``offset``, run: C)
+    send_as: tuple[str, ...] = ("pinned",)  # the clients that send every cell: pinned, default (an OpenAI client)
 
 
 def run_served(
@@ -43,11 +45,12 @@ def run_served(
     out_path,
     recorded_table: str | Path | None = None,
     vocab_path: str | Path | None = None,
+    items_path: str | Path | None = None,
 ) -> Path:
     """Serve every item of the prompts table on the server ``entry`` describes and write its rows.
     ``recorded_table`` (the audit's): the saved table of this server, whose record the server must still match.
     ``vocab_path``: the checkpoint's vocabulary table, whose spellings an attached server's must match where its
-    model file is not readable here."""
+    model file is not readable here. ``items_path``: the run's items, whose chat messages the default client sends."""
     prompts = {
         row["item_id"]: list(row["prompt_tokens"]) for row in read_table(prompts_path, PROMPT_SCHEMA).to_pylist()
     }
@@ -68,21 +71,28 @@ def run_served(
     spellings = None
     if vocab_path is not None:
         spellings = {row["token_id"]: row["text"] for row in read_table(vocab_path, VOCAB_SCHEMA).to_pylist()}
+    messages = None
+    if "default" in design.send_as:
+        if items_path is None:
+            raise ValueError("served: the default client needs the run's items (--items) for its chat messages")
+        by_id = {item.item_id: item for item in load_items(items_path)}
+        messages = {item_id: build_messages(by_id[item_id]) for item_id in order}
     protocol = serving_spec().server_protocol()
     answers, record = protocol.serve(
-        model_record, prompts, others, server_name, entry, design, on_item, recorded, spellings
+        model_record, prompts, others, server_name, entry, design, on_item, recorded, spellings, messages
     )
     return write_table(served_rows(server_name, answers, record, model_record["fingerprint"]), SERVED_SCHEMA, out_path)
 
 
 def served_rows(server_name: str, answers, server_record: dict, model_fingerprint: str) -> list[dict]:
-    """The served table's rows: one per (item, cell, run, answer) of ``answers``."""
+    """The served table's rows: one per (item, cell, client, run, answer) of ``answers``."""
     record = json.dumps(server_record, sort_keys=True)
     return [
         {
             "server": server_name,
             "item_id": item_id,
             "cell": cell,
+            "client": client,
             "run": run,
             "tokens": answer.tokens,
             "margins": answer.margins,
@@ -93,8 +103,10 @@ def served_rows(server_name: str, answers, server_record: dict, model_fingerprin
             "arrivals": answer.arrivals,
             "others_generated": answer.others_generated,
             "others_seconds": answer.others_seconds,
+            "slot": answer.slot,
+            "trigger": answer.trigger,
             "server_record": record,
             "model_fingerprint": model_fingerprint,
         }
-        for item_id, cell, run, answer in answers
+        for item_id, cell, client, run, answer in answers
     ]

@@ -229,6 +229,9 @@ SERVED_SCHEMA = pa.schema(
         # hit (prompt-cache hit), load (amid other clients), copies (the same request several times at once), slot
         # (alone on one slot, each slot in turn), offset (alone behind another slot's idle cells)
         ("cell", pa.string()),
+        # pinned: token ids on /completion, prompt reuse off but for the hit; default: chat messages on
+        # /v1/chat/completions as an OpenAI-compatible client sends them, the server's prompt cache as it defaults
+        ("client", pa.string()),
         ("run", pa.int32()),  # load: the schedule (0..load_runs-1); copies: the copy; slot: the slot; offset: C
         ("tokens", pa.list_(pa.int64())),  # the greedy tokens generated
         ("margins", pa.list_(pa.float32())),  # at each step, top-1 minus top-2 log-probability: logits
@@ -239,12 +242,19 @@ SERVED_SCHEMA = pa.schema(
         ("arrivals", pa.list_(pa.float64())),  # load: their arrivals, seconds from the item's
         ("others_generated", pa.list_(pa.int32())),  # load: the tokens each other client got back, by arrival
         ("others_seconds", pa.list_(pa.float64())),  # load: each other client's wall time, by arrival
+        ("slot", pa.int32()),  # the slot that served the request (its answer's id_slot)
+        # Whether the pattern's trigger happened, from the server's batch log: "met: ...", "not met: ...",
+        # "not proven: ..."; "" for a request alone.
+        ("trigger", pa.string()),
         ("server_record", pa.string()),  # JSON: how the server was started or where it was attached, what it said
         ("model_fingerprint", pa.string()),
     ]
 )
 # Columns added to the served table since its first version (a table without them: MIGRATIONS).
-SERVED_LATER_COLUMNS = (("what the other clients amid load got back", ("others_generated", "others_seconds")),)
+SERVED_LATER_COLUMNS = (
+    ("what the other clients amid load got back", ("others_generated", "others_seconds")),
+    ("the client, the slot and whether a pattern's trigger happened", ("client", "slot", "trigger")),
+)
 
 # One row per checkpoint and item: the integers every stage (and the audit) starts from.
 PROMPT_SCHEMA = pa.schema(
@@ -302,7 +312,7 @@ TRANSPLANT_KEY = ("selection", "checkpoint", "item_id", "donor", "recipient", "p
 # A factor cell, and (with its run) a factor row.
 FACTOR_CELL_KEY = ("checkpoint", "precision", "factor", "level", "item_id", "cell")
 FACTOR_KEY = (*FACTOR_CELL_KEY, "run")
-SERVED_KEY = ("server", "item_id", "cell", "run")
+SERVED_KEY = ("server", "item_id", "cell", "client", "run")
 # The served cells whose input is pinned (one request at a time, the same cache history): a rerun must give the
 # same tokens and margins. A load cell's run depends on where the other clients have got when the item arrives.
 SERVED_PINNED_CELLS = ("alone", "control", "replay", "replay_control", "slot", "offset", "hit")

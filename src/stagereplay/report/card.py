@@ -22,7 +22,7 @@ from stagereplay.report.figures import NOT_MEASURED, Figure, all_figures, factor
 from stagereplay.report.item_view import ItemRecord
 from stagereplay.report.reading import AUDIT_HOW, reading
 from stagereplay.report.render import to_html, to_markdown
-from stagereplay.report.served_view import served_blocks
+from stagereplay.report.served_view import served_blocks, verdict_blocks
 from stagereplay.report.stamp import stamp
 from stagereplay.report.text import level_name, percent, under_load_text
 
@@ -284,7 +284,9 @@ def results_card(summary: dict, prov: Provenance) -> list[tuple]:
     after_reading = next(
         index for index, block in enumerate(blocks) if block[:3] == ("heading", 2, "Figures, per experiment")
     )
-    return blocks[:after_reading] + factor_blocks(summary) + served_blocks(summary) + blocks[after_reading:]
+    blocks = blocks[:after_reading] + factor_blocks(summary) + served_blocks(summary) + blocks[after_reading:]
+    # The operator's answer opens the card, right after its introduction, where a run served requests.
+    return blocks[:2] + verdict_blocks(summary) + blocks[2:]
 
 
 # The card's plots (plots.PLOT_FILES), in the order shown, with what each one shows.

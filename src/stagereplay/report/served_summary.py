@@ -24,12 +24,15 @@ import statistics
 import pyarrow as pa
 
 from stagereplay.design.divergence import first_divergence
+from stagereplay.report.traffic_verdict import CLIENTS, PATTERNS, client_rows, pattern_counts, verdict
 
 MARGIN_UNIT = "logits (top-1 minus top-2 log-probability of one softmax)"
 
 
 def served_summary(table: pa.Table) -> dict:
-    rows = table.to_pylist()
+    every_row = table.to_pylist()
+    # The figures below are the pinned client's; the verdict (``traffic_verdict``) takes every client's.
+    rows = client_rows(every_row, "pinned")
     servers = list(dict.fromkeys(row["server"] for row in rows))
     by_cell = {(row["server"], row["item_id"], row["cell"], row["run"]): row for row in rows}
     records: dict[str, str] = {}
@@ -137,6 +140,21 @@ def served_summary(table: pa.Table) -> dict:
             entry["vs_reference_items"] = len(reference_alone)
             entry["vs_reference_differs_items"] = flips
             entry["vs_reference_margins"] = _margins([(reference_alone[item], alone[item]) for item in flips])
+        total_slots = entry["record"].get("total_slots")
+        batteries, controls = {}, {}
+        for client in CLIENTS:
+            mine = client_rows([row for row in every_row if row["server"] == server], client)
+            if not mine:
+                continue
+            client_alone = {row["item_id"]: row for row in mine if row["cell"] == "alone"}
+            controls[client] = (client_alone, {row["item_id"]: row for row in mine if row["cell"] == "control"})
+            batteries[client] = {
+                pattern: counts
+                for pattern in PATTERNS
+                if (counts := pattern_counts(mine, client_alone, pattern, total_slots, client)) is not None
+            }
+        entry["battery"] = batteries
+        entry["verdict"] = verdict(batteries, controls, len(items))
         result["servers"][server] = entry
     return result
 

@@ -12,6 +12,8 @@ No torch.
 
 from __future__ import annotations
 
+from stagereplay.report.traffic_verdict import verdict_line
+
 COLUMNS = [
     "server",
     "as",
@@ -29,6 +31,71 @@ COLUMNS = [
     "alone, against the reference server's: differs",
     "tokens/s alone / amid load: the item's, all clients'",
 ]
+
+
+VERDICT_COLUMNS = [
+    "server",
+    "as",
+    "verdict",
+    "together: met / runs, differ",
+    "together_copies: met / runs, differ",
+    "tokens/s amid load, all clients'",
+]
+
+
+def verdict_blocks(summary: dict) -> list[tuple]:
+    """The operator's answer, first on the card: per server, whether its greedy answers are independent of other
+    traffic (``report.traffic_verdict``)."""
+    served = summary.get("served")
+    if not served or not served.get("servers"):
+        return []
+    rows = []
+    for name, entry in served["servers"].items():
+        if "verdict" not in entry:  # a summary written before the battery
+            continue
+        record = entry["record"]
+        rows.append(
+            [
+                name,
+                record.get("started") or f"attached at {record.get('attached')}",
+                verdict_line(entry),
+                _together(entry, "together"),
+                _together(entry, "together_copies"),
+                _rate(entry["tokens_per_second_all_clients"]),
+            ]
+        )
+    if not rows:
+        return []
+    return [
+        ("heading", 2, "Which server keeps a greedy answer independent of other traffic"),
+        (
+            "paragraph",
+            "Each item's answer under each traffic pattern against its answer alone on the same server. A pattern of"
+            " several clients at once counts only the runs whose trigger the server's own batch log proves (met);"
+            " the rest are counted apart. The first counterexample is named; with none, the bound is on the share of"
+            " items that would change. Details: the served table below.",
+        ),
+        ("table", VERDICT_COLUMNS, rows),
+    ]
+
+
+def _together(entry: dict, pattern: str) -> str:
+    """Per client: the runs whose trigger the log proves, of all, and the items that differ in those (and in the
+    rest, apart)."""
+    cells = []
+    for client, battery in entry["battery"].items():
+        counts = battery.get(pattern)
+        if counts is None:
+            continue
+        if counts["cannot_occur"]:
+            cells.append(f"{client}: cannot occur (1 slot)")
+            continue
+        differ = f"{len(counts['differs_met_items'])}/{counts['items']}"
+        unmet = counts["differs_trigger_not_met_items"]
+        cells.append(
+            f"{client}: {counts['met']}/{counts['runs']}, {differ}" + (f" (+{len(unmet)} not met)" if unmet else "")
+        )
+    return "; ".join(cells) or "—"
 
 
 def served_blocks(summary: dict) -> list[tuple]:

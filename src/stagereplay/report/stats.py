@@ -225,3 +225,13 @@ def grouped(rows: list[dict], key) -> dict[str, list[dict]]:
     for row in rows:
         groups[key(row)].append(row)
     return dict(sorted(groups.items()))
+
+
+def upper_bound(k: int, n: int, confidence: float = 0.95) -> float:
+    """The one-sided upper confidence bound on a rate of which k of n were seen (Clopper-Pearson, exact): with k = 0,
+    the largest share that n clean trials still leave plausible."""
+    if n <= 0:
+        raise ValueError(f"n must be >= 1, got {n}")
+    _check_confidence(confidence)
+    ci = stats.binomtest(int(k), int(n), alternative="less").proportion_ci(confidence_level=confidence, method="exact")
+    return float(ci.high)

@@ -60,16 +60,17 @@ def decode_calls(log: str) -> list[DecodeCall]:
     return [DecodeCall(tuple(tokens)) for tokens in calls]
 
 
-def prompt_calls(calls: list[DecodeCall], sequence: int, positions: int) -> list[DecodeCall]:
-    """The calls that carried positions 0 .. ``positions`` - 1 of ``sequence``: how its prompt was cut."""
-    return [call for call in calls if any(position < positions for position in call.positions_of(sequence))]
+def prompt_calls(calls: list[DecodeCall], sequence: int, positions: int, start: int = 0) -> list[DecodeCall]:
+    """The calls that carried positions ``start`` .. ``positions`` - 1 of ``sequence``: how its prompt was cut (from
+    ``start``: the positions before it were taken from the server's cache)."""
+    return [call for call in calls if any(start <= position < positions for position in call.positions_of(sequence))]
 
 
-def describe_split(calls: list[DecodeCall], sequence: int, positions: int) -> str:
+def describe_split(calls: list[DecodeCall], sequence: int, positions: int, start: int = 0) -> str:
     """The prompt's decode calls in words: 'in 1 decode call: 297 positions of slot 0 with 1 token of slot 1'."""
     described = []
     for call in calls:
-        own = sum(position < positions for position in call.positions_of(sequence))
+        own = sum(start <= position < positions for position in call.positions_of(sequence))
         others = call.others(sequence)
         company = (
             " with " + ", ".join(f"{count} token{'s' * (count != 1)} of slot {slot}" for slot, count in others.items())
@@ -79,3 +80,29 @@ def describe_split(calls: list[DecodeCall], sequence: int, positions: int) -> st
         described.append(f"{own} positions of slot {sequence}{company}")
     count = len(calls)
     return f"the prompt in {count} decode call{'s' * (count != 1)}: " + "; ".join(described)
+
+
+@dataclass(frozen=True)
+class Company:
+    """What the log says of one request's company: whether its prompt shared a decode call with another sequence
+    (the prompts were prefilled in one step), whether any of its decode calls did (it ran while another did), and
+    how its prompt was cut."""
+
+    prompt_shared: bool
+    any_shared: bool
+    logged: int  # of the prompt's positions, those the log holds
+    split: str
+
+
+def company(calls: list[DecodeCall], sequence: int, positions: int, start: int = 0) -> Company:
+    """``sequence``'s company in ``calls`` (those logged while its request ran), its prompt being positions 0 ..
+    ``positions`` - 1, of which those from ``start`` were computed (the rest taken from the server's cache)."""
+    prompt = prompt_calls(calls, sequence, positions, start)
+    logged = {position for call in prompt for position in call.positions_of(sequence) if start <= position < positions}
+    split = describe_split(prompt, sequence, positions, start)
+    return Company(
+        prompt_shared=any(call.others(sequence) for call in prompt),
+        any_shared=any(call.others(sequence) for call in calls if call.positions_of(sequence)),
+        logged=len(logged),
+        split=split if not start else f"{split} (positions 0 to {start - 1} from the cache)",
+    )

@@ -75,6 +75,15 @@ class ServerClient:
         """One line if the server is gone (``during``: the request was sent and got no answer)."""
         raise NotImplementedError
 
+    def batch_log_mark(self) -> int | None:
+        """Where the server's batch log (every decode call's tokens: ``batches``) ends now, or None where this
+        client reads none (a server someone else runs, or one started without it)."""
+        return None
+
+    def batch_log_since(self, mark: int) -> str:
+        """What the batch log holds after ``mark``."""
+        raise NotImplementedError
+
     # Requests.
 
     def connection(self, timeout: float | None = None) -> http.client.HTTPConnection:

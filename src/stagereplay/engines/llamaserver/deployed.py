@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from stagereplay.engines.llamaserver.process import HOST, ServerProcess
+from stagereplay.engines.llamaserver.process import HOST, ServerProcess, ServerSettings
 
 BASE_FLAGS = ("--no-repack",)
 # Options this project sets itself (the address) and one an operator's flags may not take over.
@@ -34,11 +34,16 @@ _RESOLVED = {
 
 
 class DeployedServer(ServerProcess):
-    """A llama-server started with the model, a loopback address and ``flags`` only (and ``BASE_FLAGS``)."""
+    """A llama-server started with the model, a loopback address and ``flags`` only (and ``BASE_FLAGS``).
 
-    def __init__(self, model: str | Path, flags: tuple[str, ...] | list[str] = (), **options):
+    ``log_batches``: its log also holds every decode call's tokens (``--verbose`` and ``LLAMA_BATCH_DEBUG=1``, logging
+    only, recorded apart from the flags): the proof of whether a traffic pattern's trigger happened."""
+
+    def __init__(
+        self, model: str | Path, flags: tuple[str, ...] | list[str] = (), log_batches: bool = False, **options
+    ):
         options.setdefault("start_timeout", 300.0)
-        super().__init__(model, **options)
+        super().__init__(model, ServerSettings(log_batches=log_batches), **options)
         self.flags = (*BASE_FLAGS, *flags)
 
     def command(self, port: int) -> list[str]:
@@ -55,6 +60,7 @@ class DeployedServer(ServerProcess):
             str(port),
             *self.flags,
             *slot_files,
+            *(("--verbose",) if self.settings.log_batches else ()),
         ]
 
     def usable_slots(self) -> range:

@@ -377,6 +377,12 @@ class ServerProcess(ServerClient):
             log.seek(max(mark, self._log_start))
             return log.read().decode("utf-8", errors="replace")
 
+    def batch_log_mark(self) -> int | None:
+        return self.log_size() if self.settings.log_batches else None
+
+    def batch_log_since(self, mark: int) -> str:
+        return self.log_since(mark)
+
     # The slots: every one of the server's.
 
     def usable_slots(self) -> range:

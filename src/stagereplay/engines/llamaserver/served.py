@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import tempfile
 
 from stagereplay.engines.llamaserver.attached import AttachedServer, api_key_from
@@ -49,7 +50,7 @@ from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver.client import ServerClient
 from stagereplay.engines.llamaserver.deployed import RESERVED_FLAGS, DeployedServer
 from stagereplay.engines.llamaserver.model_check import check_model
-from stagereplay.engines.llamaserver.traffic import Answer, amid_clients, ask, at_once
+from stagereplay.engines.llamaserver.traffic import Answer, DefaultClient, amid_clients, ask, at_once, pinned
 
 HIT_OTHERS = 2  # other items sent between the item's two requests of a prompt-cache hit
 # Flash attention where no -fa is given: auto, resolved at start; neither the default log nor /props says to what.
@@ -97,22 +98,51 @@ def serve(
     on_item,
     recorded: dict | None = None,
     spellings: dict[int, str] | None = None,
+    messages: dict[str, list[dict]] | None = None,
 ):
     """Serve each item of ``others`` (item -> the other clients' items, in the design's order) on the server of
-    ``entry``: (item, cell, run, answer) for each request, and the server's record. ``recorded`` (the audit's): the
-    record the ledger holds for it; an attached server that says something else of itself is refused before any
-    request is served. ``spellings``: the checkpoint's token id -> text, checked against an attached server's where
-    its model file is not readable here (``model_check``)."""
+    ``entry``: (item, cell, client, run, answer) for each request, and the server's record. ``recorded`` (the
+    audit's): the record the ledger holds for it; an attached server that says something else of itself is refused
+    before any request is served. ``spellings``: the checkpoint's token id -> text, checked against an attached
+    server's where its model file is not readable here (``model_check``). ``messages``: each item's chat messages,
+    which the default client sends."""
     if "url" in entry:
-        return _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded, spellings or {})
-    return _on_deployed(model_record, prompts, others, entry, design, on_item)
+        return _on_attached(
+            model_record, prompts, others, name, entry, design, on_item, recorded, spellings or {}, messages
+        )
+    return _on_deployed(model_record, prompts, others, name, entry, design, on_item, messages)
 
 
-def serve_items(server: ServerClient, prompts, others_of, design, on_item, slots=None) -> list[tuple]:
-    """(item, cell, run, answer) for every item of ``others_of`` on ``server``; ``slots``: a guest's (the item's
-    requests on the first, the other clients' on the rest), None: the server picks, as for any client. With
-    ``design.each_slot``, the item alone on each slot the run may use, in turn (``usable_slots``). ``on_item(cells)``
-    is called as each item's cells of one phase are done (the job's progress lines).
+def _default_client_prompts(server: ServerClient, name: str, prompts: dict, messages: dict | None) -> dict:
+    """The record's line on the default client's prompts (checked once per item before any of its requests); the
+    line is printed too where they differ."""
+    if messages is None:
+        return {}
+    line = chat_prompts_check(server, prompts, messages)
+    if "other tokens" in line:
+        print(f"served {name}: {line}", file=sys.stderr, flush=True)
+    return {"default_client_prompts": line}
+
+
+def serve_items(server: ServerClient, prompts, others_of, design, on_item, slots=None, messages=None) -> list[tuple]:
+    """(item, cell, client, run, answer) for every item of ``others_of`` on ``server``, sent by each client of
+    ``design.send_as`` in turn: the pinned client's cells (``pinned_cells``), then the default client's
+    (``default_cells``: ``messages``, item -> its chat messages). ``slots``: a guest's (the item's requests on the
+    first, the other clients' on the rest), None: the server picks, as for any client. ``on_item(cells)`` is called
+    as each item's cells of one phase are done (the job's progress lines)."""
+    answers = []
+    if "pinned" in design.send_as:
+        cells = pinned_cells(server, prompts, others_of, design, on_item, slots)
+        answers += [(item, cell, "pinned", run, answer) for item, cell, run, answer in cells]
+    if "default" in design.send_as:
+        cells = default_cells(server, prompts, others_of, design, on_item, messages)
+        answers += [(item, cell, "default", run, answer) for item, cell, run, answer in cells]
+    return answers
+
+
+def pinned_cells(server: ServerClient, prompts, others_of, design, on_item, slots=None) -> list[tuple]:
+    """(item, cell, run, answer) of the pinned client: token ids on ``/completion``. With ``design.each_slot``, the
+    item alone on each slot the run may use, in turn (``usable_slots``).
 
     The pinned cells of every item come first, one request at a time (alone, control, replay, hit; then slot), then
     every item's runs amid other clients: a server's cache cells are placed by everything it served before, and runs amid
@@ -121,10 +151,9 @@ def serve_items(server: ServerClient, prompts, others_of, design, on_item, slots
     others_slot = slots[1 % len(slots)] if slots else None
     # The slots the run may use, asked once (a deployed server's from /props): the slot and offset cells' slots.
     usable = sorted(server.usable_slots()) if design.each_slot or design.kv_offsets else []
-    answers, latency, others = [], {}, {}
+    answers, latency = [], {}
     for item_id, following in others_of.items():
         prompt = prompts[item_id]
-        others[item_id] = {other: prompts[other] for other in following}
         alone = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
         control = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
         latency[item_id] = alone.seconds
@@ -135,9 +164,9 @@ def serve_items(server: ServerClient, prompts, others_of, design, on_item, slots
                 replayed = ask(server, prefix, design.tokens - design.boundary, cache_prompt=False, slot=own)
                 answers.append((item_id, cell, 0, replayed))
         ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
-        between = list(others[item_id])[:HIT_OTHERS]
+        between = list(following)[:HIT_OTHERS]
         for other in between:
-            ask(server, others[item_id][other], design.tokens, cache_prompt=True, slot=others_slot)
+            ask(server, prompts[other], design.tokens, cache_prompt=True, slot=others_slot)
         hit = ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
         hit.others = between
         answers.append((item_id, "hit", 0, hit))
@@ -154,16 +183,80 @@ def serve_items(server: ServerClient, prompts, others_of, design, on_item, slots
                 (item_id, "offset", offset, behind_filler(server, usable, prompts, item_id, offset, design.tokens))
             )
         on_item("behind a filler")
-    for item_id in others_of:
-        for run in range(design.load_runs):
-            rng = random.Random(f"{design.seed}:{item_id}:{run}")
-            loaded = amid_clients(
-                server, prompts[item_id], others[item_id], design.tokens, latency[item_id], rng, slots
-            )
-            answers.append((item_id, "load", run, loaded))
-        copies = at_once(server, prompts[item_id], design.tokens, 1 + design.clients, slots)
-        answers += [(item_id, "copies", copy, answer) for copy, answer in enumerate(copies)]
+    for item_id, following in others_of.items():
+        answers += traffic_cells(server, prompts, item_id, following, design, latency[item_id], slots, pinned)
         on_item("amid other clients and at once")
+    return answers
+
+
+def chat_prompts_check(server: ServerClient, prompts: dict, messages: dict) -> str:
+    """Whether the server turns each item's chat messages into the ledger's prompt tokens (its ``/apply-template``,
+    then ``/tokenize`` as its chat endpoint tokenizes: special tokens added and parsed): one line either way, naming
+    the first item and position that differ."""
+    differ = []
+    for item_id in sorted(messages):
+        text = server.request("/apply-template", {"messages": messages[item_id]}).get("prompt", "")
+        theirs = server.request("/tokenize", {"content": text, "add_special": True, "parse_special": True})["tokens"]
+        ours = list(prompts[item_id])
+        if theirs != ours:
+            at = next((index for index, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+            differ.append(
+                f"item {item_id} at position {at}: the server's token"
+                f" {theirs[at] if at < len(theirs) else 'none (shorter)'}, the ledger's"
+                f" {ours[at] if at < len(ours) else 'none (shorter)'} ({len(theirs)} and {len(ours)} tokens)"
+            )
+    if not differ:
+        return f"the server tokenizes every item's chat messages ({len(messages)}) to the ledger's prompt tokens"
+    return (
+        f"the server tokenizes {len(differ)}/{len(messages)} items' chat messages to other tokens than the ledger's"
+        f" prompt (first: {differ[0]}): the default client's answers are to the server's tokens — check the chat"
+        " template the server uses (--chat-template, --jinja) against the GGUF's"
+    )
+
+
+def default_cells(server: ServerClient, prompts, others_of, design, on_item, messages) -> list[tuple]:
+    """(item, cell, run, answer) of the default client (``traffic.DefaultClient``): chat messages on
+    ``/v1/chat/completions``, the server's prompt cache as it defaults, no slot; ``alone`` (nothing else in flight,
+    the cache as the requests before left it), ``control`` (the same again: the same user asking twice), ``hit``
+    (again after two other items), then the runs amid others and at once. No replay, slot or offset: a default client
+    sends neither token ids nor a slot. The server's tokenization of each item's messages is checked first."""
+    client = DefaultClient({tuple(prompts[item]): messages[item] for item in others_of})
+    answers, latency = [], {}
+    for item_id, following in others_of.items():
+        alone = client(server, prompts[item_id], design.tokens)
+        control = client(server, prompts[item_id], design.tokens)
+        latency[item_id] = alone.seconds
+        answers += [(item_id, "alone", 0, alone), (item_id, "control", 0, control)]
+        between = list(following)[:HIT_OTHERS]
+        for other in between:
+            client(server, prompts[other], design.tokens)
+        hit = client(server, prompts[item_id], design.tokens)
+        hit.others = between
+        answers.append((item_id, "hit", 0, hit))
+        on_item("default client: alone, again and after others")
+    for item_id, following in others_of.items():
+        answers += traffic_cells(server, prompts, item_id, following, design, latency[item_id], None, client)
+        on_item("default client: amid other clients and at once")
+    return answers
+
+
+def traffic_cells(server, prompts, item_id, following, design, latency, slots, send) -> list[tuple]:
+    """One item's cells of other traffic, sent by ``send``'s client: ``load_runs`` runs amid other clients, copies
+    at once, and ``load_runs`` runs each prefilled in one step with others' prompts (``together``) and with copies
+    of its own (``together_copies``), each run's trigger proven from the server's batch log."""
+    prompt, others = prompts[item_id], {other: prompts[other] for other in following}
+    answers = []
+    for run in range(design.load_runs):
+        rng = random.Random(f"{design.seed}:{item_id}:{run}")
+        answers.append(
+            (item_id, "load", run, amid_clients(server, prompt, others, design.tokens, latency, rng, slots, send))
+        )
+    copies = at_once(server, [prompt] * (1 + design.clients), design.tokens, slots, send)
+    answers += [(item_id, "copies", copy, answer) for copy, answer in enumerate(copies)]
+    for run in range(design.load_runs):
+        together = at_once(server, [prompt, *others.values()], design.tokens, slots, send)[0]
+        own = at_once(server, [prompt] * (1 + design.clients), design.tokens, slots, send)[0]
+        answers += [(item_id, "together", run, together), (item_id, "together_copies", run, own)]
     return answers
 
 
@@ -194,12 +287,12 @@ def behind_filler(
     return answer
 
 
-def _on_deployed(model_record, prompts, others, entry, design, on_item):
+def _on_deployed(model_record, prompts, others, name, entry, design, on_item, messages):
     # kv_offsets erases slots, an action the server takes only with a slot folder: a private one, written to by none.
     with contextlib.ExitStack() as stack:
         slot_dir = stack.enter_context(tempfile.TemporaryDirectory()) if design.kv_offsets else None
         server = stack.enter_context(
-            DeployedServer(model_record["gguf"], tuple(entry.get("flags") or ()), slot_dir=slot_dir)
+            DeployedServer(model_record["gguf"], tuple(entry.get("flags") or ()), log_batches=True, slot_dir=slot_dir)
         )
         props = server.props()
         record = {
@@ -210,14 +303,17 @@ def _on_deployed(model_record, prompts, others, entry, design, on_item):
             "n_ctx_per_slot": props.get("default_generation_settings", {}).get("n_ctx"),
             "startup_log": server.resolved(),
             "flash_attn": _flag_value(server.flags, "-fa", "--flash-attn") or FLASH_ATTN_AUTO,
+            # Logging only, the proof of each pattern's trigger: started so besides its flags.
+            "batch_log": "on: --verbose and LLAMA_BATCH_DEBUG=1 (every decode call's tokens logged)",
         }
         if slot_dir is not None:
             record["slot_actions"] = "on: a private --slot-save-path, for kv_offsets' erasures (no slot file written)"
-        answers = serve_items(server, prompts, others, design, on_item)
+        record.update(_default_client_prompts(server, name, prompts, messages))
+        answers = serve_items(server, prompts, others, design, on_item, messages=messages)
     return answers, record
 
 
-def _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded, spellings):
+def _on_attached(model_record, prompts, others, name, entry, design, on_item, recorded, spellings, messages):
     slots = tuple(entry.get("slots", (0,)))
     where = f"served.servers.{name}"
     server = AttachedServer(
@@ -247,7 +343,8 @@ def _on_attached(model_record, prompts, others, name, entry, design, on_item, re
     record.update(check_model(server, identity, model_record["gguf"], spellings, token_ids))
     if recorded is not None:
         _check_recorded(server, record, recorded)
-    answers = serve_items(server, prompts, others, design, on_item, slots=pinned)
+    record.update(_default_client_prompts(server, name, prompts, messages))
+    answers = serve_items(server, prompts, others, design, on_item, slots=pinned, messages=messages)
     server.check_unchanged(identity)
     return answers, record
 
