@@ -323,8 +323,8 @@ LOAD_COLUMNS = [
     "Factor",
     "Level",
     "Runs",
-    "Served differently in every run",
-    "In some runs, not others (unstable under load)",
+    "Served differently in all R runs",
+    "In some of R runs, not others (unstable under load)",
     "In no run",
     "Built cache differs in some runs only",
 ]
@@ -354,9 +354,10 @@ def load_blocks(e6: dict) -> list[tuple]:
         (
             "paragraph",
             "Nothing pins how far the other requests have got when the item's request arrives, so each level"
-            " under load runs every item several times, each with freshly started companions (load_runs). An"
-            " item differs in every run, in some runs and not others (unstable under load), or in none;"
-            " x/N with Wilson 95% intervals.",
+            " under load runs every item R times (Runs), each with freshly started companions (load_runs). An"
+            " item differs in all R runs, in some of R runs and not others (unstable under load), or in none;"
+            " x/N with Wilson 95% intervals. R runs bound the spread from below: an item that differed in none of"
+            " R runs, or in all of them, may differ otherwise in a further run.",
         ),
         ("table", LOAD_COLUMNS, rows),
     ]

@@ -21,7 +21,7 @@ COLUMNS = [
     "alone twice: identical",
     "replayed from the stage boundary: differs (replay twice: identical)",
     "margin at the flip, alone / replayed",
-    "amid load: differs in every run / some runs",
+    "amid load: differs in all R runs / in some of R runs (R: the runs)",
     "margin at the flip, alone / amid load",
     "the same request at once: differs from alone (items with more than one answer; most distinct)",
     "alone on each slot: differs (slots that did)",
@@ -104,7 +104,8 @@ def served_blocks(summary: dict) -> list[tuple]:
         return []
     rows = [_row(name, entry, name == served["reference"]) for name, entry in served["servers"].items()]
     listed = [
-        f"`{name}`: amid load in every run {_items(entry['load_every_run'])}; in some runs"
+        f"`{name}`: amid load in all {entry['load_runs']} runs {_items(entry['load_every_run'])}; in some of"
+        f" {entry['load_runs']} runs"
         f" {_items(entry['load_some_runs'])}; prompt-cache hit {_items(entry['hit_differs_items'])}"
         + (
             f"; against the reference {_items(entry['vs_reference_differs_items'])}"
@@ -140,7 +141,8 @@ def served_blocks(summary: dict) -> list[tuple]:
             f" schedule (each run its own); sent several times at the same instant (copies, one client each); alone"
             f" on each slot in turn and alone behind another slot's C idle cells, where the run asks for them; and"
             f" as a prompt-cache hit. Counted against the item's answer alone on the same server; the first server,"
-            f" `{served['reference']}`, is the reference for the others' own flags. Margins are in"
+            f" `{served['reference']}`, is the reference for the others' own flags. R runs amid load bound the spread"
+            f" from below: an item unchanged in all R runs may change in a further one. Margins are in"
             f" {served['margin_unit']}, medians over the flips.",
         ),
         ("table", COLUMNS, rows),
