@@ -115,4 +115,18 @@ def test_the_audit_compares_a_run_under_load_with_the_saved_runs_spread():
     assert figures["mismatches"] == []
     suffixes = figures["under_load"]["artifacts"]["factor_suffix"]
     assert (suffixes["count"], suffixes["n"]) == (26, 27)  # 3 items, 3 runs, 3 cells
-    assert under_load_text(figures["under_load"]).startswith("cells under load: 107/108 recomputed run artifacts")
+    # Per level and cell, never pooled: the one run outside the spread is test-test's.
+    levels = {name: (entry["count"], entry["n"]) for name, entry in figures["under_load"]["levels"].items()}
+    assert levels == {"batch=2 ref-test": (36, 36), "batch=2 test-ref": (36, 36), "batch=2 test-test": (35, 36)}
+    assert under_load_text(figures["under_load"]).endswith(
+        "per level and cell: batch=2 ref-test 36/36; batch=2 test-ref 36/36; batch=2 test-test 35/36"
+    )
+
+
+def test_a_served_check_under_load_is_counted_with_its_server_cell_and_client():
+    from stagereplay.audit.e4 import spread_level
+
+    assert spread_level("served default load run 0 item arith-001") == "served default load"
+    assert spread_level("served np-1 together run 2 item arith-003 (default client)") == (
+        "served np-1 together (default client)"
+    )

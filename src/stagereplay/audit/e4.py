@@ -76,8 +76,10 @@ def spread_figures(rows: list[dict]) -> dict | None:
     how many recomputed runs fall within it, and over all of them. An expected spread, not a reproduction: these
     checks neither count as reproduced artifacts nor make the status. None where no cell ran under load."""
     by_artifact: dict[str, list[bool]] = defaultdict(list)
+    by_level: dict[str, list[bool]] = defaultdict(list)
     for row in rows:
         by_artifact[row["artifact"].removesuffix(SPREAD_SUFFIX)].append(row["reproduced"])
+        by_level[spread_level(row["side"])].append(row["reproduced"])
     if not by_artifact:
         return None
     within = [value for values in by_artifact.values() for value in values]
@@ -85,7 +87,19 @@ def spread_figures(rows: list[dict]) -> dict | None:
         "method": "each recomputed run of a cell under load against the artifacts of its saved runs",
         "within": share(sum(within), len(within)),
         "artifacts": {name: share(sum(values), len(values)) for name, values in sorted(by_artifact.items())},
+        # Per level and cell (an E6 level's cell, a control's apart; a served server's cell and client): the
+        # figure the card gives, never the pooled one.
+        "levels": {name: share(sum(values), len(values)) for name, values in sorted(by_level.items())},
     }
+
+
+def spread_level(side: str) -> str:
+    """The level and cell a check under load belongs to, from its side: 'batch=2 ref-test run 1' -> 'batch=2
+    ref-test'; 'served default load run 0 item arith-001 (default client)' -> 'served default load (default
+    client)'."""
+    level, _, rest = side.partition(" run ")
+    client = rest[rest.index(" (") :] if " (" in rest else ""
+    return level + client
 
 
 def e4_summary(rows: list[dict], audit_runtime: dict | None = None) -> dict:

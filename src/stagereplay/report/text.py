@@ -18,11 +18,18 @@ def experiment_name(experiment: str, precision: str | None, checkpoint: str, sum
 
 
 def under_load_text(spread: dict) -> str:
-    """The runs under load against their saved spread, named as an expected spread."""
-    within = spread["within"]
+    """The runs under load against their saved spread, named as an expected spread, per level and cell (an e4.json
+    written before the levels were kept gives its pooled figure)."""
+    if "levels" not in spread:
+        within = spread["within"]
+        return (
+            f"cells under load: {within['count']}/{within['n']} recomputed run artifacts within the spread of their"
+            " saved runs (an expected spread, not a reproduction)"
+        )
+    levels = "; ".join(f"{name} {entry['count']}/{entry['n']}" for name, entry in spread["levels"].items())
     return (
-        f"cells under load: {within['count']}/{within['n']} recomputed run artifacts within the spread of their"
-        " saved runs (an expected spread, not a reproduction)"
+        "cells under load, recomputed run artifacts within the spread of their saved runs (an expected spread, not a"
+        f" reproduction), per level and cell: {levels}"
     )
 
 
