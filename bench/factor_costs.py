@@ -1,6 +1,7 @@
 """What E6 cost, per factor level: positions fed through the model per item against the design minimum,
-and model-job wall time per item against E1's; then the boundary cache's bytes per item for each cache
-type the ledger ran (llama.cpp's precisions are cache types).
+and model-job wall time per item against E1's; what the served traffic battery cost, per server: its job's wall
+time per item and per pattern against E1's; then the boundary cache's bytes per item for each cache type the
+ledger ran (llama.cpp's precisions are cache types).
 
     python bench/factor_costs.py ledger/factors
     python bench/factor_costs.py ledger/factors --timed-by audit   # the wall times of E4's recomputation
@@ -102,6 +103,46 @@ def factor_costs(root: str | Path, timed_by: str = "run") -> list[dict]:
     return table
 
 
+def e1_seconds_per_item(ledger: LedgerLayout, benchmark, checkpoint: str, precision: str, items: int) -> float:
+    """E1's model-job wall time per item: the live and prefill jobs of replica 0 at ``precision``, over its shards."""
+    live = Path(ledger.live_table(checkpoint, precision, 0, "000")).parent
+    shards = sorted(path.stem.removeprefix("shard-") for path in live.glob("shard-*.parquet"))
+    tables = [ledger.live_table(checkpoint, precision, 0, shard) for shard in shards]
+    tables += [ledger.rebuilt_table(checkpoint, precision, precision, "prefill", 0, shard) for shard in shards]
+    return sum(wall_seconds(benchmark(table)) for table in tables) / items
+
+
+def served_costs(root: str | Path, timed_by: str = "run") -> list[dict]:
+    """Per served server: its job's wall time per item and per traffic pattern sent (each client's patterns of the
+    battery, summary.json's ``battery``), beside E1's wall time per item: what the battery costs a server."""
+    ledger = LedgerLayout(root)
+
+    def benchmark(table: str) -> Path:
+        return Path(ledger.job_benchmark(ledger.audited(table) if timed_by == "audit" else table))
+
+    summary = json.loads(Path(ledger.summary).read_text())
+    config = json.loads(Path(ledger.provenance).read_text())["config"]
+    checkpoint = summary["checkpoints"][0]
+    servers = summary["served"]["servers"]
+    items = next(iter(servers.values()))["items"]
+    e1 = e1_seconds_per_item(ledger, benchmark, checkpoint, config["matched"]["precision"], items)
+    table = []
+    for name, entry in servers.items():
+        patterns = sum(len(battery) for battery in entry["battery"].values())
+        wall = wall_seconds(benchmark(ledger.served_table(name)))
+        table.append(
+            {
+                "server": name,
+                "items": entry["items"],
+                "patterns": patterns,
+                "wall": wall / entry["items"],
+                "per_pattern": wall / entry["items"] / patterns,
+                "e1": e1,
+            }
+        )
+    return table
+
+
 def cache_bytes(root: str | Path) -> list[dict]:
     """Per cache type: bytes per item of the stored boundary caches (E2's prefill rows, replica 0) and the
     projection's figure for the same positions."""
@@ -136,7 +177,7 @@ def cache_bytes(root: str | Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("ledger", help="a ledger with E6 (tables/factors.parquet)")
+    parser.add_argument("ledger", help="a ledger with E6 (tables/factors.parquet), or with served requests")
     parser.add_argument(
         "--timed-by",
         choices=("run", "audit"),
@@ -146,16 +187,30 @@ def main() -> None:
     args = parser.parse_args()
     if args.timed_by == "audit" and not Path(LedgerLayout(args.ledger).e4).is_file():
         parser.error(f"{args.ledger} has no audit — run snakemake with --config mode=audit first, or drop --timed-by")
-    print(
-        "| factor level | items | positions fed / item | design minimum / item | fed / minimum | wall s / item | E1 wall s / item | wall vs E1 |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row in factor_costs(args.ledger, args.timed_by):
+    ledger = LedgerLayout(args.ledger)
+    if Path(ledger.table("factors")).is_file():
         print(
-            f"| {row['level']} | {row['items']} | {row['fed']:.0f} | {row['minimum']:.0f} | {row['ratio']:.2f} |"
-            f" {row['wall']:.2f} | {row['e1']:.2f} | {row['wall'] / row['e1']:.2f}× |"
+            "| factor level | items | positions fed / item | design minimum / item | fed / minimum | wall s / item | E1 wall s / item | wall vs E1 |"
         )
-    print()
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for row in factor_costs(args.ledger, args.timed_by):
+            print(
+                f"| {row['level']} | {row['items']} | {row['fed']:.0f} | {row['minimum']:.0f} | {row['ratio']:.2f} |"
+                f" {row['wall']:.2f} | {row['e1']:.2f} | {row['wall'] / row['e1']:.2f}× |"
+            )
+        print()
+    if Path(ledger.table("served")).is_file():
+        print(
+            "| served server | items | patterns (all clients) | wall s / item | wall s / item / pattern | E1 wall s / item"
+            " | per pattern vs E1 |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for row in served_costs(args.ledger, args.timed_by):
+            print(
+                f"| {row['server']} | {row['items']} | {row['patterns']} | {row['wall']:.2f} | {row['per_pattern']:.2f} |"
+                f" {row['e1']:.2f} | {row['per_pattern'] / row['e1']:.2f}× |"
+            )
+        print()
     print("| cache type | items | stored bytes / item | projected bytes / item |")
     print("|---|---:|---:|---:|")
     for row in cache_bytes(args.ledger):
