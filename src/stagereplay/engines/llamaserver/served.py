@@ -26,6 +26,12 @@ tokens (``serve_items``):
   0")? On a unified cache, a slot's cells follow those the other slots still hold;
 - ``offset`` (``design.kv_offsets``): E6's ``kv_offset`` as served requests (``behind_filler``): the item alone on its
   slot while another slot holds C cells, idle (``run``: C).
+- ``together`` and ``together_copies`` (``load_runs`` runs each): the item's prompt released at the same instant as the
+  other clients' prompts, or as copies of its own, each run's trigger (its prompt prefilled in one decode call with
+  another) proven from the server's batch log (``traffic.trigger``).
+
+Each cell is sent by the clients of ``design.send_as``: ``pinned`` (the token ids above) and ``default`` (chat
+messages as an OpenAI-compatible client sends them, ``default_cells``), each compared with its own answer alone.
 
 Every item's alone, control, replays and hit are served first, then each item on each slot and behind each filler, one request at a time, and the runs amid other
 clients and the copies at once after them all: what a request computes depends on where the server places its cache cells, which depends on
