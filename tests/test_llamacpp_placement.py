@@ -87,20 +87,14 @@ def test_an_offset_changes_the_written_cache_unless_it_is_a_whole_number_of_key_
     assert _same(control.state, reference)
 
 
-def test_fewer_queries_than_a_tile_or_no_flash_attention_are_not_moved(flash, tiny_gguf, tmp_path):
-    """A 40-token build (the per-query kernel) and a build without flash attention write the same bytes at any
-    offset: the rule is the tiled kernel's, not the cache's."""
+def test_fewer_queries_than_a_tile_are_not_moved(flash, tmp_path):
+    """A 40-token build (the per-query kernel) writes the same bytes at any offset: the rule is the tiled kernel's,
+    not the cache's. (Without flash attention nothing is claimed: on an AVX-512 CPU the build behind 37 cells wrote
+    other bytes on the tiny GGUF too, a placement effect of its own, not traced: docs/findings.md.)"""
     short = _prefixes(40)
     reference = Setting(flash, BUDGET, flash.eos_ids).build(short["item-0"]).state
     built = _setting(flash, "kv_offset", "37", short, tmp_path).build(short["item-0"])
     assert _same(built.state, reference)
-    plain = _engine(tiny_gguf, flash_attn=False)
-    try:
-        long = _prefixes(150)
-        reference = Setting(plain, BUDGET, plain.eos_ids).build(long["item-0"]).state
-        assert _same(_setting(plain, "kv_offset", "37", long, tmp_path).build(long["item-0"]).state, reference)
-    finally:
-        plain.close()
 
 
 def test_reading_behind_an_offset_is_the_reference_read(flash, tmp_path):
