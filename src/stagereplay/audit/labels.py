@@ -24,7 +24,7 @@ from stagereplay.audit.faults import RERUN, Fault, Report
 from stagereplay.inputs.scoring import extract_answer
 from stagereplay.ledger.layout import RELATIVE
 from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, read_table
-from stagereplay.ledger.text import rebuilt_text
+from stagereplay.ledger.text import rebuilt_text, spelled_tokens
 
 # How a special token is spelled, by convention (<|im_end|>, <|endoftext|>, </s>, <eos>): the tokens the writer
 # before stagereplay kept special tokens left out of a text.
@@ -43,9 +43,9 @@ def _vocabulary(root: Path, checkpoint: str) -> dict[int, str] | None:
 
 
 def _without_specials(tokens: list[int], vocabulary: dict[int, str], stopped: bool) -> str | None:
-    if stopped and tokens:
-        tokens = tokens[:-1]
-    kept = [token for token in tokens if not _SPECIAL_SPELLING.fullmatch(vocabulary.get(token, ""))]
+    kept = [
+        token for token in spelled_tokens(tokens, stopped) if not _SPECIAL_SPELLING.fullmatch(vocabulary.get(token, ""))
+    ]
     return rebuilt_text(kept, vocabulary)
 
 

@@ -103,17 +103,20 @@ def text_of(tokenizer, tokens) -> str:
     return joined(spelling(tokenizer, token) for token in tokens)
 
 
+def spelled_tokens(tokens, stopped: bool) -> list[int]:
+    """The tokens a generated span's text spells: all of them, less the stop token that ended it (``stopped``)."""
+    tokens = list(tokens)
+    return tokens[:-1] if stopped and tokens else tokens
+
+
 def generated_text(tokenizer, tokens, stopped: bool) -> str:
     """A generated span's text; ``stopped``: the span ended at the model's stop token, which is left out."""
-    tokens = list(tokens)
-    return text_of(tokenizer, tokens[:-1] if stopped and tokens else tokens)
+    return text_of(tokenizer, spelled_tokens(tokens, stopped))
 
 
 def rebuilt_text(tokens, vocabulary: dict[int, str], stopped: bool = False) -> str | None:
     """``generated_text`` rebuilt from the vocabulary table's spellings, or None where a token is not in it."""
-    tokens = list(tokens)
-    if stopped and tokens:
-        tokens = tokens[:-1]
+    tokens = spelled_tokens(tokens, stopped)
     if any(token not in vocabulary for token in tokens):
         return None
     return joined(vocabulary[token] for token in tokens)
