@@ -509,6 +509,20 @@ def test_a_served_block_that_cannot_run_is_refused_in_one_line(tmp_path, servers
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
+def test_sampling_without_a_seed_is_refused_in_one_line(tmp_path):
+    from stagereplay.design.checked_run import RunRefused, check_run
+    from stagereplay.design.schema import load_config
+
+    _, config = served_config(tmp_path, {"default": {}}, {"sampling": {"temperature": 1.0}})
+    with pytest.raises(RunRefused) as error:
+        check_run(load_config(config), REPO)
+    assert "served.sampling: temperature 1.0 without a seed" in str(error.value)
+    assert "give served.sampling.seed" in str(error.value) and "\n" not in str(error.value)
+    # With its seed the same block runs, and its job is told how to sample (a greedy job's command is unchanged).
+    _, seeded = served_config(tmp_path, {"default": {}}, {"sampling": {"temperature": 1.0, "seed": 42}})
+    check_run(load_config(seeded), REPO)
+
+
 def test_served_needs_a_gguf_primary_checkpoint(tmp_path):
     from stagereplay.design.checked_run import RunRefused, check_run
     from stagereplay.design.schema import load_config
@@ -549,16 +563,21 @@ def test_two_attached_servers_as_reference_and_level(deployed_run, tmp_path):
     "missing, recorded",
     [
         (
-            ("others_generated", "others_seconds", "client", "slot", "trigger"),
+            ("others_generated", "others_seconds", "client", "slot", "trigger", "sampling"),
             "what the other clients amid load got back and the client, the slot and whether a pattern's trigger"
-            " happened",
+            " happened and how each token was picked (greedy or seeded sampling)",
         ),
-        (("client", "slot", "trigger"), "the client, the slot and whether a pattern's trigger happened"),
+        (
+            ("client", "slot", "trigger", "sampling"),
+            "the client, the slot and whether a pattern's trigger happened and how each token was picked (greedy or"
+            " seeded sampling)",
+        ),
+        (("sampling",), "how each token was picked (greedy or seeded sampling)"),
     ],
 )
 def test_a_served_table_without_later_columns_names_its_migration(tmp_path, missing, recorded):
     """A served table written before each run amid others kept what the other clients got back, or before each
-    request kept its slot and its pattern's trigger: one line naming the forced rerun that rewrites it (the workflow
+    request kept its slot and its pattern's trigger, or how its tokens were picked: one line naming the forced rerun that rewrites it (the workflow
     sees no changed input), from verify and from any reader."""
     from stagereplay.audit.faults import Report
     from stagereplay.audit.verify import verify_tables

@@ -1,7 +1,8 @@
 """The traffic battery's trigger proof, on a real llama-server as people start it (the tiny GGUF, 4 slots each with a
 KV stream of its own): prompts released at once are prefilled in one step, which the server's own batch log shows;
 the same prompts sent one after another are not, and the log says so too; a server that keeps no batch log proves
-nothing. Skipped without the built server unless STAGEREPLAY_REQUIRE_LLAMASERVER=1."""
+nothing. A served job sampled with a seed records it on every row. Skipped without the built server unless
+STAGEREPLAY_REQUIRE_LLAMASERVER=1."""
 
 from __future__ import annotations
 
@@ -124,3 +125,31 @@ def test_the_default_client_sends_chat_messages_and_reads_tokens_margins_and_slo
     pinned_alone = ask(streams, prompts[first], BUDGET, cache_prompt=False)
     (alone,) = [answer for item, cell, _, answer in cells if (item, cell) == (first, "alone")]
     assert alone.tokens == pinned_alone.tokens
+
+
+def test_a_sampled_served_job_records_its_seed_on_every_row_and_answers_alike_alone(built, tiny_gguf, tmp_path):  # noqa: F811
+    """Sampled as llama.cpp's own server tests send their requests (temperature 1.0, seed 42): every row records
+    how its tokens were picked, the seeded answer alone is the same twice, and it is not the greedy answer."""
+    from stagereplay.experiments.served import ServedDesign, run_served
+    from stagereplay.ledger.tables import PROMPT_SCHEMA, SERVED_SCHEMA, read_table, write_table
+
+    _, prompts = _items_and_prompts(tiny_gguf)
+    table = tmp_path / "prompts.parquet"
+    rows = [
+        {"item_id": item, "prompt_tokens": tokens, "prompt_fingerprint": "", "readout_cue_tokens": [],
+         "readout_letter_tokens": []}
+        for item, tokens in prompts.items()
+    ]  # fmt: skip
+    write_table(rows, PROMPT_SCHEMA, table)
+    sampling = {"temperature": 1.0, "seed": 42}
+    design = ServedDesign(tokens=8, clients=1, seed=0, load_runs=1, boundary=2, sampling=sampling)
+    record = {"gguf": str(tiny_gguf), "fingerprint": "tiny"}
+    out = run_served(record, table, "np-2", {"flags": ["-np", "2"]}, design, tmp_path / "served.parquet")
+    served = read_table(out, SERVED_SCHEMA).to_pylist()
+    assert {row["sampling"] for row in served} == {'{"seed": 42, "temperature": 1.0}'}
+    answer = {(row["item_id"], row["cell"]): row["tokens"] for row in served if row["run"] == 0}
+    with DeployedServer(tiny_gguf, ("-np", "2")) as server:
+        greedy = {item: ask(server, tokens, 8, cache_prompt=False).tokens for item, tokens in prompts.items()}
+    for item in prompts:
+        assert answer[(item, "alone")] == answer[(item, "control")], item  # the seed replays the draws
+    assert any(answer[(item, "alone")] != greedy[item] for item in prompts), greedy  # and they were drawn

@@ -47,6 +47,7 @@ def cmd_served(args) -> None:
         each_slot=args.each_slot,
         kv_offsets=tuple(args.kv_offset),
         send_as=tuple(args.send_as or ("pinned",)),
+        sampling=args.sampling,
     )
     record = read_model_record(args.model_record)
     entry = json.loads(args.server_spec)
@@ -84,6 +85,13 @@ def add_served_command(sub) -> None:
         action="append",
         choices=("pinned", "default"),
         help="a client that sends every cell (repeatable; default: pinned): pinned token ids, or an OpenAI-style client",
+    )
+    p.add_argument(
+        "--sampling",
+        type=json.loads,
+        default={},
+        help='how each token is picked, as JSON: {"temperature": 1.0, "seed": 42} (top_k, top_p optional);'
+        " default greedy",
     )
     p.add_argument("--items", default=None, help="the run's items.jsonl: the default client's chat messages")
     p.add_argument("--out", required=True, help="the server's table (Parquet)")

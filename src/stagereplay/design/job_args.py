@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 
+from stagereplay.design.served import GREEDY_JSON, sampling_json
 from stagereplay.engines.runtime import runtime_options
 
 
@@ -58,12 +59,15 @@ def sweep_args(sweep: dict) -> str:
 
 
 def served_design(served: dict, tokens: int, boundary: int) -> str:
-    """The served job's design options: greedy tokens per request, other clients, the schedule's seed and runs, the
-    stage boundary a replay starts at, and whether the request is sent alone on each slot in turn."""
+    """The served job's design options: tokens per request, other clients, the schedule's seed and runs, the stage
+    boundary a replay starts at, whether the request is sent alone on each slot in turn, and its sampling where it
+    is not greedy (so a greedy run's job is the same command it always was)."""
+    sampling = sampling_json(served.get("sampling"))
     return (
         f"--tokens {tokens} --clients {served['clients']} --seed {served['seed']} --load-runs {served['load_runs']}"
         f" --boundary {boundary}"
         + (" --each-slot" if served.get("each_slot") else "")
         + "".join(f" --kv-offset {offset}" for offset in served.get("kv_offsets") or ())
         + "".join(f" --send-as {client}" for client in served.get("send_as") or ("pinned",))
+        + (f" --sampling {shlex.quote(sampling)}" if sampling != GREEDY_JSON else "")
     )

@@ -7,10 +7,14 @@ requests carry the primary checkpoint's prompt tokens, so it must be a GGUF the 
 
 from __future__ import annotations
 
+import json
 import re
 
 from stagereplay.engines.registry import serving_spec
 from stagereplay.engines.spec import EngineSpec, ModelError
+
+# A served request's sampling as every served row records it when greedy (``sampling_json``).
+GREEDY_JSON = '{"temperature": 0}'
 
 # A server's name is a path component of its table (runs/served/NAME.parquet).
 SERVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -47,6 +51,13 @@ def check_served(config: dict, primary_spec: EngineSpec) -> list[str]:
             " chat-templated (runtime.use_chat_template: false) — remove default from served.send_as, or set"
             " runtime.use_chat_template: true"
         )
+    sampling = served.get("sampling") or {}
+    if sampling.get("temperature") and sampling.get("seed") is None:
+        raise ServedRefused(
+            f"served.sampling: temperature {sampling['temperature']} without a seed draws other tokens on every"
+            " request, so no answer can be compared with another — give served.sampling.seed (llama.cpp's own server"
+            " tests use 42), or set temperature: 0 (greedy)"
+        )
     for name, entry in servers.items():
         if not SERVER_NAME.fullmatch(name):
             raise ServedRefused(
@@ -62,3 +73,12 @@ def check_served(config: dict, primary_spec: EngineSpec) -> list[str]:
 def served_tokens(config: dict) -> int:
     """Greedy tokens per served request: the block's, else the stage's suffix budget."""
     return config["served"]["tokens"] or config["stage"]["suffix_tokens"]
+
+
+def sampling_json(sampling: dict | None) -> str:
+    """A served block's sampling as every served row records it: the fields given, as sorted JSON; greedy (no
+    temperature, or 0) is ``GREEDY_JSON`` whatever else is given, since a greedy request samples nothing."""
+    given = {key: value for key, value in (sampling or {}).items() if value is not None}
+    if not given.get("temperature"):
+        return GREEDY_JSON
+    return json.dumps(given, sort_keys=True)

@@ -15,9 +15,10 @@ import collections
 import itertools
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from stagereplay.design.served import sampling_json
 from stagereplay.engines.registry import serving_spec
 from stagereplay.inputs.items import items_after, load_items
 from stagereplay.inputs.messages import build_messages
@@ -34,6 +35,8 @@ class ServedDesign:
     each_slot: bool = False  # the request alone on each slot in turn (cell ``slot``, run: the slot)
     kv_offsets: tuple[int, ...] = ()  # the request alone behind another slot's C idle cells (cell ``offset``, run: C)
     send_as: tuple[str, ...] = ("pinned",)  # the clients that send every cell: pinned, default (an OpenAI client)
+    # How each token is picked: {} or temperature 0 is greedy; else temperature, seed, and top_k / top_p where given.
+    sampling: dict = field(default_factory=dict)
 
 
 def run_served(
@@ -81,11 +84,13 @@ def run_served(
     answers, record = protocol.serve(
         model_record, prompts, others, server_name, entry, design, on_item, recorded, spellings, messages
     )
-    return write_table(served_rows(server_name, answers, record, model_record["fingerprint"]), SERVED_SCHEMA, out_path)
+    rows = served_rows(server_name, answers, record, model_record["fingerprint"], sampling_json(design.sampling))
+    return write_table(rows, SERVED_SCHEMA, out_path)
 
 
-def served_rows(server_name: str, answers, server_record: dict, model_fingerprint: str) -> list[dict]:
-    """The served table's rows: one per (item, cell, client, run, answer) of ``answers``."""
+def served_rows(server_name: str, answers, server_record: dict, model_fingerprint: str, sampling: str) -> list[dict]:
+    """The served table's rows: one per (item, cell, client, run, answer) of ``answers``, each with the requests'
+    ``sampling`` (``design.served.sampling_json``)."""
     record = json.dumps(server_record, sort_keys=True)
     return [
         {
@@ -105,6 +110,7 @@ def served_rows(server_name: str, answers, server_record: dict, model_fingerprin
             "others_seconds": answer.others_seconds,
             "slot": answer.slot,
             "trigger": answer.trigger,
+            "sampling": sampling,
             "server_record": record,
             "model_fingerprint": model_fingerprint,
         }

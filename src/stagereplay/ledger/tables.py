@@ -233,7 +233,7 @@ SERVED_SCHEMA = pa.schema(
         # /v1/chat/completions as an OpenAI-compatible client sends them, the server's prompt cache as it defaults
         ("client", pa.string()),
         ("run", pa.int32()),  # load: the schedule (0..load_runs-1); copies: the copy; slot: the slot; offset: C
-        ("tokens", pa.list_(pa.int64())),  # the greedy tokens generated
+        ("tokens", pa.list_(pa.int64())),  # the tokens generated (greedy unless ``sampling`` says otherwise)
         ("margins", pa.list_(pa.float32())),  # at each step, top-1 minus top-2 log-probability: logits
         ("reused", pa.int32()),  # prompt positions the server took from its cache (timings.cache_n)
         ("decoded", pa.int32()),  # prompt positions it computed (timings.prompt_n)
@@ -246,6 +246,9 @@ SERVED_SCHEMA = pa.schema(
         # Whether the pattern's trigger happened, from the server's batch log: "met: ...", "not met: ...",
         # "not proven: ..."; "" for a request alone.
         ("trigger", pa.string()),
+        # How each token was picked, as JSON: {"temperature": 0} (greedy), or the sampled request's temperature and
+        # seed (and top_k, top_p where given), the same for every request of the table.
+        ("sampling", pa.string()),
         ("server_record", pa.string()),  # JSON: how the server was started or where it was attached, what it said
         ("model_fingerprint", pa.string()),
     ]
@@ -254,6 +257,7 @@ SERVED_SCHEMA = pa.schema(
 SERVED_LATER_COLUMNS = (
     ("what the other clients amid load got back", ("others_generated", "others_seconds")),
     ("the client, the slot and whether a pattern's trigger happened", ("client", "slot", "trigger")),
+    ("how each token was picked (greedy or seeded sampling)", ("sampling",)),
 )
 
 # One row per checkpoint and item: the integers every stage (and the audit) starts from.

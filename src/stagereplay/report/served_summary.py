@@ -39,7 +39,9 @@ def served_summary(table: pa.Table) -> dict:
     for row in rows:
         records.setdefault(row["server"], row["server_record"])
     reference = servers[0] if servers else None
-    result = {"reference": reference, "margin_unit": MARGIN_UNIT, "servers": {}}
+    # How the requests picked their tokens (``design.served.sampling_json``): greedy, or seeded draws.
+    sampling = sorted({row["sampling"] for row in every_row})
+    result = {"reference": reference, "margin_unit": MARGIN_UNIT, "sampling": sampling, "servers": {}}
     for server in servers:
         items = sorted({row["item_id"] for row in rows if row["server"] == server})
         runs = sorted({row["run"] for row in rows if row["server"] == server and row["cell"] == "load"})

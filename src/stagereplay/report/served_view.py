@@ -12,6 +12,7 @@ No torch.
 
 from __future__ import annotations
 
+from stagereplay.design.served import GREEDY_JSON
 from stagereplay.report.traffic_verdict import verdict_line
 
 COLUMNS = [
@@ -66,14 +67,21 @@ def verdict_blocks(summary: dict) -> list[tuple]:
         )
     if not rows:
         return []
+    sampled = [text for text in served.get("sampling", [GREEDY_JSON]) if text != GREEDY_JSON]
+    answer = "a seeded sampled answer" if sampled else "a greedy answer"
+    how = (
+        f" The requests were sampled ({'; '.join(sampled)}): each answer is the server's draw with that seed."
+        if sampled
+        else ""
+    )
     return [
-        ("heading", 2, "Which server keeps a greedy answer independent of other traffic"),
+        ("heading", 2, f"Which server keeps {answer} independent of other traffic"),
         (
             "paragraph",
             "Each item's answer under each traffic pattern against its answer alone on the same server. A pattern of"
             " several clients at once counts only the runs whose trigger the server's own batch log proves (met);"
             " the rest are counted apart. The first counterexample is named; with none, the bound is on the share of"
-            " items that would change. Details: the served table below.",
+            f" items that would change. Details: the served table below.{how}",
         ),
         ("table", VERDICT_COLUMNS, rows),
     ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from stagereplay.engines.llamaserver.build import LlamaServerError
@@ -20,6 +21,33 @@ from stagereplay.engines.llamaserver.build import LlamaServerError
 # Pure greedy in this server: temperature 0 keeps only the first highest logit, and with no other sampler
 # in the chain that is the argmax over the whole vocabulary (ties to the lowest id), as the engines decode.
 GREEDY = {"temperature": 0.0, "samplers": ["temperature"]}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a served request picks each token: greedy (temperature 0, the default), or sampled at ``temperature``
+    with the server's RNG seeded (``seed``) and, where given, ``top_k`` / ``top_p`` (else the server's defaults), as
+    llama.cpp's own server tests send their requests. A sampled request with its seed gives the same tokens each time
+    the server computes the same logits, so its answers are compared as greedy ones are."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def fields(self) -> dict:
+        """The request's sampling fields, on ``/completion`` and ``/v1/chat/completions`` alike."""
+        if self.greedy:
+            return dict(GREEDY)
+        chosen = {"top_k": self.top_k, "top_p": self.top_p, "seed": self.seed}
+        return {"temperature": self.temperature, **{key: value for key, value in chosen.items() if value is not None}}
+
+
+GREEDY_SAMPLING = Sampling()
 
 
 def greedy_margin(token: int, step: dict) -> float:
@@ -35,6 +63,13 @@ def greedy_margin(token: int, step: dict) -> float:
             f"llama-server chose token {token} ({listed}), its highest is token {top[0]['id']}"
             f" (log-probability {top[0]['logprob']}): not greedy"
         )
+    return sampled_margin(token, step)
+
+
+def sampled_margin(token: int, step: dict) -> float:
+    """One step of a sampled answer: the same top-1 minus top-2 log-probability of the logits it was drawn from
+    (pre-sampling), whichever token was drawn; how near a tie the step was, not how likely its token."""
+    top = step["top_logprobs"]
     return float(top[0]["logprob"] - top[1]["logprob"])
 
 

@@ -53,10 +53,10 @@ import tempfile
 
 from stagereplay.engines.llamaserver.attached import AttachedServer, api_key_from
 from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
-from stagereplay.engines.llamaserver.client import ServerClient
+from stagereplay.engines.llamaserver.client import GREEDY_SAMPLING, Sampling, ServerClient
 from stagereplay.engines.llamaserver.deployed import RESERVED_FLAGS, DeployedServer
 from stagereplay.engines.llamaserver.model_check import check_model
-from stagereplay.engines.llamaserver.traffic import Answer, DefaultClient, amid_clients, ask, at_once, pinned
+from stagereplay.engines.llamaserver.traffic import Answer, DefaultClient, PinnedClient, amid_clients, ask, at_once
 
 HIT_OTHERS = 2  # other items sent between the item's two requests of a prompt-cache hit
 # Flash attention where no -fa is given: auto, resolved at start; neither the default log nor /props says to what.
@@ -157,23 +157,26 @@ def pinned_cells(server: ServerClient, prompts, others_of, design, on_item, slot
     others_slot = slots[1 % len(slots)] if slots else None
     # The slots the run may use, asked once (a deployed server's from /props): the slot and offset cells' slots.
     usable = sorted(server.usable_slots()) if design.each_slot or design.kv_offsets else []
+    sampling = Sampling(**design.sampling)
     answers, latency = [], {}
     for item_id, following in others_of.items():
         prompt = prompts[item_id]
-        alone = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
-        control = ask(server, prompt, design.tokens, cache_prompt=False, slot=own)
+        alone = ask(server, prompt, design.tokens, cache_prompt=False, slot=own, sampling=sampling)
+        control = ask(server, prompt, design.tokens, cache_prompt=False, slot=own, sampling=sampling)
         latency[item_id] = alone.seconds
         answers += [(item_id, "alone", 0, alone), (item_id, "control", 0, control)]
         if len(alone.tokens) > design.boundary:
             prefix = prompt + alone.tokens[: design.boundary]
             for cell in ("replay", "replay_control"):
-                replayed = ask(server, prefix, design.tokens - design.boundary, cache_prompt=False, slot=own)
+                replayed = ask(
+                    server, prefix, design.tokens - design.boundary, cache_prompt=False, slot=own, sampling=sampling
+                )
                 answers.append((item_id, cell, 0, replayed))
-        ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
+        ask(server, prompt, design.tokens, cache_prompt=True, slot=own, sampling=sampling)
         between = list(following)[:HIT_OTHERS]
         for other in between:
-            ask(server, prompts[other], design.tokens, cache_prompt=True, slot=others_slot)
-        hit = ask(server, prompt, design.tokens, cache_prompt=True, slot=own)
+            ask(server, prompts[other], design.tokens, cache_prompt=True, slot=others_slot, sampling=sampling)
+        hit = ask(server, prompt, design.tokens, cache_prompt=True, slot=own, sampling=sampling)
         hit.others = between
         answers.append((item_id, "hit", 0, hit))
         on_item("pinned cells")
@@ -181,16 +184,17 @@ def pinned_cells(server: ServerClient, prompts, others_of, design, on_item, slot
     # slot leaves its cells in place, and on a unified cache the next request may land behind them.
     for item_id in others_of if design.each_slot else ():
         for slot in usable:
-            answers.append((item_id, "slot", slot, ask(server, prompts[item_id], design.tokens, False, slot=slot)))
+            answer = ask(server, prompts[item_id], design.tokens, False, slot=slot, sampling=sampling)
+            answers.append((item_id, "slot", slot, answer))
         on_item("each slot")
     for item_id in others_of if design.kv_offsets else ():
         for offset in design.kv_offsets:
-            answers.append(
-                (item_id, "offset", offset, behind_filler(server, usable, prompts, item_id, offset, design.tokens))
-            )
+            answer = behind_filler(server, usable, prompts, item_id, offset, design.tokens, sampling)
+            answers.append((item_id, "offset", offset, answer))
         on_item("behind a filler")
     for item_id, following in others_of.items():
-        answers += traffic_cells(server, prompts, item_id, following, design, latency[item_id], slots, pinned)
+        send = PinnedClient(sampling)
+        answers += traffic_cells(server, prompts, item_id, following, design, latency[item_id], slots, send)
         on_item("amid other clients and at once")
     return answers
 
@@ -226,7 +230,7 @@ def default_cells(server: ServerClient, prompts, others_of, design, on_item, mes
     the cache as the requests before left it), ``control`` (the same again: the same user asking twice), ``hit``
     (again after two other items), then the runs amid others and at once. No replay, slot or offset: a default client
     sends neither token ids nor a slot. The server's tokenization of each item's messages is checked first."""
-    client = DefaultClient({tuple(prompts[item]): messages[item] for item in others_of})
+    client = DefaultClient({tuple(prompts[item]): messages[item] for item in others_of}, Sampling(**design.sampling))
     answers, latency = [], {}
     for item_id, following in others_of.items():
         alone = client(server, prompts[item_id], design.tokens)
@@ -267,7 +271,13 @@ def traffic_cells(server, prompts, item_id, following, design, latency, slots, s
 
 
 def behind_filler(
-    server: ServerClient, slots: list[int], prompts: dict, item_id: str, offset: int, budget: int
+    server: ServerClient,
+    slots: list[int],
+    prompts: dict,
+    item_id: str,
+    offset: int,
+    budget: int,
+    sampling: Sampling = GREEDY_SAMPLING,
 ) -> Answer:
     """E6's ``kv_offset`` as served requests: every slot the run may use (``slots``) erased (so the cache's search
     for free cells starts at cell 0 again), a filler of ``offset`` tokens (the prompts after the item's, joined) kept
@@ -288,7 +298,7 @@ def behind_filler(
     for slot in slots:
         server.erase_slot(slot)
     ask(server, filler, 1, cache_prompt=True, slot=filler_slot)
-    answer = ask(server, prompts[item_id], budget, cache_prompt=False, slot=own)
+    answer = ask(server, prompts[item_id], budget, cache_prompt=False, slot=own, sampling=sampling)
     answer.others = [f"{offset} cells on slot {filler_slot}"]
     return answer
 

@@ -20,6 +20,7 @@ No torch here.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -29,7 +30,13 @@ from dataclasses import dataclass, field
 
 from stagereplay.engines.llamaserver.batches import company, decode_calls
 from stagereplay.engines.llamaserver.build import LlamaServerError
-from stagereplay.engines.llamaserver.client import GREEDY, ServerClient, greedy_margin
+from stagereplay.engines.llamaserver.client import (
+    GREEDY_SAMPLING,
+    Sampling,
+    ServerClient,
+    greedy_margin,
+    sampled_margin,
+)
 
 
 @dataclass
@@ -77,10 +84,18 @@ def trigger(server: ServerClient, mark: int | None, answer: Answer, positions: i
     return f"{'met' if met else 'not met'}: {found.split}"
 
 
-def ask(server: ServerClient, prompt: list[int], budget: int, cache_prompt: bool, slot: int | None = None) -> Answer:
-    """One greedy request of up to ``budget`` tokens, ending at an end-of-generation token as a client's does (with
-    end-of-generation ignored the server masks it after the log-probabilities are taken, so the token it returns
-    would not be the highest logit where the model would have ended)."""
+def ask(
+    server: ServerClient,
+    prompt: list[int],
+    budget: int,
+    cache_prompt: bool,
+    slot: int | None = None,
+    sampling: Sampling = GREEDY_SAMPLING,
+) -> Answer:
+    """One request of up to ``budget`` tokens, greedy unless ``sampling`` says otherwise, ending at an
+    end-of-generation token as a client's does (with end-of-generation ignored the server masks it after the
+    log-probabilities are taken, so the token it returns would not be the highest logit where the model would have
+    ended)."""
     start = time.monotonic()
     payload = {
         "prompt": list(prompt),
@@ -89,28 +104,42 @@ def ask(server: ServerClient, prompt: list[int], budget: int, cache_prompt: bool
         "n_probs": 2,
         "post_sampling_probs": False,
         "return_tokens": True,
-        **GREEDY,
+        **sampling.fields(),
     }
     if slot is not None:
         payload["id_slot"] = server.checked_slot(slot)
     answer = server.request("/completion", payload)
     seconds = time.monotonic() - start
     steps = answer.get("completion_probabilities") or []
-    return _answer(answer.get("tokens", []), steps, seconds, answer.get("timings", {}), answer.get("id_slot"))
+    timings = answer.get("timings", {})
+    return _answer(answer.get("tokens", []), steps, seconds, timings, answer.get("id_slot"), sampling)
 
 
-def _answer(tokens, steps: list[dict], seconds: float, timings: dict, served_on) -> Answer:
+def _answer(tokens, steps: list[dict], seconds: float, timings: dict, served_on, sampling: Sampling) -> Answer:
     """An answer from the server's token ids, its log-probabilities at each step (``steps``), its timings and the slot
-    that served it; one line where a step's log-probabilities are missing (the server drops those of a token that
-    ends inside a multi-byte character)."""
+    that served it. The server drops the log-probabilities of a token that ends inside a multi-byte character: a
+    greedy answer needs all (one line where one is missing, or where its token is not the step's highest); a sampled
+    one, which draws such tokens freely, gets NaN at those steps, its steps matched to its tokens by id."""
     tokens = [int(token) for token in tokens]
-    if len(steps) != len(tokens):
-        raise LlamaServerError(
-            f"llama-server returned log-probabilities for {len(steps)} of {len(tokens)} tokens — margins need all"
-        )
+    if sampling.greedy:
+        if len(steps) != len(tokens):
+            raise LlamaServerError(
+                f"llama-server returned log-probabilities for {len(steps)} of {len(tokens)} tokens — margins need all"
+            )
+        margins = [greedy_margin(token, step) for token, step in zip(tokens, steps)]
+    else:
+        listed = iter(steps)
+        step = next(listed, None)
+        margins = []
+        for token in tokens:
+            if step is not None and int(step["id"]) == token:
+                margins.append(sampled_margin(token, step))
+                step = next(listed, None)
+            else:
+                margins.append(math.nan)
     return Answer(
         tokens,
-        [greedy_margin(token, step) for token, step in zip(tokens, steps)],
+        margins,
         seconds,
         int(timings.get("cache_n", 0)),
         int(timings.get("prompt_n", 0)),
@@ -118,9 +147,9 @@ def _answer(tokens, steps: list[dict], seconds: float, timings: dict, served_on)
     )
 
 
-def ask_chat(server: ServerClient, messages: list[dict], budget: int) -> Answer:
-    """One greedy request as an OpenAI-compatible client sends it: chat messages on ``/v1/chat/completions`` with
-    temperature 0, the server's prompt cache as it defaults, no slot; its top two log-probabilities asked for, so
+def ask_chat(server: ServerClient, messages: list[dict], budget: int, sampling: Sampling = GREEDY_SAMPLING) -> Answer:
+    """One request as an OpenAI-compatible client sends it: chat messages on ``/v1/chat/completions`` with
+    temperature 0 (or ``sampling``'s), the server's prompt cache as it defaults, no slot; its top two log-probabilities asked for, so
     its margins are read as a pinned request's. The token ids and the slot that served it are read where the server
     says them (a server started with ``--verbose`` adds its own answer, ``__verbose``; ``return_tokens`` only asks it
     to list the ids there), else the ids from the log-probabilities."""
@@ -128,7 +157,7 @@ def ask_chat(server: ServerClient, messages: list[dict], budget: int) -> Answer:
     payload = {
         "messages": messages,
         "max_tokens": budget,
-        "temperature": 0,
+        **({"temperature": 0} if sampling.greedy else sampling.fields()),
         "logprobs": True,
         "top_logprobs": 2,
         "return_tokens": True,
@@ -138,27 +167,37 @@ def ask_chat(server: ServerClient, messages: list[dict], budget: int) -> Answer:
     steps = ((answer.get("choices") or [{}])[0].get("logprobs") or {}).get("content") or []
     own = answer.get("__verbose") or {}
     tokens = own.get("tokens") or [step["id"] for step in steps]
-    return _answer(tokens, steps, seconds, answer.get("timings", {}), own.get("id_slot"))
+    return _answer(tokens, steps, seconds, answer.get("timings", {}), own.get("id_slot"), sampling)
 
 
 # How a client sends one prompt: (server, the prompt's tokens, budget, slot or None) -> its answer.
 Send = Callable[[ServerClient, list[int], int, "int | None"], Answer]
 
 
-def pinned(server: ServerClient, prompt: list[int], budget: int, slot: int | None = None) -> Answer:
+class PinnedClient:
     """This project's client: the prompt's token ids on ``/completion``, prompt reuse off, on ``slot`` if given."""
-    return ask(server, prompt, budget, cache_prompt=False, slot=slot)
+
+    def __init__(self, sampling: Sampling = GREEDY_SAMPLING):
+        self.sampling = sampling
+
+    def __call__(self, server: ServerClient, prompt: list[int], budget: int, slot: int | None = None) -> Answer:
+        return ask(server, prompt, budget, cache_prompt=False, slot=slot, sampling=self.sampling)
+
+
+# The pinned client, greedy.
+pinned = PinnedClient()
 
 
 class DefaultClient:
     """An OpenAI-compatible client as people run one (``ask_chat``): it sends each prompt's chat messages, found by
     the prompt's tokens (``messages``: tokens -> messages), and names no slot."""
 
-    def __init__(self, messages: dict[tuple[int, ...], list[dict]]):
+    def __init__(self, messages: dict[tuple[int, ...], list[dict]], sampling: Sampling = GREEDY_SAMPLING):
         self.messages = messages
+        self.sampling = sampling
 
     def __call__(self, server: ServerClient, prompt: list[int], budget: int, slot: int | None = None) -> Answer:
-        return ask_chat(server, self.messages[tuple(prompt)], budget)
+        return ask_chat(server, self.messages[tuple(prompt)], budget, self.sampling)
 
 
 def at_once(
