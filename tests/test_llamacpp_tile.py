@@ -8,6 +8,11 @@ the rule is what separates the constructions, then with flash attention on and a
   (every call has fewer than 64 queries), while micro-batches of 64 or 65 do not;
 - a prompt kept in the cache followed by fewer than 64 new tokens in one call (a prefix-cache hit)
   writes the same bytes as decoding those tokens one by one, and 64 or more in one call do not.
+Without flash attention the key axis is summed in SIMD vectors instead, counted from cell 0 of the cache view:
+llamafile's ``tinyBLAS<KN, ...>`` (``llamafile/sgemm.cpp``) multiplies V by softmax(KQ) in KN-lane vectors, KN = 16
+with AVX-512F and 8 with AVX2 (a call of 2 or more rows: the prefill, and the decode too, whose grouped query
+heads are its rows), and ``ggml_vec_soft_max_f32`` sums in blocks of the same width. So an item's cells behind C
+idle cells give alone's bytes and logits exactly when C is a multiple of KN, read off the build's own features.
 Run on the embedded SmolLM2-135M-Instruct GGUF (Q4_1 weights) at this build: its projections give the
 same K and V whatever the call size, so the attention kernel is what is left to tell calls apart. The tiny
 random GGUF the other tests write has f32 weights, whose matrix products already differ with the call size
@@ -46,10 +51,10 @@ def embedded_gguf(tmp_path_factory):
     return gguf
 
 
-def _engine(gguf, n_ubatch: int = 0):
+def _engine(gguf, n_ubatch: int = 0, flash_attn: bool = True):
     from stagereplay.engines.llamacpp.engine import EngineSettings, LlamaCppEngine
 
-    settings = EngineSettings("fp16", 1, 1, 512, ubatch=n_ubatch, flash_attn=True)
+    settings = EngineSettings("fp16", 1, 1, 512, ubatch=n_ubatch, flash_attn=flash_attn)
     return LlamaCppEngine(gguf, settings)
 
 
@@ -119,3 +124,43 @@ def test_a_prefill_behind_another_sequences_cells_matches_alone_only_at_whole_ke
     assert alone.keys[0] == behind.keys[0]  # layer 0 is computed before any attention
     assert (behind == alone) is same_as_alone
     assert removed == alone
+
+
+def _key_lanes() -> int:
+    """KN: the lanes in which this build's CPU backend sums the key axis without flash attention (tinyBLAS's vector
+    and the soft-max's block), from the build's own features as llama.cpp reports them."""
+    import llama_cpp
+
+    return 16 if "AVX512 = 1" in llama_cpp.llama_print_system_info().decode() else 8
+
+
+def _prefill_and_decode(engine, tokens: list[int], steps: int):
+    """The cache after a one-call prefill of ``tokens`` and the logits of it and of ``steps`` decode steps after."""
+    cache = engine.empty_cache()
+    logits = [engine.forward(tokens, cache)]
+    written = fingerprint_cache(engine.snapshot(cache))
+    logits += [engine.forward([token], cache) for token in _tokens(engine, 2 * steps)[-steps:]]
+    return written, logits
+
+
+@pytest.mark.parametrize(("lanes_times", "same_as_alone"), [(0.5, False), (1, True), (1.125, False), (3, True)])
+def test_without_flash_attention_cells_behind_others_match_alone_only_at_whole_simd_vectors(
+    embedded_gguf, lanes_times, same_as_alone
+):
+    """The item's prefill and decode behind C = lanes_times x KN idle cells of a filler sequence, flash attention off:
+    the cache and every step's logits are alone's, bit for bit, exactly when C is a multiple of KN."""
+    import torch
+
+    lanes = _key_lanes()
+    offset = int(lanes_times * lanes)
+    engine = _engine(embedded_gguf, flash_attn=False)
+    try:
+        tokens = _tokens(engine, CONTEXT)
+        alone = _prefill_and_decode(engine, tokens, 3)
+        with engine.behind_filler(_tokens(engine, 3 * offset)[-offset:]):
+            behind = _prefill_and_decode(engine, tokens, 3)
+    finally:
+        engine.close()
+    assert alone[0].keys[0] == behind[0].keys[0]  # layer 0 is computed before any attention
+    assert (behind[0] == alone[0]) is same_as_alone
+    assert [torch.equal(a, b) for a, b in zip(alone[1], behind[1])] == [same_as_alone] * 4
