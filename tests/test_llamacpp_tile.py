@@ -13,6 +13,10 @@ llamafile's ``tinyBLAS<KN, ...>`` (``llamafile/sgemm.cpp``) multiplies V by soft
 with AVX-512F and 8 with AVX2 (a call of 2 or more rows: the prefill, and the decode too, whose grouped query
 heads are its rows), and ``ggml_vec_soft_max_f32`` sums in blocks of the same width. So an item's cells behind C
 idle cells give alone's bytes and logits exactly when C is a multiple of KN, read off the build's own features.
+A decode step (one query) with flash attention over 512 cells or more (``n_kv``: the used cells padded to 256) on T >= 2
+threads splits the key axis into T chunks of ceil(n_kv / T) cells, one per thread, merged after
+(``use_split_kv_path`` in ``ggml_compute_forward_flash_attn_ext_f16``): an item whose cells straddle a chunk edge
+decodes otherwise than alone (whose fewer cells take one chunk); on one thread nothing is split.
 Run on the embedded SmolLM2-135M-Instruct GGUF (Q4_1 weights) at this build: its projections give the
 same K and V whatever the call size, so the attention kernel is what is left to tell calls apart. The tiny
 random GGUF the other tests write has f32 weights, whose matrix products already differ with the call size
@@ -51,10 +55,10 @@ def embedded_gguf(tmp_path_factory):
     return gguf
 
 
-def _engine(gguf, n_ubatch: int = 0, flash_attn: bool = True):
+def _engine(gguf, n_ubatch: int = 0, flash_attn: bool = True, threads: int = 1, n_ctx: int = 512):
     from stagereplay.engines.llamacpp.engine import EngineSettings, LlamaCppEngine
 
-    settings = EngineSettings("fp16", 1, 1, 512, ubatch=n_ubatch, flash_attn=flash_attn)
+    settings = EngineSettings("fp16", threads, threads, n_ctx, ubatch=n_ubatch, flash_attn=flash_attn)
     return LlamaCppEngine(gguf, settings)
 
 
@@ -164,3 +168,32 @@ def test_without_flash_attention_cells_behind_others_match_alone_only_at_whole_s
     assert alone[0].keys[0] == behind[0].keys[0]  # layer 0 is computed before any attention
     assert (behind[0] == alone[0]) is same_as_alone
     assert [torch.equal(a, b) for a, b in zip(alone[1], behind[1])] == [same_as_alone] * 4
+
+
+SPLIT_KV_FROM = 512  # cells: the pinned ggml-cpu splits a one-query flash attention by thread from n_kv 512 on
+
+
+@pytest.mark.parametrize(
+    ("threads", "offset", "same_as_alone"),
+    [(1, 128, True), (2, 64, True), (2, 128, False), (2, 256, True)],
+)
+def test_a_decode_step_over_512_cells_on_two_threads_splits_the_keys_by_thread(
+    embedded_gguf, threads, offset, same_as_alone
+):
+    """The served failure at C = 128 (the default thread count, E6's server on one thread): 150 cells behind C idle
+    cells, flash attention on. C = 64: n_kv stays 256, nothing split. C = 128: n_kv 512, on 2 threads two chunks of 256
+    cells, the item's cells across the edge. C = 256: all of them in the second chunk, the first all masked (its
+    partial sum is exactly zero). The prefill (150 queries, the tiled kernel; C a whole number of 64-cell tiles)
+    writes alone's bytes in every case: the decode alone moves."""
+    import torch
+
+    engine = _engine(embedded_gguf, threads=threads, n_ctx=2 * SPLIT_KV_FROM)
+    try:
+        tokens = _tokens(engine, CONTEXT)
+        alone = _prefill_and_decode(engine, tokens, 3)
+        with engine.behind_filler(_tokens(engine, 3 * offset)[-offset:]):
+            behind = _prefill_and_decode(engine, tokens, 3)
+    finally:
+        engine.close()
+    assert behind[0] == alone[0] and torch.equal(behind[1][0], alone[1][0])
+    assert [torch.equal(a, b) for a, b in zip(alone[1][1:], behind[1][1:])] == [same_as_alone] * 3
