@@ -23,7 +23,7 @@ import pyarrow as pa
 from stagereplay.audit.faults import RERUN, Fault, Report
 from stagereplay.inputs.scoring import extract_answer
 from stagereplay.ledger.layout import RELATIVE
-from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, read_table
+from stagereplay.ledger.tables import TRAJECTORY_SCHEMA, LedgerError, read_vocabulary
 from stagereplay.ledger.text import rebuilt_text, spelled_tokens
 
 # How a special token is spelled, by convention (<|im_end|>, <|endoftext|>, </s>, <eos>): the tokens the writer
@@ -38,8 +38,10 @@ def _vocabulary(root: Path, checkpoint: str) -> dict[int, str] | None:
     path = root / RELATIVE.vocab(checkpoint)
     if not path.is_file():
         return None
-    rows = read_table(path).to_pydict()
-    return dict(zip(rows["token_id"], rows["text"]))
+    try:
+        return read_vocabulary(path)
+    except LedgerError:  # verify names the table itself; its texts are then not rebuilt (one note)
+        return None
 
 
 def _without_specials(tokens: list[int], vocabulary: dict[int, str], stopped: bool) -> str | None:

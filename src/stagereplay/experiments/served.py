@@ -22,7 +22,7 @@ from stagereplay.design.served import sampling_json
 from stagereplay.engines.registry import serving_spec
 from stagereplay.inputs.items import items_after, load_items
 from stagereplay.inputs.messages import build_messages
-from stagereplay.ledger.tables import PROMPT_SCHEMA, SERVED_SCHEMA, VOCAB_SCHEMA, read_table, write_table
+from stagereplay.ledger.tables import PROMPT_SCHEMA, SERVED_SCHEMA, read_table, read_vocabulary, write_table
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def run_served(
         recorded = json.loads(rows[0]["server_record"]) if rows else None
     spellings = None
     if vocab_path is not None:
-        spellings = {row["token_id"]: row["text"] for row in read_table(vocab_path, VOCAB_SCHEMA).to_pylist()}
+        spellings = read_vocabulary(vocab_path)
     messages = None
     if "default" in design.send_as:
         if items_path is None:

@@ -361,6 +361,12 @@ def write_table(rows: list[dict], schema: pa.Schema, path: str | Path) -> Path:
     return atomic_write(path, lambda temporary: pq.write_table(table, temporary))
 
 
+def read_vocabulary(path: str | Path) -> dict[int, str]:
+    """A checkpoint's vocabulary table as token id -> its spelling (``VOCAB_SCHEMA``; ``ledger.text``)."""
+    table = read_table(path, VOCAB_SCHEMA)
+    return dict(zip(table.column("token_id").to_pylist(), table.column("text").to_pylist()))
+
+
 def read_table(path: str | Path, schema: pa.Schema | None = None) -> pa.Table:
     path = Path(path)
     if not path.exists():

@@ -169,13 +169,9 @@ def item_records(
 
 def read_vocabularies(paths: dict[str, str | Path]) -> dict[str, dict[int, str]]:
     """Each checkpoint's token spellings from its vocabulary table (no tokenizer, no engine is loaded)."""
-    from stagereplay.ledger.tables import VOCAB_SCHEMA, read_table
+    from stagereplay.ledger.tables import read_vocabulary
 
-    vocabularies = {}
-    for name, path in paths.items():
-        table = read_table(path, VOCAB_SCHEMA)
-        vocabularies[name] = dict(zip(table.column("token_id").to_pylist(), table.column("text").to_pylist()))
-    return vocabularies
+    return {name: read_vocabulary(path) for name, path in paths.items()}
 
 
 # --- text, for the terminal and for Markdown ---------------------------------------------
