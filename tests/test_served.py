@@ -698,3 +698,22 @@ def test_the_default_client_is_served_through_the_workflow(built, tmp_path):  # 
     else:
         assert found["clients"] == ["pinned", "default"]
     assert stagereplay("verify", ledger).returncode == 0
+
+
+def test_a_sampled_answers_missing_margins_reproduce_in_the_audit():
+    """A sampled answer keeps NaN where the server drops a step's log-probabilities: the audit compares the saved
+    and recomputed margins as the same NaN, and still tells a changed margin."""
+    from stagereplay.audit.served_audit import audit_served
+    from stagereplay.ledger.tables import SERVED_SCHEMA
+
+    row = dict.fromkeys(SERVED_SCHEMA.names)
+    row.update(server="np-2", item_id="arith-000", cell="alone", client="pinned", run=0, tokens=[5, 9])
+    row.update(margins=[float("nan"), 0.5], server_record="{}", sampling='{"seed": 42, "temperature": 1.0}')
+    saved = pa.Table.from_pylist([row], schema=SERVED_SCHEMA)
+    margins = {
+        check.artifact: check.reproduced
+        for check in audit_served(saved, pa.Table.from_pylist([dict(row)], SERVED_SCHEMA))
+    }
+    assert margins["served_margins"] is True
+    changed = pa.Table.from_pylist([{**row, "margins": [float("nan"), 0.25]}], schema=SERVED_SCHEMA)
+    assert not next(check for check in audit_served(saved, changed) if check.artifact == "served_margins").reproduced
