@@ -150,9 +150,9 @@ def _answer(tokens, steps: list[dict], seconds: float, timings: dict, served_on,
 def ask_chat(server: ServerClient, messages: list[dict], budget: int, sampling: Sampling = GREEDY_SAMPLING) -> Answer:
     """One request as an OpenAI-compatible client sends it: chat messages on ``/v1/chat/completions`` with
     temperature 0 (or ``sampling``'s), the server's prompt cache as it defaults, no slot; its top two
-    log-probabilities asked for, so its margins are read as a pinned request's. The token ids and the slot that served it are read where the server
-    says them (a server started with ``--verbose`` adds its own answer, ``__verbose``; ``return_tokens`` only asks it
-    to list the ids there), else the ids from the log-probabilities."""
+    log-probabilities asked for, so its margins are read as a pinned request's. The token ids and the slot that
+    served it are read where the server says them (a server started with ``--verbose`` adds its own answer,
+    ``__verbose``; ``return_tokens`` only asks it to list the ids there), else the ids from the log-probabilities."""
     start = time.monotonic()
     payload = {
         "messages": messages,
