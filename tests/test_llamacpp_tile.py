@@ -147,6 +147,18 @@ def _prefill_and_decode(engine, tokens: list[int], steps: int):
     return written, logits
 
 
+def _alone_and_behind(engine, offset: int):
+    """``_prefill_and_decode`` of CONTEXT tokens alone, then behind ``offset`` cells of an idle filler sequence (E6's
+    kv_offset); the engine is closed after."""
+    try:
+        tokens = _tokens(engine, CONTEXT)
+        alone = _prefill_and_decode(engine, tokens, 3)
+        with engine.behind_filler(_tokens(engine, 3 * offset)[-offset:]):
+            return alone, _prefill_and_decode(engine, tokens, 3)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(("lanes_times", "same_as_alone"), [(0.5, False), (1, True), (1.125, False), (3, True)])
 def test_without_flash_attention_cells_behind_others_match_alone_only_at_whole_simd_vectors(
     embedded_gguf, lanes_times, same_as_alone
@@ -157,14 +169,7 @@ def test_without_flash_attention_cells_behind_others_match_alone_only_at_whole_s
 
     lanes = _key_lanes()
     offset = int(lanes_times * lanes)
-    engine = _engine(embedded_gguf, flash_attn=False)
-    try:
-        tokens = _tokens(engine, CONTEXT)
-        alone = _prefill_and_decode(engine, tokens, 3)
-        with engine.behind_filler(_tokens(engine, 3 * offset)[-offset:]):
-            behind = _prefill_and_decode(engine, tokens, 3)
-    finally:
-        engine.close()
+    alone, behind = _alone_and_behind(_engine(embedded_gguf, flash_attn=False), offset)
     assert alone[0].keys[0] == behind[0].keys[0]  # layer 0 is computed before any attention
     assert (behind[0] == alone[0]) is same_as_alone
     assert [torch.equal(a, b) for a, b in zip(alone[1], behind[1])] == [same_as_alone] * 4
@@ -187,13 +192,6 @@ def test_a_decode_step_over_512_cells_on_two_threads_splits_the_keys_by_thread(
     writes alone's bytes in every case: the decode alone moves."""
     import torch
 
-    engine = _engine(embedded_gguf, threads=threads, n_ctx=2 * SPLIT_KV_FROM)
-    try:
-        tokens = _tokens(engine, CONTEXT)
-        alone = _prefill_and_decode(engine, tokens, 3)
-        with engine.behind_filler(_tokens(engine, 3 * offset)[-offset:]):
-            behind = _prefill_and_decode(engine, tokens, 3)
-    finally:
-        engine.close()
+    alone, behind = _alone_and_behind(_engine(embedded_gguf, threads=threads, n_ctx=2 * SPLIT_KV_FROM), offset)
     assert behind[0] == alone[0] and torch.equal(behind[1][0], alone[1][0])
     assert [torch.equal(a, b) for a, b in zip(alone[1][1:], behind[1][1:])] == [same_as_alone] * 3
