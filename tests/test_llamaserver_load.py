@@ -7,11 +7,13 @@ unless STAGEREPLAY_REQUIRE_LLAMASERVER=1.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 from test_llamaserver_engine import _same, built, tiny_gguf  # noqa: F401 - fixtures
 from test_llamaserver_process import PROMPT
+from workflow_helpers import bench_script
 
 from stagereplay.design.factors import Level
 from stagereplay.engines.runtime import Runtime
@@ -89,10 +91,11 @@ def test_the_control_goes_through_the_load_path_and_is_the_reference(server, pre
     assert made.note.startswith(
         "built and served in one block: 4 slots, one unified cache; 3 other requests started on slots 1–3, generating"
     )
-    # ... and, from the server's batch log, nothing else was in the calls that built the item's prompt.
+    # ... and, from the server's batch log, nothing else was in the calls that built the item's prompt, whose cells
+    # began at cell 0 (its KV log) as the reference's: the companions' cells were erased.
     assert made.note.endswith(
         "then cancelled and erased before the block; the prompt in 1 decode call:"
-        f" {len(item.context)} positions of slot 0 alone"
+        f" {len(item.context)} positions of slot 0 alone, from cell 0"
     )
     assert _same(made.state, ref_state)
     assert (made.served.tokens, made.served.stop) == (ref_read.tokens, ref_read.stop)
@@ -127,13 +130,21 @@ def test_the_build_records_how_the_server_cut_the_prompt_into_decode_calls(
 ):
     """From the server's own batch log: with one unified cache the item's prompt goes to the model in one call
     beside the companion's token (split_simple); with a KV stream per slot, in a call of its own (split_equal
-    puts one sequence's run in a micro-batch). Every position of the prompt is accounted for."""
+    puts one sequence's run in a micro-batch). Every position of the prompt is accounted for. From its KV log, the
+    cell of the prompt's first position: behind the companion's prompt and tokens in the unified cache, cell 0 of
+    the slot's own stream."""
     item = prefixes["item-0"]
     level = Level("batch", "2") if unified else Level("kv_unified", "off-2")
     job = LevelJob(server, RUNTIME, BUDGET, server.eos_ids, prefixes, ObjectStore(tmp_path), {})
     made = level_setting(level, job).build(item)
     positions = len(item.context)
-    assert made.note.endswith(f"; the prompt in 1 decode call: {positions} positions of slot 0 {company}"), made.note
+    recorded = re.search(r"; the prompt in 1 decode call: (\d+) positions of slot 0 (.*), from cell (\d+)$", made.note)
+    assert recorded and (int(recorded[1]), recorded[2]) == (positions, company), made.note
+    (companion,) = made.companions
+    if unified:  # the companion's prompt, its generated tokens, then its token of this call come first
+        assert int(recorded[3]) > len(prefixes[companion].context)
+    else:
+        assert int(recorded[3]) == 0
 
 
 def test_the_batch_log_is_read_back_call_by_call():
@@ -166,6 +177,69 @@ def test_the_batch_log_is_read_back_call_by_call():
     assert describe_split(calls, 0, 3) == (
         "the prompt in 2 decode calls: 2 positions of slot 0 with 1 token of slot 1; 1 positions of slot 0 alone"
     )
+
+
+def _kv_line(stream: int, end: int, used: int, head: int) -> str:
+    """llama-kv-cache.cpp's find_slot line at LLAMA_KV_CACHE_DEBUG=1, as the server logs it."""
+    return (
+        f"0.04.683.254 D find_slot: stream[{stream}], n = {end:5d}, used = {used:5d}, head = {head:5d}, size =   512,"
+        " n_swa =     0"
+    )
+
+
+@pytest.mark.parametrize(
+    ("streams", "cell"),
+    [
+        # One unified cache, no free cell below its end: the call's tokens from cell 40, slot 1's token first.
+        ([(0, 40, 40, 40), (0, 40, 40, 40)], 41),
+        # The search restarts at cell 0 when head is more than twice the call past the used cells; cells 0-39 taken.
+        ([(0, 40, 40, 100), (0, 40, 40, 100)], 41),
+        # A stream per slot: slot 0's tokens alone in its own stream.
+        ([(0, 0, 0, 0), (1, 40, 40, 40)], 0),
+        # Free cells below the end (a finished request's): the log does not locate them, so no cell is said.
+        ([(0, 40, 30, 40), (0, 40, 30, 40)], None),
+    ],
+)
+def test_the_kv_log_places_the_prompt_in_its_cells(streams, cell):
+    from stagereplay.engines.llamaserver.batches import decode_calls, describe_split
+
+    row = "0.06.553.002 D ubatch_print:     {}: id =    260 (  the), pos = {:4d}, n_seq_id =  1, seq_id = [{}], output = 1"
+    log = "\n".join(
+        [
+            "0.06.552.991 D ubatch_add: added ubatch to split:",
+            row.format(0, 40, ".1"),
+            row.format(1, 0, "0."),
+            row.format(2, 1, "0."),
+            *(_kv_line(*stream) for stream in streams),  # one line per sequence of the call, by id
+            "0.06.553.009 D ubatch_add: added ubatch to split:",  # the next call, without its KV lines yet
+            row.format(0, 2, "0."),
+        ]
+    )
+    calls = decode_calls(log)
+    assert calls[0].first_cell(0, 0) == cell and calls[1].first_cell(0, 2) is None
+    where = "" if cell is None else f", from cell {cell}"
+    assert (
+        describe_split(calls[:1], 0, 2)
+        == f"the prompt in 1 decode call: 2 positions of slot 0 with 1 token of slot 1{where}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("split", "predicted"),
+    [
+        ("the prompt in 1 decode call: 100 positions of slot 0 with 1 token of slot 1, from cell 41", True),
+        ("the prompt in 1 decode call: 100 positions of slot 0 alone, from cell 37", True),
+        ("the prompt in 1 decode call: 100 positions of slot 0 alone, from cell 128", False),
+        ("the prompt in 1 decode call: 100 positions of slot 0 alone", None),  # no KV lines: not predicted
+        ("the prompt in 1 decode call: 30 positions of slot 0 alone, from cell 37", False),  # under a tile
+    ],
+)
+def test_the_placement_rule_predicts_a_servers_batch_from_its_record(split, predicted):
+    """bench/placement_rule.py on a server's batch row: the recorded split, then its first cell against the tile."""
+    rule = bench_script("placement_rule")
+    context = int(split.split(": ")[1].split()[0])
+    row = {"factor": "batch", "level": "2", "item_id": "a", "setting": f"built and served in one block: ...; {split}"}
+    assert rule.predicted_differs(row, {"a": context}, tile=64) is predicted
 
 
 def test_a_companion_that_stops_before_the_block_ends_fails_it(server, prefixes, monkeypatch):

@@ -138,7 +138,9 @@ def test_deployed_servers_hold_the_control_reuse_the_prompt_and_record_how_they_
     assert all(row["slot"] is not None for row in rows)
     assert all(row["trigger"] == "" for row in rows if row["cell"] in ("alone", "control", "hit"))
     for name, entry in served["servers"].items():
-        assert entry["record"]["batch_log"].startswith("on: --verbose and LLAMA_BATCH_DEBUG=1"), name
+        assert entry["record"]["batch_log"].startswith(
+            "on: --verbose, LLAMA_BATCH_DEBUG=1 and LLAMA_KV_CACHE_DEBUG=1"
+        ), name
         battery = entry["battery"]["pinned"]
         assert set(battery) >= {"together", "together_copies", "amid", "copies", "hit", "slot", "offset"}, name
         mine = [row for row in rows if row["server"] == name and row["cell"] == "together"]

@@ -5,8 +5,11 @@ model (``llama_batch_allocr::ubatch_add``, "added ubatch to split"), one line pe
 sequences it belongs to (a slot's sequence id is the slot's id). Under concurrent load the server composes each
 decode call from every busy slot's tokens, and how a prompt is cut depends on the cache: one unified cache splits
 the batch into consecutive micro-batches of up to ``-ub`` tokens (``split_simple``), one stream per slot into
-micro-batches of equal-length runs per sequence (``split_equal``). This module reads those calls back, so a row can
-say what the server did rather than what the code suggests.
+micro-batches of equal-length runs per sequence (``split_equal``). With ``LLAMA_KV_CACHE_DEBUG=1`` too, the KV
+cache logs, for each micro-batch it places, where its search for free cells starts (``llama_kv_cache::find_slot``:
+the cache's end ``n``, its used cells and its ``head``), from which the cell of a prompt's first position follows
+wherever the cache has no free cell below its end. This module reads those calls back, so a row can say what the
+server did rather than what the code suggests.
 """
 
 from __future__ import annotations
@@ -20,6 +23,30 @@ from dataclasses import dataclass
 _HEADER = "added ubatch to split:"
 _INPUT = "input batch info:"
 _TOKEN = re.compile(r"\), pos =\s*(-?\d+), n_seq_id =\s*\d+, seq_id = \[([^\]]*)\]")
+# find_slot's line for each sequence of a micro-batch (llama-kv-cache.cpp at LLAMA_KV_CACHE_DEBUG=1), written once
+# the batch is split, in the order of its micro-batches.
+_SLOT = re.compile(r"find_slot: stream\[(\d+)\], n =\s*(\d+), used =\s*(\d+), head =\s*(\d+), size =\s*(\d+)")
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """One KV stream as find_slot found it before placing a micro-batch: its end (one past its last used cell),
+    its used cells, where the search starts (``head``) and its size."""
+
+    end: int
+    used: int
+    head: int
+    size: int
+
+    def first_free(self, tokens: int) -> int | None:
+        """The cell the first of ``tokens`` tokens goes to (find_slot's search: from ``head``, or from cell 0 when
+        ``head`` is more than twice ``tokens`` past the used cells, taking the first free cells), or None where the
+        stream has free cells below its end, which the log does not locate."""
+        if self.used != self.end:
+            return None
+        start = 0 if self.head > self.used + 2 * tokens else self.head
+        first = max(start, self.end)
+        return first if first + tokens <= self.size else None
 
 
 @dataclass(frozen=True)
@@ -27,6 +54,8 @@ class DecodeCall:
     """One micro-batch as the model ran it: each token's (position, sequences)."""
 
     tokens: tuple[tuple[int, frozenset[int]], ...]
+    # Each sequence of the call, its KV stream and the stream as find_slot found it (none without the KV lines).
+    streams: tuple[tuple[int, int, CacheState], ...] = ()
 
     def positions_of(self, sequence: int) -> list[int]:
         return [position for position, sequences in self.tokens if sequence in sequences]
@@ -39,6 +68,19 @@ class DecodeCall:
                 counts[other] = counts.get(other, 0) + 1
         return dict(sorted(counts.items()))
 
+    def first_cell(self, sequence: int, position: int) -> int | None:
+        """The cell ``sequence``'s ``position`` in this call went to, where the KV lines locate it: the call's tokens
+        of one stream fill its free cells in the order of the call (in one unified cache, every sequence's)."""
+        found = {logged: (stream, state) for logged, stream, state in self.streams}
+        if sequence not in found:
+            return None
+        stream, state = found[sequence]
+        sharing = {other for other, (its_stream, _) in found.items() if its_stream == stream}
+        placed = [(at, sequences) for at, sequences in self.tokens if sequences & sharing]
+        first = state.first_free(len(placed))
+        index = next((i for i, (at, sequences) in enumerate(placed) if at == position and sequence in sequences), None)
+        return None if first is None or index is None else first + index
+
 
 def _sequences(mask: str) -> frozenset[int]:
     """ubatch_print's sequence mask: one character per sequence id, its last digit where the token is in it."""
@@ -46,18 +88,34 @@ def _sequences(mask: str) -> frozenset[int]:
 
 
 def decode_calls(log: str) -> list[DecodeCall]:
-    """Every micro-batch the log records, in order (none without LLAMA_BATCH_DEBUG and --verbose)."""
+    """Every micro-batch the log records, in order (none without LLAMA_BATCH_DEBUG and --verbose), with its
+    sequences' KV streams where LLAMA_KV_CACHE_DEBUG logged them."""
     calls: list[list[tuple[int, frozenset[int]]]] = []
+    streams: list[list[tuple[int, int, CacheState]]] = []
     current = None  # the token rows of the micro-batch being read; None inside an input batch's rows
+    unplaced: list[int] = []  # the micro-batches of this batch whose find_slot lines are still to come
     for line in log.splitlines():
         if _HEADER in line:
             current = []
             calls.append(current)
+            streams.append([])
+            unplaced.append(len(calls) - 1)
         elif _INPUT in line:
             current = None
+            unplaced = []
         elif current is not None and (match := _TOKEN.search(line)):
             current.append((int(match.group(1)), _sequences(match.group(2))))
-    return [DecodeCall(tuple(tokens)) for tokens in calls]
+        elif (match := _SLOT.search(line)) and unplaced:
+            # One line per sequence of the micro-batch, in the order of its sequences (sorted ids).
+            index = unplaced[0]
+            sequences = sorted(set().union(*(sequences for _, sequences in calls[index])))
+            placed = streams[index]
+            stream, end, used, head, size = map(int, match.groups())
+            if len(placed) < len(sequences):
+                placed.append((sequences[len(placed)], stream, CacheState(end, used, head, size)))
+            if len(placed) == len(sequences):
+                unplaced.pop(0)
+    return [DecodeCall(tuple(tokens), tuple(placed)) for tokens, placed in zip(calls, streams)]
 
 
 def prompt_calls(calls: list[DecodeCall], sequence: int, positions: int, start: int = 0) -> list[DecodeCall]:
@@ -66,8 +124,15 @@ def prompt_calls(calls: list[DecodeCall], sequence: int, positions: int, start: 
     return [call for call in calls if any(start <= position < positions for position in call.positions_of(sequence))]
 
 
+def first_prompt_cell(calls: list[DecodeCall], sequence: int, start: int = 0) -> int | None:
+    """The cell of ``sequence``'s first computed prompt position (``start``) in the first of its prompt's ``calls``,
+    where the KV lines locate it."""
+    return calls[0].first_cell(sequence, start) if calls else None
+
+
 def describe_split(calls: list[DecodeCall], sequence: int, positions: int, start: int = 0) -> str:
-    """The prompt's decode calls in words: 'in 1 decode call: 297 positions of slot 0 with 1 token of slot 1'."""
+    """The prompt's decode calls in words: 'in 1 decode call: 297 positions of slot 0 with 1 token of slot 1', and
+    where the KV lines locate it, ', from cell 37' (the cell of its first computed position)."""
     described = []
     for call in calls:
         own = sum(start <= position < positions for position in call.positions_of(sequence))
@@ -79,7 +144,9 @@ def describe_split(calls: list[DecodeCall], sequence: int, positions: int, start
         )
         described.append(f"{own} positions of slot {sequence}{company}")
     count = len(calls)
-    return f"the prompt in {count} decode call{'s' * (count != 1)}: " + "; ".join(described)
+    cell = first_prompt_cell(calls, sequence, start)
+    where = "" if cell is None else f", from cell {cell}"
+    return f"the prompt in {count} decode call{'s' * (count != 1)}: " + "; ".join(described) + where
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,9 @@ _RESOLVED = {
 class DeployedServer(ServerProcess):
     """A llama-server started with the model, a loopback address and ``flags`` only (and ``BASE_FLAGS``).
 
-    ``log_batches``: its log also holds every decode call's tokens (``--verbose`` and ``LLAMA_BATCH_DEBUG=1``, logging
-    only, recorded apart from the flags): the proof of whether a traffic pattern's trigger happened."""
+    ``log_batches``: its log also holds every decode call's tokens and where the KV cache put them (``--verbose``,
+    ``process.BATCH_LOG_ENVIRONMENT``; logging only, recorded apart from the flags): the proof of whether a traffic
+    pattern's trigger happened."""
 
     def __init__(
         self, model: str | Path, flags: tuple[str, ...] | list[str] = (), log_batches: bool = False, **options

@@ -61,8 +61,9 @@ class ServerSettings:
     # and back, and with a unified cache clears the idle slot when another slot gets a task; a slot must
     # hold exactly what its requests and restores put there.
     cache_ram_mib: int = 0
-    # Every micro-batch logged with its tokens' positions and sequences (--verbose and LLAMA_BATCH_DEBUG=1, read
-    # by ``llamaserver.batches``): how a prompt under load was cut into decode calls. Logging only.
+    # Every micro-batch logged with its tokens' positions and sequences, and where the KV cache placed it (--verbose,
+    # LLAMA_BATCH_DEBUG=1 and LLAMA_KV_CACHE_DEBUG=1, read by ``llamaserver.batches``): how a prompt under load was
+    # cut into decode calls, and from which cell. Logging only.
     log_batches: bool = False
     extra: tuple[str, ...] = field(default=())  # further options, passed as given
 
@@ -155,6 +156,10 @@ def _death_signal_setter():
 
 
 # The process.
+
+
+# What the batch log (ServerSettings.log_batches) sets in the server's environment, beside --verbose.
+BATCH_LOG_ENVIRONMENT = {"LLAMA_BATCH_DEBUG": "1", "LLAMA_KV_CACHE_DEBUG": "1"}
 
 
 def server_environment() -> dict[str, str]:
@@ -277,7 +282,7 @@ class ServerProcess(ServerClient):
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**server_environment(), **({"LLAMA_BATCH_DEBUG": "1"} if self.settings.log_batches else {})},
+                env={**server_environment(), **(BATCH_LOG_ENVIRONMENT if self.settings.log_batches else {})},
                 preexec_fn=_death_signal_setter(),
             )
         self.port = port

@@ -320,7 +320,7 @@ def _on_deployed(model_record, prompts, others, name, entry, design, on_item, me
             "startup_log": server.resolved(),
             "flash_attn": _flag_value(server.flags, "-fa", "--flash-attn") or FLASH_ATTN_AUTO,
             # Logging only, the proof of each pattern's trigger: started so besides its flags.
-            "batch_log": "on: --verbose and LLAMA_BATCH_DEBUG=1 (every decode call's tokens logged)",
+            "batch_log": "on: --verbose, LLAMA_BATCH_DEBUG=1 and LLAMA_KV_CACHE_DEBUG=1 (every decode call's tokens and cells logged)",
         }
         if slot_dir is not None:
             record["slot_actions"] = "on: a private --slot-save-path, for kv_offsets' erasures (no slot file written)"
