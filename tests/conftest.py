@@ -13,6 +13,31 @@ from stagereplay.inputs.checkpoints import build_random_qwen2
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The modules whose tests take longest, longest first (summed test time per module, docs/performance.md). The two
+# workers take whole modules in collection order (pyproject.toml: --dist loadfile --no-loadscope-reorder), so these
+# start first and the run does not end on one worker computing a long module while the other waits.
+LONGEST_MODULES = (
+    "test_served.py",
+    "test_audit.py",
+    "test_llamacpp_factors.py",
+    "test_storage.py",
+    "test_bad_input.py",
+    "test_attached_engine.py",
+    "test_two_checkpoints.py",
+    "test_llamacpp_workflow.py",
+    "test_provenance.py",
+    "test_slurm.py",
+    "test_embedded.py",
+    "test_factors.py",
+    "test_llamaserver_factors.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Longest modules first, then the rest in their collected order (a stable sort keeps each module's order)."""
+    rank = {name: index for index, name in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_MODULES)))
+
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_folder(tmp_path_factory) -> Path:

@@ -256,11 +256,14 @@ def test_a_missing_transplant_row_is_named(test_run):
     assert missing[0]["item_id"] == saved.to_pylist()[0]["item_id"]
 
 
-def test_a_recomputed_difference_that_verify_cannot_see_is_found_by_the_audit(test_run, tmp_path):
+def test_a_recomputed_difference_that_verify_cannot_see_is_found_by_the_audit(test_run, audited, tmp_path):
     """A saved suffix replaced by other tokens with every digest valid: the ledger verifies, only the audit's
-    recomputation finds the difference, on that item and artifact alone."""
-    workdir, _, _ = test_run
+    recomputation finds the difference, on that item and artifact alone. The recomputation is the audited copy's
+    (of the intact ledger, every fingerprint reproduced); the audit's last step compares it with the damaged one."""
+    workdir, _, _, _, _ = audited
     ledger, config = copy_run(workdir, tmp_path / "copy")
+    # The run's own config, not the audited copy's edited one (which would change the design of the rerun below).
+    config.write_text(yaml.safe_dump({**yaml.safe_load(test_run[2].read_text()), "ledger_dir": str(ledger)}))
     row = rewrite_live_suffix(ledger)
     # Newer than the gathered tables: snakemake regathers, recompares, resummarises and redraws the card.
     result = snakemake(tmp_path / "copy", config)
@@ -268,9 +271,13 @@ def test_a_recomputed_difference_that_verify_cannot_see_is_found_by_the_audit(te
     verified = stagereplay("verify", ledger)
     assert verified.returncode == 0 and "ledger OK" in verified.stdout, verified.stderr
 
-    result = snakemake(tmp_path / "copy", config, "--config", "mode=audit")
+    e4_file = ledger / "audit" / "e4.json"
+    audit_table = ledger / "tables" / "audit.parquet"
+    result = stagereplay(
+        "audit", "--ledger", ledger, "--checkpoints", row["checkpoint"], "--out", audit_table, "--e4", e4_file
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    e4 = json.loads((ledger / "audit" / "e4.json").read_text())
+    e4 = json.loads(e4_file.read_text())
     side = trajectory_label(row)
     assert e4["status"] == "differences found"
     assert [(m["kind"], m["artifact"], m["item_id"], m["side"]) for m in e4["mismatches"]] == [

@@ -10,10 +10,13 @@ token, the recipient when it reproduces the recipient's, and neither otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stagereplay.design.divergence import first_divergence
 from stagereplay.design.names import SweepPlan, TransplantError
-from stagereplay.ledger.kvstate import KVState
+
+if TYPE_CHECKING:  # only annotations: the selection job (select_divergent) runs without torch
+    from stagereplay.ledger.kvstate import KVState
 
 KV_PARTS = ("kv", "k", "v")
 
