@@ -124,12 +124,6 @@ def prompt_calls(calls: list[DecodeCall], sequence: int, positions: int, start: 
     return [call for call in calls if any(start <= position < positions for position in call.positions_of(sequence))]
 
 
-def first_prompt_cell(calls: list[DecodeCall], sequence: int, start: int = 0) -> int | None:
-    """The cell of ``sequence``'s first computed prompt position (``start``) in the first of its prompt's ``calls``,
-    where the KV lines locate it."""
-    return calls[0].first_cell(sequence, start) if calls else None
-
-
 def describe_split(calls: list[DecodeCall], sequence: int, positions: int, start: int = 0) -> str:
     """The prompt's decode calls in words: 'in 1 decode call: 297 positions of slot 0 with 1 token of slot 1', and
     where the KV lines locate it, ', from cell 37' (the cell of its first computed position)."""
@@ -144,7 +138,7 @@ def describe_split(calls: list[DecodeCall], sequence: int, positions: int, start
         )
         described.append(f"{own} positions of slot {sequence}{company}")
     count = len(calls)
-    cell = first_prompt_cell(calls, sequence, start)
+    cell = calls[0].first_cell(sequence, start) if calls else None  # of the first computed position
     where = "" if cell is None else f", from cell {cell}"
     return f"the prompt in {count} decode call{'s' * (count != 1)}: " + "; ".join(described) + where
 

@@ -56,6 +56,7 @@ from stagereplay.engines.llamaserver.build import LlamaServerError, server_build
 from stagereplay.engines.llamaserver.client import GREEDY_SAMPLING, Sampling, ServerClient
 from stagereplay.engines.llamaserver.deployed import RESERVED_FLAGS, DeployedServer
 from stagereplay.engines.llamaserver.model_check import check_model
+from stagereplay.engines.llamaserver.process import BATCH_LOG_ENVIRONMENT
 from stagereplay.engines.llamaserver.traffic import Answer, DefaultClient, PinnedClient, amid_clients, ask, at_once
 
 HIT_OTHERS = 2  # other items sent between the item's two requests of a prompt-cache hit
@@ -320,7 +321,8 @@ def _on_deployed(model_record, prompts, others, name, entry, design, on_item, me
             "startup_log": server.resolved(),
             "flash_attn": _flag_value(server.flags, "-fa", "--flash-attn") or FLASH_ATTN_AUTO,
             # Logging only, the proof of each pattern's trigger: started so besides its flags.
-            "batch_log": "on: --verbose, LLAMA_BATCH_DEBUG=1 and LLAMA_KV_CACHE_DEBUG=1 (every decode call's tokens and cells logged)",
+            "batch_log": f"on: --verbose, {' and '.join(f'{key}={value}' for key, value in BATCH_LOG_ENVIRONMENT.items())}"
+            " (every decode call's tokens and cells logged)",
         }
         if slot_dir is not None:
             record["slot_actions"] = "on: a private --slot-save-path, for kv_offsets' erasures (no slot file written)"
