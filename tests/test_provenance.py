@@ -50,8 +50,7 @@ def edit_item(path, index, field, value) -> str:
 def test_the_run_records_its_design_items_models_and_versions(test_run):
     workdir, ledger, config = test_run
     record = json.loads((ledger / "provenance.json").read_text())
-    # As snakemake resolved it in the run's working directory (which holds no config/config.yaml to merge).
-    assert record["config"] == json.loads(json.dumps(design_of(load_config(config, workdir=workdir))))
+    assert record["config"] == json.loads(json.dumps(design_of(load_config(config))))
     assert list(record["config"]["checkpoints"])[0] == "tiny-qwen2"  # the primary checkpoint stays first
     items = [json.loads(line) for line in (ledger / "items.jsonl").read_text().splitlines()]
     assert sorted(record["items"]) == sorted(row["id"] for row in items)

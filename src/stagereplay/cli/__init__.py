@@ -35,6 +35,7 @@ HELP_ORDER = (
     "kernel-worker",
     "compare",
     "summarize",
+    "config",
     "plan",
     "probe",
     "verify",

@@ -37,6 +37,44 @@ def add_plan_command(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def cmd_config(args) -> None:
+    """The effective config, as the workflow resolves it (design.schema), each value with its source."""
+    from stagereplay.design.checked_run import default_repo
+    from stagereplay.design.schema import config_layers, effective_config, render_config, value_sources
+
+    layers = config_layers(args.configfiles, args.config)
+    repo = default_repo().resolve()
+    # A file in the checkout is named from its root, so the same file reads the same from any directory.
+    named = [(_repo_relative(name, repo) if name != "--config" else name, layer) for name, layer in layers]
+    config = effective_config(named)
+    print(render_config(config, value_sources(config, named)))
+    if config.get("mode") == "audit":
+        print("# mode audit: the workflow audits the design its ledger's provenance.json records, not this one")
+
+
+def _repo_relative(path: str, repo: Path) -> str:
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(repo)) if resolved.is_relative_to(repo) else path
+
+
+def add_config_command(sub) -> None:
+    p = sub.add_parser(
+        "config",
+        help="print the config a run computes: the files merged as snakemake merges them, completed with the"
+        " schema's defaults, each value's source in a comment",
+        description="Print the effective config of `snakemake --configfile FILE... --config KEY=VALUE...` as"
+        " YAML, each value followed by its source: schema (the default run's value), a file, or --config. The"
+        " workflow resolves its config with the same function. Example: stagereplay config config/factors.yaml",
+    )
+    p.add_argument(
+        "configfiles", nargs="*", metavar="FILE", help="config files in snakemake's order (none: the default run)"
+    )
+    p.add_argument(
+        "--config", nargs="*", default=[], metavar="KEY=VALUE", help="overrides, as snakemake --config takes them"
+    )
+    p.set_defaults(func=cmd_config)
+
+
 def cmd_verify(args) -> int:
     from stagereplay.audit.verify import verify_ledger
 
@@ -278,6 +316,7 @@ def add_report_command(sub) -> None:
 
 
 COMMANDS = {
+    "config": add_config_command,
     "plan": add_plan_command,
     "verify": add_verify_command,
     "show": add_show_command,
