@@ -297,3 +297,39 @@ def test_every_control_reproduces_the_reference(fp16_run):
         ("kv_unified", "off-1"),
     }
     assert all("n_ubatch=2048;" in row["setting"] for row in _level(rows, "ubatch", "whole"))
+
+
+def test_the_placement_rule_is_scored_in_the_ledger_and_verified(fp16_run, tmp_path):
+    """summary.json's E6.placement_rule, per placement level: kv_offset 37 is predicted to change the built cache of
+    exactly the items whose one-call prefill reaches a key tile (37 is no multiple of 64), observed where the factor
+    table says the cache differs, and every disagreement named; the card shows it, and verify catches an edit."""
+    import shutil
+    import subprocess
+    import sys
+
+    ledger, rows = fp16_run
+    rule = json.loads((ledger / "summary.json").read_text())["E6"]["placement_rule"]
+    offset = next(level for level in rule["levels"] if (level["factor"], level["level"]) == ("kv_offset", "37"))
+    contexts = {
+        row["item_id"]: row["prefix_length"] - 1
+        for row in pq.read_table(ledger / "tables" / "trajectories.parquet").to_pylist()
+        if (row["construction"], row["replica"], row["precision"]) == ("prefill", 0, "fp16")
+    }
+    built = {
+        row["item_id"]: row["cache_differs"] for row in _level(rows, "kv_offset", "37") if row["cell"] == "test-ref"
+    }
+    assert offset["n"] == len(built) > 0 and offset["not_predicted"] == 0
+    assert offset["predicted_differ"] == sum(contexts[item] >= 64 for item in built)
+    assert offset["observed_differ"] == sum(built.values())
+    missed = {entry.split(" ")[0] for entry in offset["missed"]}
+    assert {item for item in built if built[item] != (contexts[item] >= 64)} <= missed
+    assert "Where the item's cells lie: the placement rules" in (ledger / "results.md").read_text()
+
+    copy = tmp_path / "ledger"
+    shutil.copytree(ledger, copy)
+    summary = json.loads((copy / "summary.json").read_text())
+    summary["E6"]["placement_rule"]["levels"][0]["observed_differ"] += 1
+    (copy / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    verify = subprocess.run([sys.executable, "-m", "stagereplay", "verify", str(copy)], capture_output=True, text=True)
+    assert verify.returncode == 1
+    assert "E6.placement_rule.levels[0].observed_differ is" in verify.stderr, verify.stderr[-2000:]

@@ -13,7 +13,6 @@ import time
 import pytest
 from test_llamaserver_engine import _same, built, tiny_gguf  # noqa: F401 - fixtures
 from test_llamaserver_process import PROMPT
-from workflow_helpers import bench_script
 
 from stagereplay.design.factors import Level
 from stagereplay.engines.runtime import Runtime
@@ -235,11 +234,13 @@ def test_the_kv_log_places_the_prompt_in_its_cells(streams, cell):
     ],
 )
 def test_the_placement_rule_predicts_a_servers_batch_from_its_record(split, predicted):
-    """bench/placement_rule.py on a server's batch row: the recorded split, then its first cell against the tile."""
-    rule = bench_script("placement_rule")
+    """The placement rule (summary.json's E6.placement_rule) on a server's batch row: the recorded split, then its
+    first cell against the tile."""
+    from stagereplay.report.placement_rule import predicted_differs
+
     context = int(split.split(": ")[1].split()[0])
     row = {"factor": "batch", "level": "2", "item_id": "a", "setting": f"built and served in one block: ...; {split}"}
-    assert rule.predicted_differs(row, {"a": context}, tile=64) is predicted
+    assert predicted_differs(row, {"a": context}, tile=64) is predicted
 
 
 def test_a_companion_that_stops_before_the_block_ends_fails_it(server, prefixes, monkeypatch):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from stagereplay.design.cells import FULL, VERDICTS, cell_patterns
 from stagereplay.report.controls import controls_blocks
+from stagereplay.report.placement_rule import placement_blocks
 from stagereplay.report.reading import AUDIT_HOW
 from stagereplay.report.text import experiment_name, level_name, percent, points
 
@@ -309,6 +310,7 @@ def factor_blocks(summary: dict) -> list[tuple]:
         ),
         ("table", FACTOR_COLUMNS, rows),
         *load_blocks(e6),
+        *placement_blocks(e6),
         *pattern_blocks(e6),
         *controls_blocks(e6),
     ]

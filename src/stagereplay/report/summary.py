@@ -20,6 +20,7 @@ from stagereplay.ledger.tables import checkpoint_order
 from stagereplay.report.e5_summary import e5_summary
 from stagereplay.report.e6_summary import e6_controls, e6_summary
 from stagereplay.report.margins import bf16_logits, e1_flip_margins
+from stagereplay.report.placement_rule import placement_rule
 from stagereplay.report.served_summary import served_summary
 from stagereplay.report.stats import (
     MCNEMAR,
@@ -233,6 +234,9 @@ def summary(
     if factors is not None:
         result["E6"] = e6_summary(factors)
         result["E6"]["controls"] = e6_controls(factors.to_pylist())
+        rule = placement_rule(factors.to_pylist(), trajectories.to_pylist())
+        if rule is not None:
+            result["E6"]["placement_rule"] = rule
     if served is not None:
         result["served"] = served_summary(served)
     result["environment"] = environment(trajectories)
