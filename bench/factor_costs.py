@@ -16,7 +16,7 @@ E1 per item: the live and prefill jobs of replica 0 at the E1 precision, wall se
 and divided by the items. ``--timed-by audit`` takes every wall time from the audit's recomputation of the same
 jobs instead (``snakemake --config mode=audit``): for a ledger whose run shared its cores and whose audit had them
 to itself. Cache bytes per item: the stored objects of E2's prefill rows at each precision
-(measured, file sizes), beside the plan's projection for the same positions (``design.projection``); a
+(measured, file sizes), beside the plan's projection for the same positions (``design.storage_plan``); a
 cache type E6 ran but no row stored (a ``cache_type`` level) is projected only. Prints two Markdown tables.
 """
 
@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from stagereplay.design.cells import cell_label
 from stagereplay.design.factors import factor_named
-from stagereplay.design.projection import cache_object_bytes
+from stagereplay.design.storage_plan import cache_object_bytes
 from stagereplay.engines.registry import SPECS
 from stagereplay.engines.shapes import checkpoint_shapes
 from stagereplay.ledger.layout import LedgerLayout

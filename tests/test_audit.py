@@ -20,7 +20,7 @@ from workflow_helpers import (
     write_config,
 )
 
-from stagereplay.audit.e4 import e4_line, e4_summary
+from stagereplay.audit.reproduction import e4_line, e4_summary
 from stagereplay.audit.rerun import (
     audit_comparisons,
     audit_rows,

@@ -1,10 +1,10 @@
 """The card's words for E4 and E5, on known answers: the E4 answer gives the audit's status and the artifact kind
 it reproduced least, not trajectories alone; E5's panel names its unit beside the paper's. The E4 figures are
-audit.e4's own, computed from hand-built audit rows (no model, no workflow)."""
+audit.reproduction's own, computed from hand-built audit rows (no model, no workflow)."""
 
 from __future__ import annotations
 
-from stagereplay.audit.e4 import e4_line, e4_summary, worst_artifact
+from stagereplay.audit.reproduction import e4_line, e4_summary, worst_artifact
 from stagereplay.report.card import e4_panel, e5_panel
 from stagereplay.report.reading import e4_reading
 from stagereplay.report.stats import share

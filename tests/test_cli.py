@@ -46,7 +46,7 @@ def test_a_model_jobs_options_give_one_context(tmp_path):
 
     from stagereplay.cli.options import job_context
     from stagereplay.design.storage import StorageError
-    from stagereplay.engines.registry import spec_of
+    from stagereplay.engines.registry import spec_for_record
     from stagereplay.engines.runtime import runtime_from_args
     from stagereplay.experiments.job import ShardSpec
 
@@ -61,7 +61,7 @@ def test_a_model_jobs_options_give_one_context(tmp_path):
     context = job_context(args)
     assert context.record_path == str(record)
     assert context.record["folder"] == str((tmp_path / "model").resolve())
-    assert context.engine_spec is spec_of(context.record)
+    assert context.engine_spec is spec_for_record(context.record)
     assert context.runtime == runtime_from_args(args)
     assert context.shard_spec == ShardSpec("tiny", "bf16", replica=0, shard=2, shard_size=4)
     assert (context.items_path, context.prompts_path, context.suffix_tokens) == ("items.jsonl", None, 8)

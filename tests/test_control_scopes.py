@@ -18,7 +18,7 @@ from stagereplay.design.factors import FACTOR_OBJECTS
 from stagereplay.engines.registry import SPECS
 from stagereplay.ledger.tables import COMPARISON_SCHEMA, FACTOR_SCHEMA, TRAJECTORY_SCHEMA
 from stagereplay.report.controls import CONTROL_COLUMNS, controls_blocks, controls_card_row
-from stagereplay.report.e6_summary import e6_controls
+from stagereplay.report.factor_summary import e6_controls
 from stagereplay.report.figures import factor_blocks
 from stagereplay.report.summary import summary
 

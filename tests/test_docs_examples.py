@@ -2,7 +2,7 @@
 figures by the functions the card calls, and docs/report.md must quote it verbatim, as a blockquote; and every
 blockquote there must be one of them, so an example typed by hand, or left behind by a change of wording, fails.
 
-The figures are hand-built (no model), computed by report.summary and audit.e4 from rows shaped like the ledger's.
+The figures are hand-built (no model), computed by report.summary and audit.reproduction from rows shaped like the ledger's.
 Where an example carries the counts of a findings run (docs/findings.md), the rows reproduce those counts.
 """
 
@@ -16,11 +16,11 @@ from test_card_wording import server_audit
 from test_factor_controls import _rows, _same
 from test_factor_verdicts import cache_differs, rows_of, served_as
 
-from stagereplay.audit.e4 import e4_summary
+from stagereplay.audit.reproduction import e4_summary
 from stagereplay.report.card import e4_panel
 from stagereplay.report.controls import controls_blocks, controls_card_row
-from stagereplay.report.e6_summary import e6_controls, e6_level, sides_correction
 from stagereplay.report.factor_reading import e6_level_reading, flip_margins_reading, sides_correction_reading
+from stagereplay.report.factor_summary import e6_controls, e6_level, sides_correction
 from stagereplay.report.reading import e2_reading, e4_reading
 from stagereplay.report.render import to_markdown
 from stagereplay.report.summary import e2_summary

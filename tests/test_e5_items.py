@@ -6,7 +6,7 @@ import pyarrow as pa
 
 from stagereplay.ledger.tables import TRANSPLANT_SCHEMA
 from stagereplay.report.card import e5_panel
-from stagereplay.report.e5_summary import e5_summary
+from stagereplay.report.transplant_summary import e5_summary
 
 LIVE, PREFILL = "live/bf16/rep0", "prefill/bf16/rep0<-bf16"
 

@@ -22,7 +22,7 @@ from stagereplay.ledger.fingerprint import fingerprint_cache
 from stagereplay.ledger.store import ObjectStore
 from stagereplay.ledger.tables import FACTOR_SCHEMA, write_table
 from stagereplay.report.controls import ControlFailed, check_controls, controls_card_row
-from stagereplay.report.e6_summary import e6_controls
+from stagereplay.report.factor_summary import e6_controls
 
 RUNTIME = {"threads": 2, "attn_implementation": "eager", "precision": "fp16", "flash_attn": True}
 # The control level of each factor on a run of RUNTIME at q8_0 with flash attention (rotation needs a quantized cache).

@@ -25,8 +25,8 @@ from stagereplay.design.cells import (
     pattern_name,
 )
 from stagereplay.ledger.tables import FACTOR_LOGIT_COLUMNS
-from stagereplay.report.e6_summary import e6_level
 from stagereplay.report.factor_reading import e6_level_reading, e6_reading
+from stagereplay.report.factor_summary import e6_level
 from stagereplay.report.figures import factor_blocks
 from stagereplay.report.plots import VERDICT_COLOURS
 from stagereplay.report.stats import share
@@ -352,7 +352,7 @@ def test_no_comparison_of_the_sides_where_one_side_is_empty_by_construction():
 
 
 def test_the_sides_are_corrected_over_the_levels_that_have_a_test():
-    from stagereplay.report.e6_summary import sides_correction
+    from stagereplay.report.factor_summary import sides_correction
 
     def level(name: str, write: int, read: int, caches_differ: bool = True) -> dict:
         items = {f"w{i}": (True, False, True) for i in range(write)} | {

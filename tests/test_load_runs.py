@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from stagereplay.audit.e4 import e4_summary
+from stagereplay.audit.reproduction import e4_summary
 from stagereplay.audit.rerun import audit_factors, audit_rows
 from stagereplay.ledger.tables import FACTOR_SCHEMA
-from stagereplay.report.e6_summary import e6_summary
+from stagereplay.report.factor_summary import e6_summary
 from stagereplay.report.figures import load_blocks
 from stagereplay.report.text import under_load_text
 
@@ -124,7 +124,7 @@ def test_the_audit_compares_a_run_under_load_with_the_saved_runs_spread():
 
 
 def test_a_served_check_under_load_is_counted_with_its_server_cell_and_client():
-    from stagereplay.audit.e4 import spread_level
+    from stagereplay.audit.reproduction import spread_level
 
     assert spread_level("served default load run 0 item arith-001") == "served default load"
     assert spread_level("served np-1 together run 2 item arith-003 (default client)") == (

@@ -124,7 +124,7 @@ def test_the_migration_refuses_changed_files_and_a_current_record(ledger):
 
 
 def test_the_audit_refuses_a_format_1_record_naming_its_migration(ledger):
-    from stagereplay.audit.design import AuditRefused, audit_config
+    from stagereplay.audit.recorded_design import AuditRefused, audit_config
 
     make_format_1(ledger)
     (ledger / "tables").mkdir()

@@ -20,7 +20,7 @@ import yaml
 from scipy import stats
 from workflow_helpers import REPO, snakemake
 
-from stagereplay.audit.e4 import e4_summary
+from stagereplay.audit.reproduction import e4_summary
 from stagereplay.inputs.checkpoints import read_model_record
 from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
 from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, read_table

@@ -490,51 +490,51 @@ REFUSED = [
 
 
 def test_requests_that_end_within_the_first_stage_are_refused_in_one_line(tmp_path):
-    from stagereplay.design.checked_run import RunRefused, check_run
+    from stagereplay.design.run_plan import RunRefused, plan_run
     from stagereplay.design.schema import load_config
 
     _, config = served_config(tmp_path, {"default": {}})
     config.write_text(config.read_text().replace(f"tokens: {SERVED['tokens']}", f"tokens: {BOUNDARY}"))
     with pytest.raises(RunRefused) as error:
-        check_run(load_config(config), REPO)
+        plan_run(load_config(config), REPO)
     assert f"served.tokens: {BOUNDARY} tokens per request end within the first stage" in str(error.value)
     assert f"set served.tokens above {BOUNDARY}" in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize(("servers", "expected"), REFUSED)
 def test_a_served_block_that_cannot_run_is_refused_in_one_line(tmp_path, servers, expected):
-    from stagereplay.design.checked_run import RunRefused, check_run
+    from stagereplay.design.run_plan import RunRefused, plan_run
     from stagereplay.design.schema import load_config
 
     _, config = served_config(tmp_path, servers)
     with pytest.raises(RunRefused) as error:
-        check_run(load_config(config), REPO)
+        plan_run(load_config(config), REPO)
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
 def test_sampling_without_a_seed_is_refused_in_one_line(tmp_path):
-    from stagereplay.design.checked_run import RunRefused, check_run
+    from stagereplay.design.run_plan import RunRefused, plan_run
     from stagereplay.design.schema import load_config
 
     _, config = served_config(tmp_path, {"default": {}}, {"sampling": {"temperature": 1.0}})
     with pytest.raises(RunRefused) as error:
-        check_run(load_config(config), REPO)
+        plan_run(load_config(config), REPO)
     assert "served.sampling: temperature 1.0 without a seed" in str(error.value)
     assert "give served.sampling.seed" in str(error.value) and "\n" not in str(error.value)
     # With its seed the same block runs, and its job is told how to sample (a greedy job's command is unchanged).
     _, seeded = served_config(tmp_path, {"default": {}}, {"sampling": {"temperature": 1.0, "seed": 42}})
-    check_run(load_config(seeded), REPO)
+    plan_run(load_config(seeded), REPO)
 
 
 def test_served_needs_a_gguf_primary_checkpoint(tmp_path):
-    from stagereplay.design.checked_run import RunRefused, check_run
+    from stagereplay.design.run_plan import RunRefused, plan_run
     from stagereplay.design.schema import load_config
 
     config = write_config(
         tmp_path / "config.yaml", ledger_dir=str(tmp_path / "ledger"), served={"servers": {"default": {}}}
     )
     with pytest.raises(RunRefused) as error:
-        check_run(load_config(config), REPO)
+        plan_run(load_config(config), REPO)
     assert "served: the servers run the primary checkpoint's GGUF" in str(error.value)
 
 

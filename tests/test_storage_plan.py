@@ -10,8 +10,8 @@ import pytest
 import torch
 from workflow_helpers import REPO, check_storage_plan, stagereplay, write_config
 
-from stagereplay.design.projection import cache_object_bytes, project, token_object_bytes
 from stagereplay.design.schema import load_config
+from stagereplay.design.storage_plan import cache_object_bytes, project, token_object_bytes
 from stagereplay.engines.shapes import ModelShapes, PlanError, job_memory_bytes, read_model_config
 from stagereplay.ledger.kvstate import KVState
 from stagereplay.ledger.store import ObjectStore
@@ -217,9 +217,9 @@ def test_a_model_that_cannot_fit_stops_at_load_with_one_line(tiny_qwen2_folder):
 def test_the_plan_imports_no_torch():
     # It runs when snakemake parses the workflow and before any model is at hand.
     code = (
-        "import sys; from stagereplay.design.projection import project_run; from stagereplay.design.schema import load_config;"
-        " from stagereplay.design.checked_run import check_run;"
-        " project_run(check_run(load_config('config/paper.yaml'), '.'), 'qwen2.5-14b-instruct');"
+        "import sys; from stagereplay.design.storage_plan import project_run; from stagereplay.design.schema import load_config;"
+        " from stagereplay.design.run_plan import plan_run;"
+        " project_run(plan_run(load_config('config/paper.yaml'), '.'), 'qwen2.5-14b-instruct');"
         " print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)

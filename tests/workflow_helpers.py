@@ -195,12 +195,12 @@ def shared_prefix_items(ledger: Path, checkpoint: str) -> set[int]:
 
 def check_storage_plan(ledger: Path, config_path: Path, tolerance: float = 0.05) -> None:
     """The storage plan of a run's config against its finished ledger (store_caches: all)."""
-    from stagereplay.design.checked_run import check_run
-    from stagereplay.design.projection import project, project_run
+    from stagereplay.design.run_plan import plan_run
     from stagereplay.design.schema import load_config
+    from stagereplay.design.storage_plan import project, project_run
 
     config = load_config(config_path)
-    projection, shapes, _ = project_run(check_run(config, REPO))
+    projection, shapes, _ = project_run(plan_run(config, REPO))
     assert projection.prompt_measured  # the run's own prompt lengths
     checkpoint = next(iter(config["checkpoints"]))
     shared = shared_prefix_items(ledger, checkpoint)

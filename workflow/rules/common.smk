@@ -28,7 +28,7 @@ def _run_config():
     file is parsed (a cluster node parses it again with the same flag)."""
     if config.get("mode", "run") != "audit":
         return config
-    from stagereplay.audit.design import AuditRefused, audit_config
+    from stagereplay.audit.recorded_design import AuditRefused, audit_config
 
     try:
         audited, note = audit_config(config)
@@ -43,21 +43,21 @@ CONFIG = _run_config()
 AUDITING = CONFIG.get("mode") == "audit"
 
 
-def _checked_run():
+def _run_plan():
     """The config checked and completed with the schema's defaults, then every parse-time check
-    (stagereplay.design.checked_run, which `stagereplay plan` runs too): a bad config, item file or
+    (stagereplay.design.run_plan, which `stagereplay plan` runs too): a bad config, item file or
     model fails here, before any job, in one line."""
-    from stagereplay.design.checked_run import RunRefused, check_run
+    from stagereplay.design.run_plan import RunRefused, plan_run
     from stagereplay.design.schema import ConfigError, resolve_config
 
     try:
         resolve_config(CONFIG, SCHEMA)
-        return check_run(CONFIG, REPO, AUDITING)
+        return plan_run(CONFIG, REPO, AUDITING)
     except (ConfigError, RunRefused) as error:
         raise WorkflowError(str(error)) from None
 
 
-RUN = _checked_run()
+RUN = _run_plan()
 
 # Rules call the CLI as the command `stagereplay`: a shell function running it on the interpreter
 # snakemake runs on, so rules work without an activated venv (and on a cluster node, which parses

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from stagereplay.audit.faults import RERUN, Fault
-from stagereplay.engines.registry import with_engine
+from stagereplay.engines.registry import record_with_engine
 from stagereplay.inputs.checkpoints import read_model_record, record_fingerprint
 from stagereplay.ledger.jsondiff import value_at
 from stagereplay.ledger.layout import RELATIVE
@@ -108,7 +108,7 @@ def _verify_checkpoint(root: Path, name: str, recorded: dict, faults: list[Fault
     if not files.exists():
         faults.append(Fault(where, f"names {files.relative_to(root.resolve())}, which is missing", RERUN))
         return
-    found = {**checkpoint_fingerprints(with_engine(record)), "model_fingerprint": record_fingerprint(record)}
+    found = {**checkpoint_fingerprints(record_with_engine(record)), "model_fingerprint": record_fingerprint(record)}
     for key in ("model_fingerprint", "tokenizer_fingerprint", "chat_template_fingerprint"):
         if found[key] != recorded[key]:
             what = key.removesuffix("_fingerprint").replace("_", " ")

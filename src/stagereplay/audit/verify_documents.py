@@ -173,7 +173,7 @@ REWRITE_E4 = "rerun snakemake --cores N --config mode=audit --forcerun audit_led
 
 def verify_e4(root: Path, tables: dict[str, pa.Table], report: Report) -> None:
     """audit/e4.json equals the E4 figures recomputed from tables/audit.parquet."""
-    from stagereplay.audit.e4 import e4_summary, e4_summary_of
+    from stagereplay.audit.reproduction import e4_summary, e4_summary_of
 
     path = root / E4
     if not path.is_file() or AUDIT not in tables:

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from stagereplay import __version__
-from stagereplay.cli import inputs, ledger, model_jobs, review, servers
+from stagereplay.cli import inputs, ledger, model_jobs, plan, review, servers
 
 # The order `stagereplay --help` lists the commands in: a run's, from its inputs to its card.
 HELP_ORDER = (
@@ -49,16 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagereplay", description=__doc__)
     parser.add_argument("--version", action="version", version=f"stagereplay {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    commands = {**servers.COMMANDS, **inputs.COMMANDS, **model_jobs.COMMANDS, **ledger.COMMANDS, **review.COMMANDS}
+    commands = {
+        **servers.COMMANDS,
+        **inputs.COMMANDS,
+        **model_jobs.COMMANDS,
+        **ledger.COMMANDS,
+        **plan.COMMANDS,
+        **review.COMMANDS,
+    }
     for command in sorted(commands, key=HELP_ORDER.index):
         commands[command](sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stagereplay.design.checked_run import RunRefused
     from stagereplay.design.factors import FactorError
     from stagereplay.design.names import ConstructionError, TransplantError
+    from stagereplay.design.run_plan import RunRefused
     from stagereplay.design.schema import ConfigError
     from stagereplay.design.storage import StorageError
     from stagereplay.engines.shapes import PlanError

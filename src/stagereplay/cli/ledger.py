@@ -28,11 +28,11 @@ def add_store_caches_policy_command(sub) -> None:
 
 
 def cmd_provenance(args) -> None:
-    from stagereplay.engines.registry import ENGINE_LIBRARIES, with_engine
+    from stagereplay.engines.registry import ENGINE_LIBRARIES, record_with_engine
     from stagereplay.inputs.checkpoints import read_model_record
     from stagereplay.ledger.provenance import build_provenance, write_provenance
 
-    records = {name: with_engine(read_model_record(path)) for name, path in args.model}
+    records = {name: record_with_engine(read_model_record(path)) for name, path in args.model}
     write_provenance(args.out, build_provenance(json.loads(args.design), args.items, records, ENGINE_LIBRARIES))
 
 
@@ -164,7 +164,7 @@ def cmd_summarize(args) -> None:
         read_table,
     )
     from stagereplay.report.controls import check_controls
-    from stagereplay.report.e6_summary import e6_controls
+    from stagereplay.report.factor_summary import e6_controls
     from stagereplay.report.summary import summary, write_json
 
     factors = read_table(args.factors, FACTOR_SCHEMA) if args.factors else None

@@ -1,4 +1,4 @@
-"""A run planned before it runs, and a finished ledger read: verified, audited (E4), its card, one item."""
+"""A finished ledger read: verified, audited (E4), its card, one item."""
 
 from __future__ import annotations
 
@@ -7,72 +7,6 @@ import sys
 from pathlib import Path
 
 from stagereplay.cli.options import add_model_records
-
-
-def cmd_plan(args) -> None:
-    """The run's parse-time checks (those snakemake runs, design.checked_run), then its projection."""
-    from stagereplay.design.checked_run import check_run, default_repo
-    from stagereplay.design.projection import project_run, render
-    from stagereplay.design.schema import load_config
-
-    config = load_config(args.configfile, {"ledger_dir": args.ledger_dir} if args.ledger_dir else None)
-    projection, shapes, model = project_run(check_run(config, default_repo()), args.model_config)
-    print(render(projection, model, shapes))
-
-
-def add_plan_command(sub) -> None:
-    p = sub.add_parser(
-        "plan", help="project the bytes of the ledger and the audit at each store_caches policy, before the run"
-    )
-    p.add_argument("--configfile", required=True, help="the run's config, e.g. config/paper.yaml")
-    p.add_argument(
-        "--model-config",
-        default=None,
-        help="the model's config.json (or its folder, or a name under data/model_configs);"
-        " not needed for the embedded or random checkpoints or a folder checkpoint",
-    )
-    p.add_argument(
-        "--ledger-dir", default=None, help="read measured prompt lengths from this ledger (default: the config's)"
-    )
-    p.set_defaults(func=cmd_plan)
-
-
-def cmd_config(args) -> None:
-    """The effective config, as the workflow resolves it (design.schema), each value with its source."""
-    from stagereplay.design.checked_run import default_repo
-    from stagereplay.design.schema import config_layers, effective_config, render_config, value_sources
-
-    layers = config_layers(args.configfiles, args.config)
-    repo = default_repo().resolve()
-    # A file in the checkout is named from its root, so the same file reads the same from any directory.
-    named = [(_repo_relative(name, repo) if name != "--config" else name, layer) for name, layer in layers]
-    config = effective_config(named)
-    print(render_config(config, value_sources(config, named)))
-    if config.get("mode") == "audit":
-        print("# mode audit: the workflow audits the design its ledger's provenance.json records, not this one")
-
-
-def _repo_relative(path: str, repo: Path) -> str:
-    resolved = Path(path).resolve()
-    return str(resolved.relative_to(repo)) if resolved.is_relative_to(repo) else path
-
-
-def add_config_command(sub) -> None:
-    p = sub.add_parser(
-        "config",
-        help="print the config a run computes: the files merged as snakemake merges them, completed with the"
-        " schema's defaults, each value's source in a comment",
-        description="Print the effective config of `snakemake --configfile FILE... --config KEY=VALUE...` as"
-        " YAML, each value followed by its source: schema (the default run's value), a file, or --config. The"
-        " workflow resolves its config with the same function. Example: stagereplay config config/factors.yaml",
-    )
-    p.add_argument(
-        "configfiles", nargs="*", metavar="FILE", help="config files in snakemake's order (none: the default run)"
-    )
-    p.add_argument(
-        "--config", nargs="*", default=[], metavar="KEY=VALUE", help="overrides, as snakemake --config takes them"
-    )
-    p.set_defaults(func=cmd_config)
 
 
 def cmd_verify(args) -> int:
@@ -184,7 +118,14 @@ def add_show_command(sub) -> None:
 
 
 def cmd_audit(args) -> None:
-    from stagereplay.audit.e4 import audit_runtime, e4_document, e4_line, e4_summary, ledger_table_digests, write_e4
+    from stagereplay.audit.reproduction import (
+        audit_runtime,
+        e4_document,
+        e4_line,
+        e4_summary,
+        ledger_table_digests,
+        write_e4,
+    )
     from stagereplay.audit.rerun import audit_ledger, audit_rows
     from stagereplay.audit.served_audit import audit_served_ledger
     from stagereplay.ledger.layout import LedgerLayout
@@ -212,7 +153,7 @@ def add_audit_command(sub) -> None:
 def _current_e4(path: str | None, tables: dict) -> dict | None:
     """The E4 figures of e4.json when it was audited against these very tables; None otherwise (the card
     then says "not run", as it did before any audit): a changed ledger is not described by an older audit."""
-    from stagereplay.audit.e4 import e4_describes, e4_summary_of, saved_table_digests
+    from stagereplay.audit.reproduction import e4_describes, e4_summary_of, saved_table_digests
 
     if not path or not Path(path).is_file():
         return None
@@ -316,8 +257,6 @@ def add_report_command(sub) -> None:
 
 
 COMMANDS = {
-    "config": add_config_command,
-    "plan": add_plan_command,
     "verify": add_verify_command,
     "show": add_show_command,
     "audit": add_audit_command,

@@ -361,19 +361,19 @@ class Level:
     control: bool = field(default=False, compare=False)
 
     @property
-    def of(self) -> Factor:
+    def factor_type(self) -> Factor:
         return factor_named(self.factor)
 
     @property
     def value(self):
         """The level as the engine takes it: an int for batch, threads, chunk, ubatch; a block size for
         (restore-)block-N; True/False for on/off."""
-        return self.of.value(self.name)
+        return self.factor_type.value(self.name)
 
     @property
     def restores(self) -> bool:
         """A prefix-cache hit through a saved and restored sequence (llama.cpp's slot save/restore)."""
-        return self.of.restores(self.name)
+        return self.factor_type.restores(self.name)
 
 
 def reference_level(factor: str, runtime: dict, cpu_capability: str | None = None) -> str:

@@ -1,7 +1,7 @@
 """The one job list: every trajectory and every transplant job a resolved config schedules.
 
 The workflow's input functions (``workflow/rules/common.smk``) turn these into shard-table paths
-with the ledger layout, and the storage and compute projection (``design.projection``) counts
+with the ledger layout, and the storage and compute projection (``design.storage_plan``) counts
 them; neither derives the design on its own. No torch and no files: a config with the schema's
 defaults filled in (``design.schema.resolve_config``) is all it reads.
 

@@ -1,7 +1,7 @@
 """Every engine stagereplay runs, by name: the one place that lists them (no torch).
 
 A model record names its engine (``engine``; absent means the default, transformers). Everything that
-must know what an engine takes asks its ``EngineSpec`` here (``spec_of``, ``spec_named``); a model job
+must know what an engine takes asks its ``EngineSpec`` here (``spec_for_record``, ``spec_named``); a model job
 loads the engine itself through ``load_checkpoint``, which imports the engine's module only then; the
 prompts job asks ``checkpoint_tokenizer`` for the tokenizer alone.
 """
@@ -54,9 +54,9 @@ PRECISION_PATTERN = "|".join(f"(?:{spec.precision_pattern})" for spec in SPECS.v
 ENGINE_LIBRARIES = tuple(dict.fromkeys(library for spec in SPECS.values() for library in spec.libraries))
 
 
-def with_engine(record: dict) -> dict:
+def record_with_engine(record: dict) -> dict:
     """A model record with its engine named (a record without one is the default engine's)."""
-    return {**record, "engine": engine_name(record)}
+    return {**record, "engine": engine_of_record(record)}
 
 
 def spec_named(name: str) -> EngineSpec:
@@ -65,14 +65,14 @@ def spec_named(name: str) -> EngineSpec:
     return SPECS[name]
 
 
-def engine_name(record: dict) -> str:
+def engine_of_record(record: dict) -> str:
     """The engine a model record or a checkpoint's config entry names (the default where none)."""
     return record.get("engine", DEFAULT_ENGINE)
 
 
-def spec_of(record: dict) -> EngineSpec:
+def spec_for_record(record: dict) -> EngineSpec:
     """The spec of the engine a model record or a checkpoint's config entry names."""
-    return spec_named(engine_name(record))
+    return spec_named(engine_of_record(record))
 
 
 def any_precision(precision: str) -> bool:
@@ -102,7 +102,7 @@ def serving_spec() -> EngineSpec:
     raise ModelError("no engine here serves whole requests — install one that does (see docs/engines.md)")
 
 
-def spec_of_engine(engine: object) -> EngineSpec:
+def spec_for_loaded_engine(engine: object) -> EngineSpec:
     """The spec of a loaded engine: the one whose ``engine_class_path`` names the engine's class, or the class it
     is a variant of (a llama-server attached at a URL is the llamaserver engine's)."""
     for cls in type(engine).__mro__:
@@ -116,7 +116,7 @@ def spec_of_engine(engine: object) -> EngineSpec:
 
 def engine_class(record: dict) -> type:
     """The engine that runs the record's checkpoint (its module is imported only when asked for)."""
-    return spec_of(record).engine_class(attached="attach" in record)
+    return spec_for_record(record).engine_class(attached="attach" in record)
 
 
 def load_checkpoint(record: dict, runtime):

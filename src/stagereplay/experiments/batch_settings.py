@@ -49,10 +49,12 @@ class Batch(Setting):
                 job.eos,
                 level.value,
                 job.prefixes,
-                level.of.repeats_item(level.name),
+                level.factor_type.repeats_item(level.name),
                 load_runs=job.load_runs,
             )
-        return Batch(job.engine, job.budget, job.eos, level.value, job.prefixes, level.of.repeats_item(level.name))
+        return Batch(
+            job.engine, job.budget, job.eos, level.value, job.prefixes, level.factor_type.repeats_item(level.name)
+        )
 
     def active(self):
         return self.engine.batch_context(self.size, unified=self.unified)
@@ -206,7 +208,9 @@ class KvOffset(Setting):
 
     @classmethod
     def for_level(cls, level, job):
-        return cls(job.engine, job.budget, job.eos, level.value, level.of.removes_filler(level.name), job.prefixes)
+        return cls(
+            job.engine, job.budget, job.eos, level.value, level.factor_type.removes_filler(level.name), job.prefixes
+        )
 
     def filler(self, item_id: str) -> list[int]:
         """``cells`` tokens: the contexts of the items after ``item_id`` (by id, wrapping round), joined."""

@@ -125,7 +125,9 @@ def run_factor_shard(context: JobContext, level: Level, reference_shards: list[s
                 )
             base = _base_row(level, context, row, engine)
             if reason is not None:
-                rows += [{**base, **_cell(cell), "applicable": False, "reason": reason} for cell in level.of.cells]
+                rows += [
+                    {**base, **_cell(cell), "applicable": False, "reason": reason} for cell in level.factor_type.cells
+                ]
                 bar.update()
                 continue
             if row["item_id"] in early:
@@ -142,7 +144,7 @@ def run_factor_shard(context: JobContext, level: Level, reference_shards: list[s
                 item = dataclasses.replace(item, fed_positions=0)
             rows += [
                 {**base, **_cell(cell), "applicable": False, "reason": why}
-                for cell, why in level.of.unbuilt_cells().items()
+                for cell, why in level.factor_type.unbuilt_cells().items()
             ]
             bar.update()
     bar.close()
@@ -179,7 +181,7 @@ def item_cells(settings: LevelSettings, item: ReferenceItem, base: dict) -> list
         start = test.fed_positions()
         return result
 
-    wanted = level.of.cells
+    wanted = level.factor_type.cells
     # What each cell's reader is given: the cache as built, or converted where the other setting stores
     # another cache type (then the row records the converted cache).
     inputs = {

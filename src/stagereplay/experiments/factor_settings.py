@@ -94,7 +94,7 @@ class Reconfigured(Switched):
 
     @classmethod
     def for_level(cls, level, job):
-        reference = level.of.value(level.of.reference(dataclasses.asdict(job.runtime), None))
+        reference = level.factor_type.value(level.factor_type.reference(dataclasses.asdict(job.runtime), None))
         return cls(job.engine, job.budget, job.eos, level.factor, level.value, reference)
 
     def build(self, prefix):

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from stagereplay.design.storage import store_policy
 from stagereplay.engines.base import Engine, Environment
-from stagereplay.engines.registry import spec_of
+from stagereplay.engines.registry import spec_for_record
 from stagereplay.engines.runtime import Runtime
 from stagereplay.engines.spec import EngineSpec
 from stagereplay.inputs.checkpoints import read_model_record
@@ -53,7 +53,7 @@ class JobContext:
     def read(cls, record_path: str | Path, **options) -> JobContext:
         """The context of a job on the checkpoint of ``record_path``; ``options``: the other fields."""
         record = read_model_record(record_path)
-        return cls(record_path=record_path, record=record, engine_spec=spec_of(record), **options)
+        return cls(record_path=record_path, record=record, engine_spec=spec_for_record(record), **options)
 
     def load_engine(self) -> Engine:
         """The checkpoint loaded by its engine at the job's runtime (what registry.load_checkpoint does)."""

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from stagereplay.design.factors import FactorError, Level
 from stagereplay.engines.base import Engine
-from stagereplay.engines.registry import spec_of_engine
+from stagereplay.engines.registry import spec_for_loaded_engine
 from stagereplay.experiments.constructions import build_boundary_state
 from stagereplay.experiments.decode import Decoded, continue_from
 from stagereplay.experiments.level_job import Built, LevelJob, Prefix
@@ -101,7 +101,7 @@ class Setting:
 def mechanism(job: LevelJob, factor: str) -> str | None:
     """How the job's engine runs ``factor``: its knob's mechanism (``engines.spec.MECHANISMS``), which picks the
     setting of a factor two engines run by different means (a batch the engine composes, or load on a server)."""
-    return spec_of_engine(job.engine).mechanism(factor)
+    return spec_for_loaded_engine(job.engine).mechanism(factor)
 
 
 def level_setting(level: Level, job: LevelJob) -> Setting:

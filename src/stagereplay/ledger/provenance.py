@@ -105,7 +105,7 @@ def _gguf_tokenizer(path: Path) -> tuple[str, str | None]:
 
 def checkpoint_fingerprints(record: dict) -> dict:
     """What one checkpoint contributes: engine, source, the model fingerprint, tokenizer and template. The
-    record names its engine (``engines.registry.with_engine`` fills in the default)."""
+    record names its engine (``engines.registry.record_with_engine`` fills in the default)."""
     if "gguf" in record:
         tokenizer, template = _gguf_tokenizer(Path(record["gguf"]))
     else:

@@ -130,7 +130,7 @@ def answer_panel(summary: dict) -> list[list[str]]:
 
 
 E4_FIGURE = "the audit's status, its worst-reproduced artifact kind, trajectories and items reproduced"
-# e4.json files written before the audit named its worst artifact kind (audit.e4.worst_artifact).
+# e4.json files written before the audit named its worst artifact kind (audit.reproduction.worst_artifact).
 E4_REWRITE = "snakemake --cores N --config mode=audit --forcerun audit_ledger"
 
 

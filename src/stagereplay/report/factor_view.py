@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from stagereplay.design.cells import CELL_LABELS
-from stagereplay.report.e6_summary import item_outcomes, level_label
+from stagereplay.report.factor_summary import item_outcomes, level_label
 from stagereplay.report.item_view import spell, visible
 
 COLUMNS = [

@@ -17,8 +17,7 @@ from stagereplay.engines.registry import SPECS
 from stagereplay.ledger.atomic import atomic_write_text
 from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
 from stagereplay.ledger.tables import checkpoint_order
-from stagereplay.report.e5_summary import e5_summary
-from stagereplay.report.e6_summary import e6_controls, e6_summary
+from stagereplay.report.factor_summary import e6_controls, e6_summary
 from stagereplay.report.margins import bf16_logits, e1_flip_margins
 from stagereplay.report.placement_rule import placement_rule
 from stagereplay.report.served_summary import served_summary
@@ -30,6 +29,7 @@ from stagereplay.report.stats import (
     paired_difference_wald,
     share,
 )
+from stagereplay.report.transplant_summary import e5_summary
 
 BOOTSTRAP = {"confidence": 0.95, "n_resamples": 10000, "seed": 0}
 NEWCOMBE = "Newcombe hybrid score 95% (1998, method 10)"

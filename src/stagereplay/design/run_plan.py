@@ -1,6 +1,6 @@
 """A resolved config checked before any job runs, and what the workflow derives from it: one call.
 
-``check_run`` is what the workflow (``common.smk``) runs when it parses a config and what
+``plan_run`` is what the workflow (``common.smk``) runs when it parses a config and what
 ``stagereplay plan`` runs before it projects one: the items, the checkpoints' sources and engines,
 every precision against the engine that runs it, the runtime switches, E2's constructions, E5's plan
 and E6's levels. Any problem is one line (``RunRefused``) naming the config key and the fix, raised
@@ -19,7 +19,7 @@ from stagereplay.design.factors import FactorError, Level, check_levels
 from stagereplay.design.jobs import JobList, job_list, outcome_blind_checkpoint
 from stagereplay.design.served import ServedRefused, check_served, served_tokens
 from stagereplay.engines.cpuinfo import cpu_flags
-from stagereplay.engines.registry import SPECS, spec_of
+from stagereplay.engines.registry import SPECS, spec_for_record
 from stagereplay.engines.spec import EngineSpec, ModelError, SpecError
 from stagereplay.ledger.layout import LedgerLayout
 
@@ -32,7 +32,7 @@ class RunRefused(ValueError):
 
 
 @dataclass
-class CheckedRun:
+class RunPlan:
     """A config that passed every parse-time check, and what the workflow's rules are planned from."""
 
     config: dict
@@ -218,7 +218,7 @@ def checkpoint_source(config: dict, repo: Path, name: str) -> str:
 def engine_spec(config: dict, repo: Path, name: str) -> EngineSpec:
     """The spec of the engine that runs a checkpoint, its source checked against it."""
     try:
-        spec = spec_of(config["checkpoints"][name])
+        spec = spec_for_record(config["checkpoints"][name])
     except ModelError as error:
         raise RunRefused(f"checkpoints.{name}.engine: {error}") from None
     try:
@@ -379,7 +379,7 @@ def check_factor_levels(config: dict, repo: Path, layout: LedgerLayout, items: l
         raise RunRefused(str(error)) from None
 
 
-def check_run(config: dict, repo: str | Path, auditing: bool = False) -> CheckedRun:
+def plan_run(config: dict, repo: str | Path, auditing: bool = False) -> RunPlan:
     """Every parse-time check of a resolved config (``design.schema.resolve_config``), in the order a user
     meets them; the first problem is raised as one line."""
     repo = Path(repo)
@@ -408,7 +408,7 @@ def check_run(config: dict, repo: str | Path, auditing: bool = False) -> Checked
         served_servers = check_served(config, engines[next(iter(config["checkpoints"]))])
     except ServedRefused as error:
         raise RunRefused(str(error)) from None
-    return CheckedRun(
+    return RunPlan(
         config=config,
         repo=repo,
         layout=layout,

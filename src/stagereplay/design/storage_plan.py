@@ -19,9 +19,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stagereplay.design.checked_run import CheckedRun, checkpoint_source, repo_path
 from stagereplay.design.jobs import JobList, job_list, sweep_subsets
 from stagereplay.design.prompt_lengths import estimate_prompt_tokens, measured_prompt_tokens
+from stagereplay.design.run_plan import RunPlan, checkpoint_source, repo_path
 from stagereplay.design.storage import DEFAULT, POLICIES, check_policy
 from stagereplay.engines.shapes import (
     MODEL_CONFIGS,
@@ -361,8 +361,8 @@ def project(
 # --- a config file's projection --------------------------------------------------------------------
 
 
-def project_run(run: CheckedRun, model_config: str | Path | None = None) -> tuple[Projection, ModelShapes, str]:
-    """The projection of a checked run (design.checked_run.check_run): the primary checkpoint's shapes
+def project_run(run: RunPlan, model_config: str | Path | None = None) -> tuple[Projection, ModelShapes, str]:
+    """The projection of a checked run (design.run_plan.plan_run): the primary checkpoint's shapes
     (``model_config`` or, for the embedded and random checkpoints and any folder, from the config itself),
     its items and, when the ledger holds them already, the run's measured prompt lengths."""
     config, name = run.config, run.jobs.primary
