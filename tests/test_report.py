@@ -26,6 +26,7 @@ from stagereplay.ledger.environment import ENVIRONMENT_COLUMNS
 from stagereplay.ledger.tables import COMPARISON_SCHEMA, TRAJECTORY_SCHEMA, read_table
 from stagereplay.report.card import E4_FIGURE, write_results_card
 from stagereplay.report.card_provenance import provenance
+from stagereplay.report.figures import OVERLAP_METHOD
 from stagereplay.report.plots import PLOT_FILES, plot_transplant_follow_donor
 from stagereplay.report.stats import (
     mcnemar_exact,
@@ -191,6 +192,26 @@ def expected_e2_e3(comparisons: list[dict]) -> dict:
             )
             expected[(name, "suffixes identical, incremental vs live", WILSON)] = proportion(
                 sum(not r["suffix_differs"] for r in rows), n
+            )
+    # fp32's live-vs-prefill differences set item by item beside bf16's, E1's precision (the card's overlap rows).
+    e1_precision = next(r["precision"] for r in comparisons if r["experiment"] == "E1")
+    prefill = {
+        (p, r["item_id"]): r for (e, p, other), group in arms.items() if (e, other) == ("E2", "prefill") for r in group
+    }
+    for precision in sorted({p for p, _ in prefill} - {e1_precision}):
+        items = sorted(item for p, item in prefill if p == precision)
+        for what, differs in (("caches", lambda r: not r["cache_exact"]), ("suffixes", lambda r: r["suffix_differs"])):
+            pairs = [(differs(prefill[e1_precision, item]), differs(prefill[precision, item])) for item in items]
+            key = (
+                f"E2 fixed_prefix ({precision})",
+                f"live vs prefill {what} differ here and at E1's precision, item by item",
+                OVERLAP_METHOD,
+            )
+            expected[key] = (
+                f"{len(items)} items",
+                f"both {pairs.count((True, True))}, only E1's {pairs.count((True, False))},"
+                f" only this {pairs.count((False, True))}, neither {pairs.count((False, False))}",
+                "—",
             )
     return expected
 

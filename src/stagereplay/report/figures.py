@@ -147,7 +147,30 @@ def e2_rows(summary: dict) -> list[Figure]:
                             "median over the divergent suffixes",
                         )
                     )
+        figures += overlap_rows(e2, checkpoint, summary)
     return figures or [not_run("E2 fixed_prefix", "no fixed_prefix.precisions in the config")]
+
+
+OVERLAP_METHOD = "the same E1 prefix at both precisions (incremental is live: E3)"
+
+
+def overlap_rows(e2: dict, checkpoint: str, summary: dict) -> list[Figure]:
+    """Whether another precision's live-vs-prefill differences sit on the E1 precision's items (one row each; the
+    first differing layers of the caches that differ in both are in summary.json)."""
+    rows = []
+    for overlap in e2.get("precision_overlap", []):
+        rows.append(
+            Figure(
+                experiment_name("E2 fixed_prefix", overlap["precision"], checkpoint, summary),
+                f"live vs prefill {overlap['what']} differ here and at E1's precision, item by item",
+                f"{overlap['items']} items",
+                f"both {overlap['both']}, only E1's {overlap['only_e1_precision']},"
+                f" only this {overlap['only_this_precision']}, neither {overlap['neither']}",
+                "—",
+                OVERLAP_METHOD,
+            )
+        )
+    return rows
 
 
 def e3_rows(summary: dict) -> list[Figure]:

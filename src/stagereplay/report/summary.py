@@ -20,6 +20,7 @@ from stagereplay.ledger.tables import checkpoint_order
 from stagereplay.report.factor_summary import e6_controls, e6_summary
 from stagereplay.report.margins import bf16_logits, e1_flip_margins
 from stagereplay.report.placement_rule import placement_rule
+from stagereplay.report.precision_overlap import precision_overlap
 from stagereplay.report.served_summary import served_summary
 from stagereplay.report.stats import (
     MCNEMAR,
@@ -229,6 +230,7 @@ def summary(
         },
         "E3": {"name": "bridge", "checkpoints": per_checkpoint(comparisons, "E3", e3_summary)},
     }
+    _add_precision_overlap(result, comparisons.to_pylist())
     if transplants is not None:
         result["E5"] = e5_summary(transplants, order[0] if order else None)
     if factors is not None:
@@ -241,6 +243,17 @@ def summary(
         result["served"] = served_summary(served)
     result["environment"] = environment(trajectories)
     return result
+
+
+def _add_precision_overlap(result: dict, comparison_rows: list[dict]) -> None:
+    """Each checkpoint's E2, where it ran at another precision than E1's: whether that precision's live-vs-prefill
+    differences sit on the E1 precision's items (report.precision_overlap)."""
+    e1_precision = {row["checkpoint"]: row["precision"] for row in comparison_rows if row["experiment"] == "E1"}
+    for checkpoint, e2 in result["E2"]["checkpoints"].items():
+        rows = [row for row in comparison_rows if (row["experiment"], row["checkpoint"]) == ("E2", checkpoint)]
+        overlap = precision_overlap(rows, e1_precision.get(checkpoint, ""))
+        if overlap:
+            e2["precision_overlap"] = overlap
 
 
 def write_json(data: dict, path: str | Path) -> Path:
