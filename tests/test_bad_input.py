@@ -107,7 +107,9 @@ CATALOGUE = {
     ),
     "outcome-blind sample too large": BadInput("larger than", {"transplant": {"outcome_blind": {"sample": 99}}}),
     "layer out of range": BadInput("layer 7 out of range", {"transplant": {"sweep": {"single_layers": [0, 7]}}}),
-    "block larger than the model": BadInput("exceeds the model", {"transplant": {"sweep": {"block_sizes": [5]}}}),
+    "block larger than the model": BadInput(
+        "exceeds the model", {"transplant": {"sweep": {"single_layers": "all", "block_sizes": [5]}}}
+    ),
     "unknown outcome-blind checkpoint": BadInput(
         "not in checkpoints", {"transplant": {"outcome_blind": {"checkpoint": "nope"}}}
     ),
