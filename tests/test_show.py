@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import yaml
 from transformers import AutoTokenizer
 from workflow_helpers import stagereplay
 
@@ -132,4 +131,6 @@ def test_show_and_the_report_spell_tokens_without_loading_an_engine(test_run, tm
 
 
 def item_source(config: Path) -> str:
-    return yaml.safe_load(config.read_text())["items"]["source"]
+    from stagereplay.design.schema import load_config
+
+    return load_config(config)["items"]["source"]  # the schema's default where the config names none
