@@ -131,8 +131,9 @@ def test_the_all200_config_schedules_every_item_of_the_published_run(tmp_path):
 
 
 def test_the_first8_overlay_stacks_on_the_server_sweep(tmp_path):
-    # docs/findings.md's 8-item sweep: the overlay after config/factors_llamaserver.yaml keeps its every level and
-    # server, on one shard of 8 items, in the overlay's own ledger (here moved under tmp_path).
+    # The 8-item sweep (docs/runs/2026-12-07-factors-llamaserver-8.md): the overlay after
+    # config/factors_llamaserver.yaml keeps its every level and server, on one shard of 8 items, in the overlay's
+    # own ledger (here moved under tmp_path).
     base = write_config(tmp_path / "base.yaml", base="config/factors_llamaserver.yaml")
     overlay = write_config(
         tmp_path / "first8.yaml", base="config/overlays/first8.yaml", ledger_dir=str(tmp_path / "l8")

@@ -49,7 +49,8 @@ class DeployedServer(ServerProcess):
 
     def command(self, port: int) -> list[str]:
         # A slot folder (``slot_dir``) turns the slot actions on: a run that erases slots needs them; they change
-        # no answer (the attached runs with and without them agree request for request, docs/findings.md).
+        # no answer (the attached runs with and without them agree request for request,
+        # docs/runs/2026-12-06-attach-8.md).
         slot_files = ["--slot-save-path", str(self.slot_dir)] if self.slot_dir is not None else []
         return [
             str(self.binary),
