@@ -84,7 +84,6 @@ def resolve_config(config: dict, schema_path: str | Path = SCHEMA) -> dict:
 def config_layers(paths: list[str | Path], entries: list[str] | tuple[str, ...] = ()) -> list[tuple[str, dict]]:
     """What ``snakemake --configfile PATHS --config ENTRIES`` reads, layer by layer, with snakemake's own
     readers: each file (named as given), then the ``--config`` entries (typed as snakemake types them)."""
-    from snakemake.cli import parse_config
     from snakemake.common.configfile import load_configfile
     from snakemake_interface_common.exceptions import WorkflowError
 
@@ -98,12 +97,13 @@ def config_layers(paths: list[str | Path], entries: list[str] | tuple[str, ...] 
             ) from None
         except WorkflowError as error:
             raise ConfigError(f"config file {path}: {error} — give a YAML file of config keys") from None
-    try:
-        overrides = parse_config(list(entries))
-    except ValueError as error:
-        raise ConfigError(f"--config: {error} — give KEY=VALUE") from None
-    if overrides:
-        layers.append(("--config", overrides))
+    if entries:
+        from snakemake.cli import parse_config  # snakemake's whole command line: imported only when needed
+
+        try:
+            layers.append(("--config", parse_config(list(entries))))
+        except ValueError as error:
+            raise ConfigError(f"--config: {error} — give KEY=VALUE") from None
     return layers
 
 
@@ -140,13 +140,7 @@ def _leaf_paths(mapping: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> dict:
     """A config file, with ``overrides`` on top, as ``snakemake --configfile PATH`` resolves it."""
-    try:
-        config = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as error:
-        raise ConfigError(
-            f"config file {path} not readable ({error.strerror}) — give the --configfile of the run"
-        ) from None
-    return resolve_config({**config, **(overrides or {})})
+    return effective_config(config_layers([path]) + ([("overrides", overrides)] if overrides else []))
 
 
 def render_config(config: dict, sources: dict[tuple[str, ...], str], schema_path: str | Path = SCHEMA) -> str:

@@ -28,7 +28,10 @@ def precision_overlap(e2_rows: list[dict], e1_precision: str) -> list[dict]:
         if precision == e1_precision:
             continue
         shared = sorted(set(items) & set(reference))
-        for what, differs in (("caches", lambda row: not row["cache_exact"]), ("suffixes", _suffix_differs)):
+        for what, differs in (
+            ("caches", lambda row: not row["cache_exact"]),
+            ("suffixes", lambda row: row["suffix_differs"]),
+        ):
             counts = Counter((differs(reference[item]), differs(items[item])) for item in shared)
             layers = Counter(
                 f"{reference[item]['first_differing_layer']}/{items[item]['first_differing_layer']}"
@@ -48,7 +51,3 @@ def precision_overlap(e2_rows: list[dict], e1_precision: str) -> list[dict]:
                 }
             )
     return figures
-
-
-def _suffix_differs(row: dict) -> bool:
-    return row["suffix_differs"]

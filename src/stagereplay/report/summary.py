@@ -234,9 +234,10 @@ def summary(
     if transplants is not None:
         result["E5"] = e5_summary(transplants, order[0] if order else None)
     if factors is not None:
+        factor_rows = factors.to_pylist()
         result["E6"] = e6_summary(factors)
-        result["E6"]["controls"] = e6_controls(factors.to_pylist())
-        rule = placement_rule(factors.to_pylist(), trajectories.to_pylist())
+        result["E6"]["controls"] = e6_controls(factor_rows)
+        rule = placement_rule(factor_rows, trajectories.to_pylist())
         if rule is not None:
             result["E6"]["placement_rule"] = rule
     if served is not None:
